@@ -1,0 +1,45 @@
+# Two entry points (see README): `make demo` (main job) and `make test` (the test suite).
+# Both create .venv on first use. The venv sees the system's site-packages, so a torch that is
+# already installed (for example a CUDA build on a GPU node) is kept; otherwise torch 2.13.0 is
+# installed.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+NVCC ?= nvcc
+CUDA_ARCHS ?= 90a 100a
+CU_SOURCES := $(shell find csrc -name '*.cu' 2>/dev/null | sort)
+
+.PHONY: setup demo test lint pytest cuda-check clean
+
+setup: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/python -m reference.demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+pytest: setup
+	$(BIN)/python -m pytest -q
+
+cuda-check:
+	@if [ -z "$(CU_SOURCES)" ]; then echo "cuda-check: no .cu files under csrc/"; exit 0; fi; \
+	if ! command -v $(NVCC) >/dev/null; then echo "cuda-check: nvcc not found (set NVCC=...)"; exit 1; fi; \
+	tmp=$$(mktemp -d); \
+	for arch in $(CUDA_ARCHS); do for f in $(CU_SOURCES); do \
+	  echo "nvcc sm_$$arch $$f"; \
+	  $(NVCC) -std=c++17 -O1 -Icsrc $(NVCC_FLAGS) -gencode=arch=compute_$$arch,code=sm_$$arch \
+	    -c $$f -o $$tmp/$$(basename $$f).$$arch.o || exit 1; \
+	done; done; rm -rf $$tmp
+
+test: lint cuda-check pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

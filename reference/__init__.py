@@ -1,0 +1,1 @@
+"""Slow, obviously-correct pure-PyTorch MoE layer that defines what mok computes."""

@@ -1,0 +1,32 @@
+"""Every numeric tolerance the tests use, in one place, each with the reason for its size."""
+
+from __future__ import annotations
+
+import torch
+
+# fp64 paths that only reorder sums of O(1) terms over a few thousand products: a few ulps of
+# 2^-52 times the reduction length.
+FP64_RTOL = 1e-10
+FP64_ATOL = 1e-10
+
+# fp32 explicit-vs-autograd or layer-vs-layer checks with reductions of up to ~10^4 terms.
+FP32_RTOL = 1e-4
+FP32_ATOL = 1e-5
+
+# STYLE.md / FlashAttention rule: a bf16 result may be at most this many times further from the
+# fp64 oracle than the same reference computed in bf16 is, plus a small absolute floor so that
+# exact-zero reference errors do not make the bound zero.
+BF16_ERROR_RATIO = 2.0
+BF16_ABS_FLOOR = 1e-6
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_bf16_rule(got: torch.Tensor, ref_bf16: torch.Tensor, oracle: torch.Tensor) -> None:
+    """``got`` is within BF16_ERROR_RATIO x the error of ``ref_bf16`` against ``oracle``."""
+    err = max_abs_err(got, oracle)
+    ref_err = max_abs_err(ref_bf16, oracle)
+    bound = BF16_ERROR_RATIO * ref_err + BF16_ABS_FLOOR
+    assert err <= bound, f"bf16 error {err:.3e} exceeds {BF16_ERROR_RATIO} x reference {ref_err:.3e}"
