@@ -1,0 +1,28 @@
+"""A loop-by-loop transcription of the schedule formula in DESIGN.md, for small test sizes."""
+
+from __future__ import annotations
+
+
+def brute_force_pull_rows(topk_idx_all, num_experts: int, rank: int, row_tile: int):
+    """Return (offsets, rows) with rows[p] = (src_rank, src_index) or (-1, -1)."""
+    num_ranks, num_tokens, num_topk = (int(s) for s in topk_idx_all.shape)
+    num_local = num_experts // num_ranks
+    entries = {}  # (l, r) -> src_index list in increasing order
+    for r in range(num_ranks):
+        for t in range(num_tokens):
+            for k in range(num_topk):
+                e = int(topk_idx_all[r, t, k])
+                if e // num_local == rank:
+                    entries.setdefault((e % num_local, r), []).append(t * num_topk + k)
+    m = [[len(entries.get((lx, r), [])) for r in range(num_ranks)] for lx in range(num_local)]
+    offsets = [0]
+    for lx in range(num_local):
+        size = sum(m[lx])
+        offsets.append(offsets[-1] + (size + row_tile - 1) // row_tile * row_tile)
+    rows = [(-1, -1)] * offsets[-1]
+    for (lx, r), idxs in entries.items():
+        for o, i in enumerate(idxs):
+            p = sum(min(m[lx][r2], o) for r2 in range(num_ranks))
+            p += sum(1 for r2 in range(r) if m[lx][r2] > o)
+            rows[offsets[lx] + p] = (r, i)
+    return offsets, rows
