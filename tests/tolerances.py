@@ -29,4 +29,16 @@ def assert_bf16_rule(got: torch.Tensor, ref_bf16: torch.Tensor, oracle: torch.Te
     err = max_abs_err(got, oracle)
     ref_err = max_abs_err(ref_bf16, oracle)
     bound = BF16_ERROR_RATIO * ref_err + BF16_ABS_FLOOR
-    assert err <= bound, f"bf16 error {err:.3e} exceeds {BF16_ERROR_RATIO} x reference {ref_err:.3e}"
+    assert err <= bound, (
+        f"bf16 error {err:.3e} exceeds {BF16_ERROR_RATIO} x reference {ref_err:.3e}"
+    )
+
+
+# The bf16 reference itself against the fp64 oracle, relative to max |oracle|: inputs, SwiGLU
+# output, expert outputs and the layer output are each rounded to bf16 (2^-9 relative), and the
+# roundings compound through two GEMMs and a k-term sum to about 1e-2 of the output scale.
+BF16_REF_REL_ERR = 2e-2
+
+# The MXFP8 reference against the fp64 oracle, relative to max |oracle|: E4M3 keeps 3 mantissa
+# bits (half-ulp 2^-4 relative) at both GEMM inputs of both GEMMs.
+MXFP8_REF_REL_ERR = 1e-1
