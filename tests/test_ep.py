@@ -55,18 +55,19 @@ def test_bad_modes_and_sharding(single_rank_group):
         ep_forward(x, idx, tw, w.shard(0, 2), 16)
 
 
-def test_four_gloo_ranks_against_full_reference():
+@pytest.mark.parametrize("num_ranks", [4, 8])
+def test_gloo_ranks_against_full_reference(num_ranks):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc-per-node=4",
+        f"--nproc-per-node={num_ranks}",
         str(ROOT / "tests" / "dist" / "ep_worker.py"),
     ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
-    for r in range(4):
+    for r in range(num_ranks):
         assert f"EP-WORKER-OK rank={r}" in out, out[-4000:]
