@@ -4,7 +4,42 @@ Importing mok never touches CUDA or compiles anything; the CUDA extension is bui
 first kernel call.
 """
 
+from mok.config import MoKConfig
+from mok.errors import (
+    MoKCapacityError,
+    MoKConfigError,
+    MoKError,
+    MoKInputError,
+    MoKTimeoutError,
+    MoKUnsupportedError,
+)
 from mok.workload import PRESETS, ModelShape, RoutingTrace, Skew, get_shape, make_routing
 
-__all__ = ["PRESETS", "ModelShape", "RoutingTrace", "Skew", "get_shape", "make_routing"]
+__all__ = [
+    "PRESETS",
+    "ModelShape",
+    "RoutingTrace",
+    "Skew",
+    "get_shape",
+    "make_routing",
+    "MoKConfig",
+    "MoKError",
+    "MoKConfigError",
+    "MoKInputError",
+    "MoKUnsupportedError",
+    "MoKTimeoutError",
+    "MoKCapacityError",
+    "Workspace",
+    "get_workspace",
+    "clear_workspaces",
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Workspace pulls in torch; keep `import mok` light and lazy.
+    if name in ("Workspace", "get_workspace", "clear_workspaces"):
+        from mok import workspace
+
+        return getattr(workspace, name)
+    raise AttributeError(f"module 'mok' has no attribute {name!r}")

@@ -1,0 +1,21 @@
+// Host entry points of the CUDA side, called by the torch bindings. No torch types here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "params.h"
+
+namespace mok {
+
+// Launches kernel `kind` (mok::Kernel) with `grid` blocks on `stream` (a cudaStream_t).
+// Returns a cudaError_t value (0 on success).
+int launch(int kind, const Params& params, int grid, void* stream);
+
+// Device address of host-pinned memory (for the error record).
+uint64_t host_device_pointer(void* host_ptr, int* err);
+
+// Human-readable name of a CUDA error code.
+const char* error_string(int err);
+
+}  // namespace mok

@@ -1,0 +1,78 @@
+// Host launchers of the communication kernels. Includes only CUDA and csrc/ headers, so it
+// compiles without torch (CI compile-checks it for sm_90a and sm_100a).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "api.h"
+#include "combine.cuh"
+#include "dispatch.cuh"
+#include "params.h"
+#include "schedule.cuh"
+
+namespace mok {
+
+namespace {
+
+template <typename Kernel>
+cudaError_t launch_cooperative(Kernel kernel, const Params& params, int grid, int threads,
+                               size_t smem, cudaStream_t stream) {
+  if (smem > 48 * 1024) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  // NOTE: a cooperative launch guarantees that all blocks are co-resident, which the grid
+  // barriers and the cross-block spin-waits rely on (a plain launch could deadlock until the
+  // timeout when other work occupies the SMs).
+  void* args[] = {const_cast<Params*>(&params)};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(grid),
+                                     dim3(threads), args, smem, stream);
+}
+
+}  // namespace
+
+int launch(int kind, const Params& params, int grid, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  cudaError_t e = cudaErrorInvalidValue;
+  switch (kind) {
+    case kKernelSchedule:
+      e = launch_cooperative(schedule_kernel, params, grid, kScheduleThreads,
+                             sizeof(int32_t) * kScheduleWarps * params.num_experts, stream);
+      break;
+    case kKernelDispatchPull:
+      e = launch_cooperative(dispatch_pull_kernel, params, grid, kCommThreads, 0, stream);
+      break;
+    case kKernelDispatchDedupPull:
+      e = launch_cooperative(dispatch_dedup_pull_kernel, params, grid, kCommThreads, 0, stream);
+      break;
+    case kKernelDispatchPush:
+      e = launch_cooperative(dispatch_push_kernel, params, grid, kCommThreads, 0, stream);
+      break;
+    case kKernelCombinePush:
+      e = launch_cooperative(combine_push_kernel<false>, params, grid, kCommThreads, 0, stream);
+      break;
+    case kKernelCombineDedupPush:
+      e = launch_cooperative(combine_push_kernel<true>, params, grid, kCommThreads, 0, stream);
+      break;
+    case kKernelCombinePull:
+      e = launch_cooperative(combine_pull_kernel, params, grid, kCommThreads, 0, stream);
+      break;
+    default:
+      return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (e == cudaSuccess) e = cudaGetLastError();
+  return static_cast<int>(e);
+}
+
+uint64_t host_device_pointer(void* host_ptr, int* err) {
+  void* dev = nullptr;
+  const cudaError_t e = cudaHostGetDevicePointer(&dev, host_ptr, 0);
+  *err = static_cast<int>(e);
+  return reinterpret_cast<uint64_t>(dev);
+}
+
+const char* error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
+
+}  // namespace mok

@@ -1,0 +1,136 @@
+// Kernel parameters shared by the CUDA launchers (kernels.cu) and the torch bindings
+// (bindings.cpp). Plain C++ only: mok/_ext.py mirrors this struct with ctypes, so any change here
+// must be made there too (the bindings check the size on every launch).
+#pragma once
+
+#include <cstdint>
+
+namespace mok {
+
+constexpr int kMaxRanks = 8;    // one NVLink domain of Hopper GPUs
+constexpr int kMaxTopk = 32;    // one warp lane per (token, k) in the schedule walk
+constexpr int kNumSignals = 16;
+
+// Symmetric signal pad: sig[kind][peer] on rank d counts events that `peer` caused on d.
+enum Signal : int {
+  kSigRoute = 0,        // peer wrote its routing into my route buffer
+  kSigXReady = 1,       // peer's x buffer holds this epoch's tokens
+  kSigXConsumed = 2,    // peer finished reading my x buffer (per block)
+  kSigRecvFree = 3,     // peer's receive buffer may be pushed into
+  kSigRecvFilled = 4,   // peer finished pushing into my receive buffer (per block)
+  kSigSlotsFree = 5,    // peer's combine slots may be pushed into
+  kSigSlotsFilled = 6,  // peer finished pushing into my combine slots (per block)
+  kSigYReady = 7,       // peer's expert-output buffer holds this epoch's rows
+  kSigYConsumed = 8,    // peer finished reading my expert-output buffer (per block)
+};
+
+enum WaitId : int { kWaitGridBarrier = 100 };
+
+enum ErrorCode : int {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrCapacity = 2,
+  kErrBadExpert = 3,
+  kErrDuplicateExpert = 4,
+};
+
+// Fields of the host-visible error record (int64 each).
+enum ErrorField : int {
+  kErrFieldCode = 0,
+  kErrFieldWait = 1,
+  kErrFieldPeer = 2,
+  kErrFieldObserved = 3,
+  kErrFieldExpected = 4,
+  kErrFieldRank = 5,
+  kErrFieldEpoch = 6,
+  kErrFieldExtra = 7,
+  kErrFieldCount = 8,
+};
+
+// Words of the local meta area (int32) inside the schedule storage.
+enum Meta : int {
+  kMetaNumRows = 0,     // P: padded receive rows on this rank
+  kMetaNumDedup = 1,    // D: dedup rows on this rank
+  kMetaAbort = 2,       // sticky: a kernel of this workspace failed; later kernels return at once
+  kMetaErrClaim = 3,    // first failing thread owns the error record
+  kMetaBarCount = 4,    // grid barrier arrivals
+  kMetaBarGen = 5,      // grid barrier generation
+  kMetaBadInput = 6,    // routing error found in this schedule build (code)
+  kMetaBadDetail = 7,   // flat (token * num_topk + k) index of the first bad entry
+  kMetaWords = 16,
+};
+
+enum Kernel : int {
+  kKernelSchedule = 0,
+  kKernelDispatchPull = 1,
+  kKernelDispatchDedupPull = 2,
+  kKernelDispatchPush = 3,
+  kKernelCombinePush = 4,
+  kKernelCombineDedupPush = 5,
+  kKernelCombinePull = 6,
+};
+
+enum Flags : int {
+  kFlagStage = 1,          // copy in0 into the symmetric buffer first (x for pull, y for pull)
+  kFlagSharedFp32 = 2,     // shared_y is fp32 (else bf16)
+  kFlagHasShared = 4,
+};
+
+struct Params {
+  // Shapes (identical on every rank).
+  int32_t rank;
+  int32_t num_ranks;
+  int32_t num_tokens;
+  int32_t num_topk;
+  int32_t num_experts;
+  int32_t num_local_experts;
+  int32_t row_tile;
+  int32_t capacity;  // receive rows per rank (padding included)
+  int32_t chunk_tokens;
+  int32_t num_chunks;
+  int32_t minibatch_rows;
+  int32_t num_minibatches;
+  int32_t hidden;
+  int32_t flags;
+  int64_t row_bytes;  // bytes of one dispatched row (multiple of 16)
+  int64_t epoch;      // this op family's call count, starting at 1
+  uint64_t timeout_ns;
+  // Symmetric memory: base address of each rank's allocation and byte offsets inside it.
+  uint64_t sym_base[kMaxRanks];
+  int64_t off_signals;       // uint64 [kNumSignals][kMaxRanks]
+  int64_t off_route_status;  // int32 [2][kMaxRanks][2] (code, detail)
+  int64_t off_route_idx;     // int32 [2][num_ranks][num_tokens * num_topk]
+  int64_t off_route_w;       // fp32  [2][num_ranks][num_tokens * num_topk]
+  int64_t off_x;             // [num_tokens][row_bytes]
+  int64_t off_recv;          // [capacity][row_bytes]
+  int64_t off_slots;         // bf16 [num_tokens * num_topk][hidden]
+  int64_t off_y;             // bf16 [capacity][hidden]
+  // Local schedule storage (int32) and element offsets inside it.
+  int32_t* sched;
+  int64_t o_counts;           // [num_experts][num_ranks] (M, all experts)
+  int64_t o_offsets;          // [num_ranks][num_local_experts + 1] (S of every rank)
+  int64_t o_src_rank;         // [capacity]
+  int64_t o_src_index;        // [capacity]
+  int64_t o_dst_rank;         // [num_tokens * num_topk]
+  int64_t o_dst_index;        // [num_tokens * num_topk]
+  int64_t o_dedup_src_rank;   // [num_ranks * num_tokens]
+  int64_t o_dedup_src_token;  // [num_ranks * num_tokens]
+  int64_t o_dedup_slot;       // [num_ranks * num_tokens]
+  int64_t o_fanout;           // [capacity]
+  int64_t o_fan_rows;         // [num_ranks * num_tokens][num_topk], -1 terminated
+  int64_t o_fan_w;            // fp32 bits [num_ranks * num_tokens][num_topk]
+  int64_t o_hist;             // [num_ranks][num_chunks][num_experts]
+  int64_t o_dhist;            // [num_ranks][num_chunks]
+  int64_t o_dcount;           // [num_ranks]
+  int64_t o_meta;             // [kMetaWords]
+  int64_t o_ready;            // [num_minibatches] per-minibatch ready counters
+  int64_t* error;             // host-mapped int64 [kErrFieldCount]
+  // Op operands (see each kernel for meaning and shape).
+  const void* in0;
+  const void* in1;
+  const void* in2;
+  const void* in3;
+  void* out0;
+};
+
+}  // namespace mok

@@ -1,0 +1,83 @@
+// Row movement with 16-byte vector loads and stores, one warp per row.
+//
+// NOTE: loads from a peer's symmetric buffer are plain (weak) global loads: they are ordered
+// after the peer's release by the block's acquire + __syncthreads (sync.cuh), and the source
+// rows do not change while the kernel runs. Stores to a peer are weak too; the block publishes
+// them with a system fence before it raises the peer's counter.
+#pragma once
+
+#include <cstdint>
+
+namespace mok {
+
+// Vectors in flight per lane: 8 x 16 B x 32 lanes = 4 KiB per warp, 64 KiB per 16-warp block,
+// enough outstanding bytes to cover the ~1 us NVLink load latency from a few dozen SMs.
+constexpr int kUnroll = 8;
+
+__device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4* __restrict__ src,
+                                              int n16, int lane) {
+  int i = lane;
+  for (; i + 32 * (kUnroll - 1) < n16; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = src[i + 32 * u];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) dst[i + 32 * u] = v[u];
+  }
+  for (; i < n16; i += 32) dst[i] = src[i];
+}
+
+// One source row to `n` destination rows (n <= 32): lane j holds destination j in `lane_dst`
+// (a register, broadcast by shuffles, so no per-thread pointer array spills to local memory).
+__device__ __forceinline__ void warp_fan_row(uint64_t lane_dst, int n, const int4* __restrict__ src,
+                                             int n16, int lane) {
+  // NOTE: the loop bounds are warp-uniform (the shuffles need every lane); each lane guards its
+  // own elements.
+  for (int base = 0; base < n16; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + 32 * u + lane;
+      if (i < n16) v[u] = src[i];
+    }
+    for (int j = 0; j < n; ++j) {
+      int4* d = reinterpret_cast<int4*>(__shfl_sync(0xffffffffu, lane_dst, j));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + 32 * u + lane;
+        if (i < n16) d[i] = v[u];
+      }
+    }
+  }
+}
+
+// Length of a -1 terminated list held one entry per lane (lanes past the list hold -1 or junk).
+__device__ __forceinline__ int warp_list_length(int entry) {
+  const unsigned term = __ballot_sync(0xffffffffu, entry < 0);
+  return term ? __ffs(term) - 1 : 32;
+}
+
+// Block-wide copy of `bytes` (multiple of 16) split over the grid.
+__device__ __forceinline__ void grid_copy(void* dst, const void* src, int64_t bytes) {
+  const int64_t n16 = bytes / 16;
+  int4* d = static_cast<int4*>(dst);
+  const int4* s = static_cast<const int4*>(src);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n16;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    d[i] = s[i];
+}
+
+// bf16 <-> fp32 by bit manipulation (round to nearest even, NaN kept quiet), so no header
+// macros of the build can change the rounding.
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ uint32_t f32_to_bf16_bits(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;  // NaN
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  return f32_to_bf16_bits(lo) | (f32_to_bf16_bits(hi) << 16);
+}
+
+}  // namespace mok

@@ -1,0 +1,258 @@
+// Routing all-gather into symmetric memory and the schedule table, built on the device.
+//
+// The table equals reference/schedule.py bitwise (as int32). One cooperative launch, four phases
+// separated by grid barriers:
+//   0. validate this rank's routing and push it (int32 experts, fp32 weights) into every rank's
+//      route buffer; signal kSigRoute; wait for every rank's routing;
+//   1. per (source rank, chunk of tokens): histogram over experts, and the tokens with an expert
+//      on this rank (dedup rows);
+//   2. exclusive scan of the histograms over chunks -> counts M[e, r] and per-chunk bases; the
+//      padded region starts S of every rank; capacity check;
+//   3. one warp per chunk walks its tokens in order: the o-th row from rank r for expert e lands
+//      at S + sum_r' min(M[e, r'], o) + #{r' < r : M[e, r'] > o} (round robin over sources).
+// NOTE: a token's top-k experts are distinct, so the occurrence of (token, k) within its
+// expert's rows only depends on earlier tokens: the warp can assign all k lanes of a token at
+// once without conflicts.
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+#include "sync.cuh"
+
+namespace mok {
+
+constexpr int kScheduleThreads = 256;
+constexpr int kScheduleWarps = kScheduleThreads / 32;
+
+__device__ __forceinline__ int round_robin_pos(const int32_t* counts, int num_ranks, int occ,
+                                               int src) {
+  int pos = 0;
+  for (int q = 0; q < num_ranks; ++q) {
+    const int m = counts[q];
+    pos += min(m, occ) + ((q < src && m > occ) ? 1 : 0);
+  }
+  return pos;
+}
+
+// in0: topk_idx [num_tokens, num_topk] int32; in1: topk_weights [num_tokens, num_topk] fp32.
+// Dynamic shared memory: kScheduleWarps * num_experts int32.
+__global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params p) {
+  extern __shared__ int32_t smem[];
+  const Ctx c(p);
+  if (c.aborted()) return;
+  const int R = p.num_ranks, N = p.num_tokens, K = p.num_topk, E = p.num_experts;
+  const int L = p.num_local_experts, me = p.rank, NK = N * K;
+  const int par = static_cast<int>(p.epoch & 1);
+  const int gtid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int gthreads = gridDim.x * blockDim.x;
+  int32_t* s = p.sched;
+  int32_t* meta = c.meta();
+
+  // ---- phase 0: validate and all-gather the routing --------------------------------------
+  const int32_t* topk_idx = static_cast<const int32_t*>(p.in0);
+  const float* topk_w = static_cast<const float*>(p.in1);
+  for (int i = gtid; i < NK; i += gthreads) {
+    const int32_t e = topk_idx[i];
+    const float w = topk_w[i];
+    int bad = (e < 0 || e >= E) ? kErrBadExpert : kErrNone;
+    const int k = i % K;
+    for (int q = 0; q < k && !bad; ++q) bad = (topk_idx[i - k + q] == e) ? kErrDuplicateExpert : 0;
+    if (bad) {
+      // Lowest flat index wins, so every run reports the same entry.
+      atomicMin(meta + kMetaBadDetail, i);
+      atomicMax(meta + kMetaBadInput, bad);
+    }
+    for (int r = 0; r < R; ++r) {
+      reinterpret_cast<int32_t*>(c.sym(r, p.off_route_idx))[(par * R + me) * NK + i] = e;
+      reinterpret_cast<float*>(c.sym(r, p.off_route_w))[(par * R + me) * NK + i] = w;
+    }
+  }
+  if (!grid_sync(c)) return;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const int bad = meta[kMetaBadInput];
+    const int detail = meta[kMetaBadDetail];
+    meta[kMetaBadInput] = 0;
+    meta[kMetaBadDetail] = 0x7fffffff;
+    for (int r = 0; r < R; ++r) {
+      int32_t* st = reinterpret_cast<int32_t*>(c.sym(r, p.off_route_status));
+      st[(par * kMaxRanks + me) * 2 + 0] = bad;
+      st[(par * kMaxRanks + me) * 2 + 1] = detail;
+    }
+  }
+  // NOTE: one signal per rank and epoch (block 0 only): the wait target is the epoch.
+  if (blockIdx.x == 0) block_signal_all(c, kSigRoute);
+  if (!block_wait_all(c, kSigRoute, static_cast<uint64_t>(p.epoch))) return;
+  {
+    const int32_t* st = reinterpret_cast<const int32_t*>(c.sym(me, p.off_route_status));
+    for (int r = 0; r < R; ++r) {
+      const int bad = st[(par * kMaxRanks + r) * 2];
+      if (bad) {
+        if (threadIdx.x == 0) {
+          const int detail = st[(par * kMaxRanks + r) * 2 + 1];
+          const int32_t* ri = reinterpret_cast<const int32_t*>(c.sym(me, p.off_route_idx));
+          record_error(c, bad, 0, r, ri[(par * R + r) * NK + detail], E, detail);
+        }
+        return;
+      }
+    }
+  }
+  const int32_t* route = reinterpret_cast<const int32_t*>(c.sym(me, p.off_route_idx)) + par * R * NK;
+  const float* route_w = reinterpret_cast<const float*>(c.sym(me, p.off_route_w)) + par * R * NK;
+
+  // ---- phase 1: per-chunk histograms ---------------------------------------------------
+  int32_t* hist = s + p.o_hist;
+  int32_t* dhist = s + p.o_dhist;
+  const int C = p.chunk_tokens, NC = p.num_chunks;
+  for (int q = blockIdx.x; q < R * NC; q += gridDim.x) {
+    const int r = q / NC, ch = q % NC;
+    const int t0 = ch * C, t1 = min(N, t0 + C);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) smem[e] = 0;
+    __shared__ int dedup_rows;
+    if (threadIdx.x == 0) dedup_rows = 0;
+    __syncthreads();
+    for (int i = t0 * K + threadIdx.x; i < t1 * K; i += blockDim.x)
+      atomicAdd(smem + route[r * NK + i], 1);
+    for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+      bool here = false;
+      for (int k = 0; k < K; ++k) here |= route[r * NK + t * K + k] / L == me;
+      if (here) atomicAdd(&dedup_rows, 1);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[(r * NC + ch) * E + e] = smem[e];
+    if (threadIdx.x == 0) dhist[r * NC + ch] = dedup_rows;
+    __syncthreads();
+  }
+  if (!grid_sync(c)) return;
+
+  // ---- phase 2: scans over chunks ------------------------------------------------------
+  int32_t* counts = s + p.o_counts;
+  int32_t* dcount = s + p.o_dcount;
+  for (int i = gtid; i < E * R + R; i += gthreads) {
+    if (i < E * R) {
+      const int e = i / R, r = i % R;
+      int run = 0;
+      for (int ch = 0; ch < NC; ++ch) {
+        const int h = hist[(r * NC + ch) * E + e];
+        hist[(r * NC + ch) * E + e] = run;
+        run += h;
+      }
+      counts[e * R + r] = run;
+    } else {
+      const int r = i - E * R;
+      int run = 0;
+      for (int ch = 0; ch < NC; ++ch) {
+        const int h = dhist[r * NC + ch];
+        dhist[r * NC + ch] = run;
+        run += h;
+      }
+      dcount[r] = run;
+    }
+  }
+  if (!grid_sync(c)) return;
+  int32_t* offsets = s + p.o_offsets;
+  if (gtid < R) {
+    const int d = gtid;
+    int run = 0;
+    int overflow_at = -1;
+    offsets[d * (L + 1)] = 0;
+    for (int l = 0; l < L; ++l) {
+      int t = 0;
+      for (int r = 0; r < R; ++r) t += counts[(d * L + l) * R + r];
+      run += (t + p.row_tile - 1) / p.row_tile * p.row_tile;
+      offsets[d * (L + 1) + l + 1] = run;
+      if (run > p.capacity && overflow_at < 0) overflow_at = d * L + l;
+    }
+    if (d == me) meta[kMetaNumRows] = run;
+    // NOTE: every rank checks every rank's capacity, so all ranks fail the same way instead of
+    // one rank stopping and the others timing out.
+    if (overflow_at >= 0) record_error(c, kErrCapacity, 0, d, run, p.capacity, overflow_at);
+  } else if (gtid == R) {
+    int total = 0;
+    for (int r = 0; r < R; ++r) total += dcount[r];
+    meta[kMetaNumDedup] = total;
+  }
+  if (!grid_sync(c)) return;
+
+  // ---- phase 3: positions --------------------------------------------------------------
+  int32_t* src_rank = s + p.o_src_rank;
+  int32_t* src_index = s + p.o_src_index;
+  int32_t* fanout = s + p.o_fanout;
+  const int32_t* my_off = offsets + me * (L + 1);
+  // Padding rows of each local expert region hold -1.
+  for (int l = blockIdx.x; l < L; l += gridDim.x) {
+    int t = 0;
+    for (int r = 0; r < R; ++r) t += counts[(me * L + l) * R + r];
+    for (int row = my_off[l] + t + threadIdx.x; row < my_off[l + 1]; row += blockDim.x) {
+      src_rank[row] = -1;
+      src_index[row] = -1;
+      fanout[row] = -1;
+    }
+  }
+  int32_t* dst_rank = s + p.o_dst_rank;
+  int32_t* dst_index = s + p.o_dst_index;
+  int32_t* d_src_rank = s + p.o_dedup_src_rank;
+  int32_t* d_src_token = s + p.o_dedup_src_token;
+  int32_t* d_slot = s + p.o_dedup_slot;
+  int32_t* fan_rows = s + p.o_fan_rows;
+  float* fan_w = reinterpret_cast<float*>(s + p.o_fan_w);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int32_t* running = smem + warp * E;
+  const unsigned lt_mask = (1u << lane) - 1;
+  for (int q = blockIdx.x * kScheduleWarps + warp; q < R * NC; q += gridDim.x * kScheduleWarps) {
+    const int r = q / NC, ch = q % NC;
+    const int t0 = ch * C, t1 = min(N, t0 + C);
+    for (int e = lane; e < E; e += 32) running[e] = hist[(r * NC + ch) * E + e];
+    int drun = dhist[r * NC + ch];
+    __syncwarp();
+    for (int t = t0; t < t1; ++t) {
+      const bool active = lane < K;
+      const int i = t * K + lane;
+      const int e = active ? route[r * NK + i] : 0;
+      const int d = e / L;
+      int occ = 0;
+      if (active) occ = running[e];
+      __syncwarp();
+      if (active) running[e] = occ + 1;
+      __syncwarp();
+      const bool mine_dst = active && d == me;
+      const unsigned here = __ballot_sync(0xffffffffu, mine_dst);
+      if (r != me && here == 0) continue;
+      const int pos =
+          active ? offsets[d * (L + 1) + e % L] + round_robin_pos(counts + e * R, R, occ, r) : 0;
+      if (mine_dst) {
+        src_rank[pos] = r;
+        src_index[pos] = i;
+      }
+      if (active && r == me) {
+        dst_rank[i] = d;
+        dst_index[i] = pos;
+      }
+      if (here) {
+        // Ordinal of this rank among the token's distinct destination ranks (ascending).
+        const unsigned same = __match_any_sync(0xffffffffu, active ? d : -1);
+        const bool first = active && (same & lt_mask) == 0;
+        const int ordinal = __popc(__ballot_sync(0xffffffffu, first && d < me));
+        const int dpos = round_robin_pos(dcount, R, drun, r);
+        ++drun;
+        const int n_here = __popc(here);
+        if (lane == 0) {
+          d_src_rank[dpos] = r;
+          d_src_token[dpos] = t;
+          d_slot[dpos] = t * K + ordinal;
+        }
+        if (mine_dst) {
+          // Fan-out list in k order: the order the dedup combine sums the rows in.
+          const int j = __popc(here & lt_mask);
+          fan_rows[dpos * K + j] = pos;
+          fan_w[dpos * K + j] = route_w[r * NK + i];
+          fanout[pos] = dpos;
+        }
+        if (lane == n_here && n_here < K) fan_rows[dpos * K + n_here] = -1;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+}  // namespace mok

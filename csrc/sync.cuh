@@ -1,0 +1,189 @@
+// Flags, bounded waits, grid barrier and the error record.
+//
+// NOTE: flags that cross NVLink use system-scope release/acquire (st/red.release.sys,
+// ld.acquire.sys); flags between blocks of one GPU use GPU scope. Every spin-wait is bounded by
+// Params::timeout_ns measured with %globaltimer; on expiry the waiting thread records which wait,
+// which peer and the counter values in the host-mapped error record, raises the sticky abort
+// word and returns false, and the kernel exits.
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace mok {
+
+struct Ctx {
+  const Params& p;
+  __device__ explicit Ctx(const Params& params) : p(params) {}
+
+  __device__ int32_t* meta() const { return p.sched + p.o_meta; }
+  __device__ bool aborted() const {
+    return *reinterpret_cast<volatile int32_t*>(meta() + kMetaAbort) != 0;
+  }
+  // Symmetric allocation of `rank` (may be a peer's, mapped over NVLink).
+  __device__ uint8_t* sym(int rank, int64_t off) const {
+    return reinterpret_cast<uint8_t*>(p.sym_base[rank]) + off;
+  }
+  // My counter of signal `kind` raised by `peer`, and the one I raise on `peer`.
+  __device__ uint64_t* my_signal(int kind, int peer) const {
+    return reinterpret_cast<uint64_t*>(sym(p.rank, p.off_signals)) + kind * kMaxRanks + peer;
+  }
+  __device__ uint64_t* peer_signal(int peer, int kind) const {
+    return reinterpret_cast<uint64_t*>(sym(peer, p.off_signals)) + kind * kMaxRanks + p.rank;
+  }
+};
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_add_release_sys(uint64_t* ptr, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(uint32_t* ptr, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_release_gpu(uint32_t* ptr, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// Records the first error of this workspace and raises the abort word. Later errors (often the
+// cascade of the first: peers that time out waiting for an aborted rank) are dropped.
+__device__ __noinline__ void record_error(const Ctx& c, int code, int wait, int peer,
+                                          int64_t observed, int64_t expected, int64_t extra) {
+  int32_t* m = c.meta();
+  if (atomicCAS(m + kMetaErrClaim, 0, 1) == 0) {
+    volatile int64_t* e = c.p.error;
+    e[kErrFieldWait] = wait;
+    e[kErrFieldPeer] = peer;
+    e[kErrFieldObserved] = observed;
+    e[kErrFieldExpected] = expected;
+    e[kErrFieldRank] = c.p.rank;
+    e[kErrFieldEpoch] = c.p.epoch;
+    e[kErrFieldExtra] = extra;
+    // NOTE: the code is written last, after a system fence, so a host that sees a non-zero
+    // code sees every other field of the record.
+    __threadfence_system();
+    e[kErrFieldCode] = code;
+    __threadfence_system();
+  }
+  *reinterpret_cast<volatile int32_t*>(m + kMetaAbort) = 1;
+  __threadfence();
+}
+
+// Spins until *ptr >= target. False on timeout (recorded) or when another block aborted.
+__device__ __noinline__ bool wait_ge(const Ctx& c, const uint64_t* ptr, uint64_t target, int wait,
+                                     int peer) {
+  uint64_t v = ld_acquire_sys(ptr);
+  if (v >= target) return true;
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (true) {
+    v = ld_acquire_sys(ptr);
+    if (v >= target) return true;
+    if ((++spins & 63) == 0) {
+      if (c.aborted()) return false;
+      if (globaltimer_ns() - start > c.p.timeout_ns) {
+        record_error(c, kErrTimeout, wait, peer, static_cast<int64_t>(v),
+                     static_cast<int64_t>(target), 0);
+        return false;
+      }
+    }
+  }
+}
+
+// Thread 0 of the block waits for signal `kind` from every rank to reach `target`; the result is
+// broadcast to the block. Must be called by all threads of the block.
+__device__ __forceinline__ bool block_wait_all(const Ctx& c, int kind, uint64_t target) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    for (int r = 0; r < c.p.num_ranks && ok; ++r) {
+      if (!wait_ge(c, c.my_signal(kind, r), target, kind, r)) ok = 0;
+    }
+  }
+  // NOTE: thread 0's acquire plus this CTA barrier order every thread's later reads after the
+  // peers' releases (causality is transitive through the barrier).
+  __syncthreads();
+  const bool result = ok != 0;
+  __syncthreads();
+  return result;
+}
+
+// Thread 0 raises signal `kind` on every rank (mine included) by one, after a system fence so
+// that this block's earlier stores (local and remote) are visible first.
+__device__ __forceinline__ void block_signal_all(const Ctx& c, int kind) {
+  // NOTE: every thread fences its own (possibly remote, still posted) stores at system scope
+  // before the barrier; a fence by thread 0 alone does not cover the other warps' NVLink writes.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int r = 0; r < c.p.num_ranks; ++r) red_add_release_sys(c.peer_signal(r, kind), 1);
+  }
+}
+
+// Self-resetting grid barrier (all blocks co-resident: the launch is cooperative). False when the
+// workspace aborted or the barrier timed out.
+__device__ __noinline__ bool grid_sync(const Ctx& c) {
+  __shared__ int ok;
+  // NOTE: system scope, so that stores to peers made before the barrier are covered by the
+  // system-scope signal one block raises after it.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ok = 1;
+    uint32_t* count = reinterpret_cast<uint32_t*>(c.meta() + kMetaBarCount);
+    uint32_t* gen = reinterpret_cast<uint32_t*>(c.meta() + kMetaBarGen);
+    const uint32_t g = ld_acquire_gpu(gen);
+    __threadfence();
+    const uint32_t arrived = atomicAdd(count, 1u) + 1;
+    if (arrived == gridDim.x) {
+      atomicExch(count, 0u);
+      // NOTE: the count is reset before the generation moves on, so no block of the next
+      // barrier can arrive on a stale count.
+      __threadfence();
+      st_release_gpu(gen, g + 1);
+    } else {
+      const uint64_t start = globaltimer_ns();
+      uint32_t spins = 0;
+      while (ld_acquire_gpu(gen) == g) {
+        if ((++spins & 63) == 0) {
+          if (c.aborted()) {
+            ok = 0;
+            break;
+          }
+          if (globaltimer_ns() - start > c.p.timeout_ns) {
+            record_error(c, kErrTimeout, kWaitGridBarrier, c.p.rank, arrived, gridDim.x, 0);
+            ok = 0;
+            break;
+          }
+        }
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+  const bool result = ok != 0;
+  __syncthreads();
+  return result && !c.aborted();
+}
+
+}  // namespace mok

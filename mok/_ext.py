@@ -1,0 +1,234 @@
+"""Build and load the CUDA extension (csrc/) on first use.
+
+JIT through ``torch.utils.cpp_extension.load`` (ninja) into ``$MOK_CACHE_DIR`` (default
+``~/.cache/mok``); one log line when it compiles. The arch is detected from the current GPU
+(sm_90a for Hopper, sm_100a for Blackwell) unless ``MOK_CUDA_ARCH`` is set (e.g. ``90a``).
+Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from mok.errors import MoKUnsupportedError
+
+__all__ = ["load", "Params", "KERNELS", "MAX_RANKS", "MAX_TOPK", "csrc_dir", "detect_arch"]
+
+log = logging.getLogger("mok")
+
+MAX_RANKS = 8
+MAX_TOPK = 32
+NUM_SIGNALS = 16
+META_WORDS = 16
+# mirrors csrc/params.h
+KERNELS = {
+    "schedule": 0,
+    "dispatch_pull": 1,
+    "dispatch_dedup_pull": 2,
+    "dispatch_push": 3,
+    "combine_push": 4,
+    "combine_dedup_push": 5,
+    "combine_pull": 6,
+}
+FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED = 1, 2, 4
+META = {"num_rows": 0, "num_dedup": 1, "abort": 2, "err_claim": 3, "bad_detail": 7}
+SIGNALS = [
+    "route_ready",
+    "x_ready",
+    "x_consumed",
+    "recv_free",
+    "recv_filled",
+    "slots_free",
+    "slots_filled",
+    "y_ready",
+    "y_consumed",
+]
+WAIT_GRID_BARRIER = 100
+ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT = 1, 2, 3, 4
+
+_I32 = ctypes.c_int32
+_I64 = ctypes.c_int64
+_U64 = ctypes.c_uint64
+
+
+class Params(ctypes.Structure):
+    """ctypes mirror of ``mok::Params`` (csrc/params.h)."""
+
+    _fields_ = [
+        *[
+            (n, _I32)
+            for n in (
+                "rank",
+                "num_ranks",
+                "num_tokens",
+                "num_topk",
+                "num_experts",
+                "num_local_experts",
+                "row_tile",
+                "capacity",
+                "chunk_tokens",
+                "num_chunks",
+                "minibatch_rows",
+                "num_minibatches",
+                "hidden",
+                "flags",
+            )
+        ],
+        ("row_bytes", _I64),
+        ("epoch", _I64),
+        ("timeout_ns", _U64),
+        ("sym_base", _U64 * MAX_RANKS),
+        *[
+            (n, _I64)
+            for n in (
+                "off_signals",
+                "off_route_status",
+                "off_route_idx",
+                "off_route_w",
+                "off_x",
+                "off_recv",
+                "off_slots",
+                "off_y",
+            )
+        ],
+        ("sched", _U64),
+        *[
+            (n, _I64)
+            for n in (
+                "o_counts",
+                "o_offsets",
+                "o_src_rank",
+                "o_src_index",
+                "o_dst_rank",
+                "o_dst_index",
+                "o_dedup_src_rank",
+                "o_dedup_src_token",
+                "o_dedup_slot",
+                "o_fanout",
+                "o_fan_rows",
+                "o_fan_w",
+                "o_hist",
+                "o_dhist",
+                "o_dcount",
+                "o_meta",
+                "o_ready",
+            )
+        ],
+        ("error", _U64),
+        ("in0", _U64),
+        ("in1", _U64),
+        ("in2", _U64),
+        ("in3", _U64),
+        ("out0", _U64),
+    ]
+
+
+_module = None
+
+
+def csrc_dir() -> Path:
+    env = os.environ.get("MOK_CSRC_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "csrc"
+
+
+def _versions() -> str:
+    import torch
+
+    nvcc = "not found"
+    exe = shutil.which("nvcc") or (
+        os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None
+    )
+    if exe and os.path.exists(exe):
+        try:
+            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+            nvcc = out.stdout.strip().splitlines()[-1].split(",")[-1].strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            nvcc = "unusable"
+    return f"torch {torch.__version__}, CUDA {torch.version.cuda}, nvcc {nvcc}"
+
+
+def detect_arch() -> str:
+    """``90a`` or ``100a`` for the current GPU, or ``$MOK_CUDA_ARCH``."""
+    import torch
+
+    env = os.environ.get("MOK_CUDA_ARCH")
+    if env:
+        return env.removeprefix("sm_")
+    if not torch.cuda.is_available():
+        raise MoKUnsupportedError(
+            f"mok's kernels need a CUDA GPU (torch.cuda.is_available() is False; {_versions()}); "
+            "the reference and the simulator run on the CPU"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if (major, minor) == (9, 0):
+        return "90a"
+    if major == 10:
+        return "100a"
+    raise MoKUnsupportedError(
+        f"mok needs sm_90 or sm_100 (found sm_{major}{minor} on {name}, {_versions()}); "
+        "set MOK_CUDA_ARCH (e.g. 90a) to override"
+    )
+
+
+def load():
+    """The compiled extension (built on first call, then cached on disk and in memory)."""
+    global _module
+    if _module is not None:
+        return _module
+    import torch
+    from torch.utils import cpp_extension
+
+    arch = detect_arch()
+    src = csrc_dir()
+    sources = [src / "bindings.cpp", src / "kernels.cu"]
+    missing = [str(s) for s in sources if not s.exists()]
+    if missing:
+        raise MoKUnsupportedError(f"mok's CUDA sources are missing: {missing} (MOK_CSRC_DIR?)")
+    digest = hashlib.sha256()
+    for f in sorted(src.glob("*")):
+        if f.suffix in (".h", ".cuh", ".cu", ".cpp"):
+            digest.update(f.name.encode() + f.read_bytes())
+    digest.update(f"{torch.__version__} {torch.version.cuda} {arch}".encode())
+    name = f"mok_ext_{arch}_{digest.hexdigest()[:12]}"
+    cache = Path(os.environ.get("MOK_CACHE_DIR", Path.home() / ".cache" / "mok"))
+    build_dir = cache / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob(f"{name}*.so")):
+        log.warning("mok: compiling the CUDA extension for sm_%s into %s (once)", arch, build_dir)
+    major = arch.rstrip("a")
+    arch_list = f"{major[:-1]}.{major[-1]}" + ("a" if arch.endswith("a") else "")
+    old = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+    try:
+        mod = cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_include_paths=[str(src)],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
+            build_directory=str(build_dir),
+            verbose=os.environ.get("MOK_VERBOSE_BUILD", "0") == "1",
+        )
+    except Exception as e:  # noqa: BLE001 - re-raised with the environment attached
+        raise MoKUnsupportedError(
+            f"building mok's CUDA extension for sm_{arch} failed ({_versions()}): {e}"
+        ) from e
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = old
+    if mod.params_size() != ctypes.sizeof(Params):
+        raise MoKUnsupportedError(
+            f"csrc/params.h Params is {mod.params_size()} bytes but mok/_ext.py mirrors "
+            f"{ctypes.sizeof(Params)}; keep them in sync"
+        )
+    _module = mod
+    return mod

@@ -1,0 +1,359 @@
+"""Dispatch and combine: mok's modes vs NCCL all_to_all_single vs DeepEP V1 normal kernels.
+
+Run with ``torchrun --nproc-per-node=2 -m mok.bench comm``. Each rank times back-to-back calls
+with CUDA events (median, p20, p80 of per-call times after warm-up); reported times are the max
+over ranks. NVLink bytes count only rows that cross NVLink (rows a rank sends to itself are
+excluded), per rank and direction; GB/s = those bytes / time, compared with the one-direction
+peer-copy ceiling measured on 2x H200 (``CEILING_GBPS``, docs/perf-notes.md).
+
+mok's dispatch reads x from the workspace x buffer (as the megakernel will) and pull combine
+reads y from the workspace y buffer: no staging copies are timed. NCCL's dispatch includes the
+count exchange, the permute into destination order and the host read of the split sizes; its
+combine includes the reverse all_to_all, the unpermute and the weighted k-sum. DeepEP is timed
+through its public API (dispatch without a cached handle, combine), for each SM count given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CEILING_GBPS = 370.0
+MODELS = {"deepseek-v3": (7168, 256), "qwen3-30b-a3b": (2048, 128)}
+
+
+def _timeit(fn, iters: int, warmup: int) -> tuple[float, float, float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    ev = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    t = torch.tensor(sorted(s.elapsed_time(e) * 1e3 for s, e in ev), dtype=torch.float64)
+    q = torch.tensor([t.median(), t.quantile(0.2), t.quantile(0.8)], device="cuda")
+    dist.all_reduce(q, op=dist.ReduceOp.MAX)
+    return tuple(float(v) for v in q.cpu())
+
+
+def _sha() -> str:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+class Recorder:
+    def __init__(self, path: str | None, meta: dict):
+        self.rows, self.path, self.meta = [], path, meta
+
+    def add(self, **row) -> None:
+        nb = row.get("nvlink_bytes", 0)
+        us = row["median_us"]
+        gbps = nb / (us * 1e3) if us > 0 else 0.0
+        row.update(nvlink_gbps=round(gbps, 1), frac_ceiling=round(gbps / CEILING_GBPS, 3))
+        for k in ("median_us", "p20_us", "p80_us"):
+            row[k] = round(row[k], 1)
+        self.rows.append({**row, **self.meta})
+        if dist.get_rank() == 0:
+            print(
+                f"{row['model']:>14} N={row['tokens_per_rank']:>5} {row['skew']:>8} "
+                f"{row['what']:>8} {row['impl']:>6} {row['mode']:>10} sms={row['sms']:>3} "
+                f"{row['median_us']:>9.1f} us {row['nvlink_gbps']:>6.1f} GB/s "
+                f"({row['frac_ceiling']:.2f})",
+                flush=True,
+            )
+
+    def write(self) -> None:
+        if dist.get_rank() or not self.path or not self.rows:
+            return
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(self.rows[0]))
+            w.writeheader()
+            w.writerows(self.rows)
+        print(f"wrote {self.path}", flush=True)
+
+
+def _routing(n: int, num_experts: int, topk: int, skew: str, seed: int):
+    from mok.workload import make_routing
+
+    t = make_routing(n, num_experts, topk, dist.get_world_size(), skew, seed=seed)
+    r = dist.get_rank()
+    idx, w = t.rank_slice(r)
+    return torch.from_numpy(idx).cuda(), torch.from_numpy(w).cuda(), t
+
+
+def bench_mok(rec, base, x, idx, w, num_experts, sms, iters, warmup):
+    import mok
+    from mok import functional as mf
+
+    rank = dist.get_rank()
+    n, hidden = x.shape
+    topk = idx.shape[1]
+    cfg = mok.MoKConfig(num_comm_sms=sms, capacity_factor=1.5, wait_timeout_ms=30000.0)
+    ws = mok.get_workspace(n, hidden, topk, num_experts, torch.bfloat16, cfg)
+    ws.x_buffer.copy_(x)
+    s = mf.build_schedule(idx, w, ws)
+    h = s.to_host()
+    rb = hidden * 2
+    remote_rows = int((h["src_rank"] >= 0).logical_and(h["src_rank"] != rank).sum())
+    remote_dedup = int((h["dedup_src_rank"] != rank).sum())
+    remote_pull_combine = int((h["dst_rank"] != rank).sum())
+    y = ws.y_buffer
+    y.copy_(torch.randn(y.shape, device="cuda", dtype=torch.bfloat16))
+    sch = mf.build_schedule
+    t = _timeit(lambda: sch(idx, w, ws), iters, warmup)
+    rec.add(
+        **base,
+        what="schedule",
+        impl="mok",
+        mode="-",
+        sms=ws.schedule_blocks(),
+        median_us=t[0],
+        p20_us=t[1],
+        p80_us=t[2],
+        nvlink_bytes=0,
+    )
+    for mode, nb in (("pull", remote_rows), ("dedup_pull", remote_dedup), ("push", remote_rows)):
+        xin = ws.x_buffer if mode != "push" else x
+        t = _timeit(lambda m=mode, xi=xin: mf.dispatch(xi, s, m), iters, warmup)
+        rec.add(
+            **base,
+            what="dispatch",
+            impl="mok",
+            mode=mode,
+            sms=sms,
+            median_us=t[0],
+            p20_us=t[1],
+            p80_us=t[2],
+            nvlink_bytes=nb * rb,
+        )
+    for mode, dd, nb in (
+        ("push", False, remote_rows),
+        ("pull", False, remote_pull_combine),
+        ("push", True, remote_dedup),
+    ):
+        t = _timeit(lambda m=mode, d=dd: mf.combine(y, s, m, dedup=d), iters, warmup)
+        rec.add(
+            **base,
+            what="combine",
+            impl="mok",
+            mode=("dedup_" if dd else "") + mode,
+            sms=sms,
+            median_us=t[0],
+            p20_us=t[1],
+            p80_us=t[2],
+            nvlink_bytes=nb * rb,
+        )
+    ws.check()
+    mok.clear_workspaces()
+    return remote_dedup
+
+
+def bench_nccl(rec, base, x, idx, w, num_experts, iters, warmup):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n, hidden = x.shape
+    topk = idx.shape[1]
+    dst = (idx // (num_experts // world)).reshape(-1)
+    order = torch.argsort(dst, stable=True)
+    remote = int((dst != rank).sum())
+    state = {}
+
+    def dispatch():
+        send_counts = torch.bincount(dst, minlength=world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        rows = x.index_select(0, order // topk)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        out = torch.empty(sum(rc), hidden, dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, rows, rc, sc)
+        state.update(out=out, sc=sc, rc=rc)
+
+    t = _timeit(dispatch, iters, warmup)
+    rec.add(
+        **base,
+        what="dispatch",
+        impl="nccl",
+        mode="a2a",
+        sms=0,
+        median_us=t[0],
+        p20_us=t[1],
+        p80_us=t[2],
+        nvlink_bytes=remote * hidden * 2,
+    )
+    back = torch.empty(n * topk, hidden, dtype=x.dtype, device=x.device)
+    wf = w.reshape(-1)
+
+    def combine():
+        dist.all_to_all_single(back, state["out"], state["sc"], state["rc"])
+        slots = torch.empty_like(back)
+        slots[order] = back
+        out = (slots.view(n, topk, hidden).float() * wf.view(n, topk, 1)).sum(1)
+        return out.to(torch.bfloat16)
+
+    t = _timeit(combine, iters, warmup)
+    rec.add(
+        **base,
+        what="combine",
+        impl="nccl",
+        mode="a2a",
+        sms=0,
+        median_us=t[0],
+        p20_us=t[1],
+        p80_us=t[2],
+        nvlink_bytes=remote * hidden * 2,
+    )
+
+
+def bench_deepep(rec, base, x, idx, w, num_experts, sms_list, remote_dedup, iters, warmup):
+    try:
+        import deep_ep
+    except ImportError as e:
+        if dist.get_rank() == 0:
+            print(f"DeepEP not importable ({e}); skipped", flush=True)
+        return
+    world = dist.get_world_size()
+    hidden = x.shape[1]
+    deep_ep.Buffer.set_num_sms(max(sms_list))
+    nvl = max(
+        deep_ep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(hidden * 2, world),
+        deep_ep.Buffer.get_combine_config(world).get_nvl_buffer_size_hint(hidden * 2, world),
+    )
+    buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=nvl)
+    idx64 = idx.to(deep_ep.topk_idx_t)
+    for sms in sms_list:
+        deep_ep.Buffer.set_num_sms(sms)
+        _deepep_one(rec, base, buf, x, idx64, w, num_experts, sms, remote_dedup, iters, warmup)
+
+
+def _deepep_one(rec, base, buf, x, idx64, w, num_experts, sms, remote_dedup, iters, warmup):
+    hidden = x.shape[1]
+    ntr, _, nte, in_rank, _ = buf.get_dispatch_layout(idx64, num_experts)
+    state = {}
+
+    def dispatch():
+        state["recv"] = buf.dispatch(
+            x,
+            num_tokens_per_rank=ntr,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=nte,
+            topk_idx=idx64,
+            topk_weights=w,
+        )
+
+    t = _timeit(dispatch, iters, warmup)
+    rec.add(
+        **base,
+        what="dispatch",
+        impl="deepep",
+        mode="normal",
+        sms=sms,
+        median_us=t[0],
+        p20_us=t[1],
+        p80_us=t[2],
+        nvlink_bytes=remote_dedup * hidden * 2,
+    )
+    recv_x, _, recv_w, _, handle, _ = state["recv"]
+    t = _timeit(lambda: buf.combine(recv_x, handle, topk_weights=recv_w), iters, warmup)
+    rec.add(
+        **base,
+        what="combine",
+        impl="deepep",
+        mode="normal",
+        sms=sms,
+        median_us=t[0],
+        p20_us=t[1],
+        p80_us=t[2],
+        nvlink_bytes=remote_dedup * hidden * 2,
+    )
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mok.bench comm")
+    ap.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--skews", default="uniform,hot:0.5")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--sms", default="24", help="mok communication SMs (comma list)")
+    ap.add_argument("--deepep-sms", default="24,48,64,96,128")
+    ap.add_argument("--no-nccl", action="store_true")
+    ap.add_argument("--no-deepep", action="store_true")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--csv", default="mok-bench-comm.csv")
+    args = ap.parse_args(argv)
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "num_ranks": dist.get_world_size(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_sha": _sha(),
+    }
+    rec = Recorder(args.csv, meta)
+    for model in args.models.split(","):
+        hidden, num_experts = MODELS[model]
+        for skew in args.skews.split(","):
+            for n in (int(v) for v in args.tokens.split(",")):
+                base = dict(
+                    model=model,
+                    hidden=hidden,
+                    num_experts=num_experts,
+                    num_topk=args.topk,
+                    skew=skew,
+                    tokens_per_rank=n,
+                )
+                idx, w, _ = _routing(n, num_experts, args.topk, skew, seed=n)
+                g = torch.Generator(device="cuda").manual_seed(1 + dist.get_rank())
+                x = torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16)
+                remote_dedup = 0
+                for sms in (int(v) for v in args.sms.split(",")):
+                    remote_dedup = bench_mok(
+                        rec, base, x, idx, w, num_experts, sms, args.iters, args.warmup
+                    )
+                if not args.no_nccl:
+                    bench_nccl(rec, base, x, idx, w, num_experts, args.iters, args.warmup)
+                if not args.no_deepep:
+                    sms_list = [int(v) for v in args.deepep_sms.split(",")]
+                    bench_deepep(
+                        rec,
+                        base,
+                        x,
+                        idx,
+                        w,
+                        num_experts,
+                        sms_list,
+                        remote_dedup,
+                        args.iters,
+                        args.warmup,
+                    )
+                rec.write()
+    rec.write()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

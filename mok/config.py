@@ -1,0 +1,159 @@
+"""MoKConfig: the knobs of the layer, validated, with a JSON form shared with ``mok-sim tune``.
+
+The JSON the simulator writes (``mok-sim tune --emit-config``) and :meth:`MoKConfig.to_json`
+produce is ``{"format": "mok-config/1", "config": {field: value, ...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from mok.errors import MoKConfigError
+
+__all__ = ["MoKConfig", "CONFIG_FORMAT", "DISPATCH_MODES", "COMBINE_MODES"]
+
+CONFIG_FORMAT = "mok-config/1"
+DISPATCH_MODES = ("pull", "push", "dedup_pull")
+COMBINE_MODES = ("push", "pull")
+MAX_COMM_SMS = 132  # H200 / H100 SXM; the launch also checks the actual device
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Configuration of the mok layer (identical on every rank of the group).
+
+    dispatch_mode: ``pull`` (MoK: destination loads (token, k) rows), ``push`` (source stores
+        them), ``dedup_pull`` (one NVLink row per (token, destination rank), then local fan-out).
+    combine_mode: ``push`` (expert owner stores into the home rank's slots) or ``pull`` (home
+        rank reads the owners' outputs). ``dedup_pull`` pairs with the dedup ``push`` combine.
+    num_comm_sms / num_comm_sms_bwd: SMs (persistent blocks) of the communication kernels in
+        forward / backward.
+    minibatch_size: received rows per destination rank per round (the overlap unit).
+    macrobatch_size: rows of the receive ring; >= minibatch_size and a multiple of it
+        (0: one minibatch). Recorded for the fused megakernel; the standalone kernels keep the
+        whole receive buffer.
+    row_tile: GEMM row tile; every expert region is padded to a multiple of it.
+    capacity_factor: receive-buffer rows per rank = capacity_factor * num_tokens * num_topk
+        plus padding. Overflow raises :class:`mok.MoKCapacityError`; nothing is dropped.
+    wait_timeout_ms: bound of every spin-wait; expiry raises :class:`mok.MoKTimeoutError`.
+    """
+
+    dispatch_mode: str = "dedup_pull"
+    combine_mode: str = "push"
+    num_comm_sms: int = 24
+    num_comm_sms_bwd: int = 24
+    minibatch_size: int = 4096
+    macrobatch_size: int = 0
+    row_tile: int = 128
+    capacity_factor: float = 2.0
+    wait_timeout_ms: float = 10_000.0
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> MoKConfigError:
+            return MoKConfigError(f"MoKConfig: {msg}")
+
+        if self.dispatch_mode not in DISPATCH_MODES:
+            raise bad(
+                f"unknown dispatch_mode {self.dispatch_mode!r}; supported: "
+                f"{', '.join(DISPATCH_MODES)}"
+            )
+        if self.combine_mode not in COMBINE_MODES:
+            raise bad(
+                f"unknown combine_mode {self.combine_mode!r}; supported: {', '.join(COMBINE_MODES)}"
+            )
+        if self.dispatch_mode == "dedup_pull" and self.combine_mode != "push":
+            raise bad(
+                "dispatch_mode='dedup_pull' pairs with the dedup push combine; "
+                f"found combine_mode={self.combine_mode!r}, use 'push'"
+            )
+        for name in ("num_comm_sms", "num_comm_sms_bwd", "minibatch_size", "row_tile"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(f"{name} must be an int (found {type(v).__name__} {v!r})")
+        for name in ("num_comm_sms", "num_comm_sms_bwd"):
+            v = getattr(self, name)
+            if not 1 <= v <= MAX_COMM_SMS:
+                raise bad(f"{name} must be in [1, {MAX_COMM_SMS}] (found {v})")
+        if self.row_tile < 1 or self.row_tile & (self.row_tile - 1):
+            raise bad(f"row_tile must be a positive power of two (found {self.row_tile})")
+        if self.minibatch_size < self.row_tile or self.minibatch_size % self.row_tile:
+            raise bad(
+                f"minibatch_size must be a positive multiple of row_tile={self.row_tile} "
+                f"(found {self.minibatch_size})"
+            )
+        mb = self.macrobatch_size
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+            raise bad(f"macrobatch_size must be an int >= 0 (found {mb!r})")
+        if mb and (mb < self.minibatch_size or mb % self.minibatch_size):
+            raise bad(
+                f"macrobatch_size must be >= minibatch_size={self.minibatch_size} and a "
+                f"multiple of it (found {mb})"
+            )
+        for name in ("capacity_factor", "wait_timeout_ms"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(f"{name} must be a finite number (found {v!r})")
+            if v <= 0:
+                raise bad(f"{name} must be > 0 (found {v})")
+
+    @property
+    def macrobatch_rows(self) -> int:
+        return self.macrobatch_size or self.minibatch_size
+
+    def capacity_rows(self, num_tokens: int, num_topk: int, num_local_experts: int) -> int:
+        """Receive-buffer rows per rank: the routed rows the capacity factor allows plus the
+        worst-case padding of every expert region, rounded up to the row tile."""
+        rows = math.ceil(self.capacity_factor * num_tokens * num_topk)
+        rows += num_local_experts * (self.row_tile - 1)
+        return -(-rows // self.row_tile) * self.row_tile
+
+    # ---- JSON ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": CONFIG_FORMAT, "config": asdict(self)}
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | Path | dict) -> MoKConfig:
+        """Read ``{"format": "mok-config/1", "config": {...}}`` from a path, a JSON string or a
+        dict. Unknown keys are an error that names them and lists the supported ones."""
+        if isinstance(source, dict):
+            data = source
+        else:
+            text = str(source)
+            if not text.lstrip().startswith("{"):
+                try:
+                    text = Path(source).read_text()
+                except OSError as e:
+                    raise MoKConfigError(f"cannot read config file {source!s}: {e}") from None
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise MoKConfigError(f"config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise MoKConfigError(f"config JSON must be an object (found {type(data).__name__})")
+        fmt = data.get("format")
+        if fmt != CONFIG_FORMAT:
+            raise MoKConfigError(
+                f"config format {fmt!r} is not supported; expected {CONFIG_FORMAT!r} "
+                "(as written by `mok-sim tune --emit-config` or MoKConfig.to_json)"
+            )
+        extra = sorted(set(data) - {"format", "config"})
+        if extra:
+            raise MoKConfigError(f"unknown top-level keys {extra}; supported: ['config', 'format']")
+        body = data.get("config")
+        if not isinstance(body, dict):
+            raise MoKConfigError("config JSON needs a 'config' object with the MoKConfig fields")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(body) - set(names))
+        if unknown:
+            raise MoKConfigError(f"unknown MoKConfig keys {unknown}; supported: {', '.join(names)}")
+        return cls(**body)

@@ -1,0 +1,312 @@
+"""Functional layer: schedule, dispatch, combine and an MoE forward built from them.
+
+All calls are asynchronous: no ``.item()``, no host-side counts, no shape-dependent host
+allocation. Sizes that depend on the routing (rows received, dedup rows) stay on the device; the
+receive buffer has the fixed capacity of the workspace (:meth:`MoKConfig.capacity_rows`).
+
+The expert FFN of :func:`moe_forward` uses ``torch._grouped_mm`` over the tile-padded expert
+regions; the fused GEMMs come with the megakernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mok import ops
+from mok.config import MoKConfig
+from mok.errors import MoKInputError
+from mok.workspace import Workspace, get_workspace
+
+__all__ = ["DeviceSchedule", "build_schedule", "dispatch", "combine", "moe_forward"]
+
+
+@dataclass
+class DeviceSchedule:
+    """The schedule table on the device (views into the workspace; valid until the next
+    :func:`build_schedule` on the same workspace).
+
+    Row-indexed arrays have the workspace capacity; rows at or past ``num_rows`` (and dedup
+    rows past ``num_dedup_rows``) are unspecified. All int32.
+    """
+
+    ws: Workspace
+    topk_idx: torch.Tensor  # [num_tokens, num_topk] int32 (this rank's routing)
+    topk_weights: torch.Tensor  # [num_tokens, num_topk] fp32
+
+    def _v(self, name: str, n: int) -> torch.Tensor:
+        return self.ws.sched_view(name, n)
+
+    @property
+    def counts_all(self) -> torch.Tensor:  # [num_experts, num_ranks] (M of every expert)
+        return self._v("counts", self.ws.shapes.num_experts * self.ws.num_ranks).view(
+            self.ws.shapes.num_experts, self.ws.num_ranks
+        )
+
+    @property
+    def counts(self) -> torch.Tensor:  # [num_local_experts, num_ranks]
+        L, r = self.ws.num_local_experts, self.ws.rank
+        return self.counts_all[r * L : (r + 1) * L]
+
+    @property
+    def offsets_all(self) -> torch.Tensor:  # [num_ranks, num_local_experts + 1]
+        R, L = self.ws.num_ranks, self.ws.num_local_experts
+        return self._v("offsets", R * (L + 1)).view(R, L + 1)
+
+    @property
+    def offsets(self) -> torch.Tensor:  # [num_local_experts + 1]
+        return self.offsets_all[self.ws.rank]
+
+    def _rows(self, name: str) -> torch.Tensor:  # [capacity]
+        return self._v(name, self.ws.capacity)
+
+    @property
+    def src_rank(self) -> torch.Tensor:
+        return self._rows("src_rank")
+
+    @property
+    def src_index(self) -> torch.Tensor:
+        return self._rows("src_index")
+
+    @property
+    def fanout(self) -> torch.Tensor:
+        return self._rows("fanout")
+
+    def _nk(self, name: str) -> torch.Tensor:  # [num_tokens, num_topk]
+        s = self.ws.shapes
+        return self._v(name, s.num_tokens * s.num_topk).view(s.num_tokens, s.num_topk)
+
+    @property
+    def dst_rank(self) -> torch.Tensor:
+        return self._nk("dst_rank")
+
+    @property
+    def dst_index(self) -> torch.Tensor:
+        return self._nk("dst_index")
+
+    def _dedup(self, name: str) -> torch.Tensor:  # [num_ranks * num_tokens]
+        return self._v(name, self.ws.num_ranks * self.ws.shapes.num_tokens)
+
+    @property
+    def dedup_src_rank(self) -> torch.Tensor:
+        return self._dedup("dedup_src_rank")
+
+    @property
+    def dedup_src_token(self) -> torch.Tensor:
+        return self._dedup("dedup_src_token")
+
+    @property
+    def dedup_slot(self) -> torch.Tensor:
+        return self._dedup("dedup_slot")
+
+    @property
+    def num_rows(self) -> torch.Tensor:  # [1] int32 on the device
+        return self.ws.sched_view("meta", 1)
+
+    @property
+    def num_dedup_rows(self) -> torch.Tensor:  # [1] int32 on the device
+        m = self.ws.sched_off["meta"] + 1
+        return self.ws.sched[m : m + 1]
+
+    @property
+    def group_ends(self) -> torch.Tensor:  # [num_local_experts] int32: padded region ends
+        return self.offsets[1:]
+
+    def to_host(self) -> dict[str, torch.Tensor]:
+        """Synchronise and return the table trimmed to its real sizes as CPU int64 tensors,
+        named like :class:`reference.schedule.Schedule` (for tests and debugging)."""
+        self.ws.check()
+        P, D = int(self.num_rows.item()), int(self.num_dedup_rows.item())
+
+        def h(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", torch.int64)
+
+        return {
+            "counts": h(self.counts),
+            "tokens_per_expert": h(self.counts).sum(dim=1),
+            "offsets": h(self.offsets),
+            "src_rank": h(self.src_rank[:P]),
+            "src_index": h(self.src_index[:P]),
+            "dst_rank": h(self.dst_rank),
+            "dst_index": h(self.dst_index),
+            "dedup_src_rank": h(self.dedup_src_rank[:D]),
+            "dedup_src_token": h(self.dedup_src_token[:D]),
+            "dedup_slot": h(self.dedup_slot[:D]),
+            "fanout": h(self.fanout[:P]),
+        }
+
+
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise MoKInputError(f"{name} must be a torch.Tensor (found {type(t).__name__})")
+    if tuple(t.shape) != shape:
+        raise MoKInputError(f"{name} must have shape {shape} (found {tuple(t.shape)})")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise MoKInputError(f"{name} must be {names} (found {str(t.dtype).replace('torch.', '')})")
+    if t.device != device:
+        raise MoKInputError(f"{name} is on {t.device}; the workspace lives on {device}")
+
+
+def build_schedule(
+    topk_idx: torch.Tensor,  # [num_tokens, num_topk] int32/int64
+    topk_weights: torch.Tensor,  # [num_tokens, num_topk] float
+    ws: Workspace,
+) -> DeviceSchedule:
+    """All-gather the routing into symmetric memory and build this rank's schedule on the GPU.
+
+    Expert ids out of range or repeated within a token are detected on the device and raised
+    (as :class:`mok.MoKInputError`) by the next mok call or :meth:`Workspace.check`.
+    """
+    s = ws.shapes
+    shape = (s.num_tokens, s.num_topk)
+    _check_tensor("topk_idx", topk_idx, shape, (torch.int32, torch.int64), ws.device)
+    floats = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    _check_tensor("topk_weights", topk_weights, shape, floats, ws.device)
+    idx = topk_idx.to(torch.int32).contiguous()
+    w = topk_weights.to(torch.float32).contiguous()
+    ops.build_schedule(idx, w, ws.sched, ws.id)
+    return DeviceSchedule(ws, idx, w)
+
+
+def dispatch(x: torch.Tensor, schedule: DeviceSchedule, mode: str | None = None) -> torch.Tensor:
+    """Move this rank's token rows to the expert owners.
+
+    x: [num_tokens, hidden] (the workspace dtype). Returns the receive buffer [capacity, hidden]
+    (a workspace view, valid until the next dispatch): rows ``offsets[l]..offsets[l] +
+    tokens_per_expert[l]`` hold local expert l's tokens in schedule order; padding rows and rows
+    past ``num_rows`` are unspecified. Writing x into ``ws.x_buffer`` first saves a copy.
+    """
+    ws = schedule.ws
+    mode = mode or ws.config.dispatch_mode
+    if mode not in ops._DISPATCH_KERNELS:
+        raise MoKInputError(
+            f"unknown dispatch mode {mode!r}; supported: {', '.join(ops._DISPATCH_KERNELS)}"
+        )
+    _check_tensor("x", x, (ws.shapes.num_tokens, ws.shapes.hidden), (ws.shapes.dtype,), ws.device)
+    x = x.contiguous()
+    recv = ws.recv_buffer
+    ops.dispatch(x, ws.sched, recv, ws.id, mode)
+    return recv
+
+
+def combine(
+    y: torch.Tensor,  # [capacity, hidden] bf16 expert outputs in receive-row order
+    schedule: DeviceSchedule,
+    mode: str | None = None,
+    shared_y: torch.Tensor | None = None,  # [num_tokens, hidden] bf16 or fp32
+    dedup: bool | None = None,
+) -> torch.Tensor:
+    """Return expert outputs to their home rank and sum them in fixed order:
+    ``out = bf16(shared_y + w_0 * y_0 + w_1 * y_1 + ...)`` (fp32, separate roundings).
+
+    ``mode`` is ``push`` or ``pull`` (default: the config's combine_mode); ``dedup`` (default:
+    the config's dispatch_mode is ``dedup_pull``) first sums each token's rows on the expert
+    owner in k order and pushes one partial per (token, rank). Returns [num_tokens, hidden] bf16.
+    """
+    ws = schedule.ws
+    s = ws.shapes
+    mode = mode or ws.config.combine_mode
+    if mode not in ("push", "pull"):
+        raise MoKInputError(f"unknown combine mode {mode!r}; supported: push, pull")
+    dedup = ws.config.dispatch_mode == "dedup_pull" if dedup is None else dedup
+    if dedup and mode != "push":
+        raise MoKInputError("the dedup combine is a push combine: use mode='push'")
+    _check_tensor("y", y, (ws.capacity, s.hidden), (torch.bfloat16,), ws.device)
+    if shared_y is not None:
+        _check_tensor(
+            "shared_y",
+            shared_y,
+            (s.num_tokens, s.hidden),
+            (torch.bfloat16, torch.float32),
+            ws.device,
+        )
+        shared_y = shared_y.contiguous()
+    out = torch.empty(s.num_tokens, s.hidden, dtype=torch.bfloat16, device=ws.device)
+    kernel_mode = "dedup_push" if dedup else mode
+    ops.combine(
+        y.contiguous(),
+        ws.sched,
+        schedule.topk_idx,
+        schedule.topk_weights,
+        shared_y,
+        out,
+        ws.id,
+        kernel_mode,
+    )
+    return out
+
+
+_GMM_FP32_OUT: bool | None = None
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a [M, K] bf16 @ b [G, K, N] per group of rows ending at offs [G]; fp32 output where
+    torch supports it (no extra rounding of the intermediate), else bf16."""
+    global _GMM_FP32_OUT
+    if _GMM_FP32_OUT is not False:
+        try:
+            out = torch._grouped_mm(a, b, offs=offs, out_dtype=torch.float32)
+            _GMM_FP32_OUT = True
+            return out
+        except (RuntimeError, TypeError):
+            _GMM_FP32_OUT = False
+    return torch._grouped_mm(a, b, offs=offs).float()
+
+
+def moe_forward(
+    x: torch.Tensor,  # [num_tokens, hidden] bf16
+    topk_idx: torch.Tensor,  # [num_tokens, num_topk] int
+    topk_weights: torch.Tensor,  # [num_tokens, num_topk] float
+    weights,  # w_gate/w_up [L, I, H], w_down [L, H, I] bf16; optional shared_w_* (MoEWeights)
+    num_experts: int,
+    config: MoKConfig | None = None,
+    group=None,
+) -> torch.Tensor:
+    """The MoE layer on this rank: schedule, dispatch, grouped SwiGLU experts, combine.
+
+    Returns [num_tokens, hidden] bf16 = shared(x) + sum_k w_k expert_k(x).
+    """
+    config = config or MoKConfig()
+    if x.ndim != 2 or x.dtype != torch.bfloat16:
+        raise MoKInputError(
+            f"x must be [num_tokens, hidden] bf16 (found {tuple(x.shape)} {x.dtype})"
+        )
+    if topk_idx.ndim != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise MoKInputError(
+            f"topk_idx must be [num_tokens={x.shape[0]}, num_topk] (found {tuple(topk_idx.shape)})"
+        )
+    wg, wu, wd = weights.w_gate, weights.w_up, weights.w_down
+    for name, t in (("w_gate", wg), ("w_up", wu), ("w_down", wd)):
+        if t.dtype != torch.bfloat16 or t.device != x.device:
+            raise MoKInputError(
+                f"weights.{name} must be bf16 on {x.device} (found {t.dtype} on {t.device})"
+            )
+    if wg.shape[2] != x.shape[1]:
+        raise MoKInputError(f"x has hidden={x.shape[1]} but w_gate has hidden={wg.shape[2]}")
+    ws = get_workspace(
+        x.shape[0], x.shape[1], topk_idx.shape[1], num_experts, x.dtype, config, group, x.device
+    )
+    if wg.shape[0] != ws.num_local_experts:
+        raise MoKInputError(
+            f"rank {ws.rank} holds {wg.shape[0]} experts, expected num_experts / num_ranks = "
+            f"{ws.num_local_experts}"
+        )
+    sched = build_schedule(topk_idx, topk_weights, ws)
+    recv = dispatch(x, sched)
+    offs = sched.group_ends
+    w_gu = torch.cat([wg, wu], dim=1)  # [L, 2I, H]
+    gu = _grouped_mm(recv, w_gu.transpose(1, 2), offs)  # [capacity, 2I] fp32
+    inter = wg.shape[1]
+    h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(torch.bfloat16)
+    y = _grouped_mm(h, wd.transpose(1, 2), offs).to(torch.bfloat16)  # [capacity, H]
+    shared_y = None
+    if getattr(weights, "shared_w_gate", None) is not None:
+        xf = x.float()
+        g = xf @ weights.shared_w_gate.float().T
+        u = xf @ weights.shared_w_up.float().T
+        sh = (F.silu(g) * u).to(torch.bfloat16).float()
+        shared_y = (sh @ weights.shared_w_down.float().T).to(torch.bfloat16)
+    return combine(y, sched, shared_y=shared_y)

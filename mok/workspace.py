@@ -1,0 +1,362 @@
+"""Workspace: symmetric buffers, schedule storage, signal epochs and the error record.
+
+One symmetric allocation per rank (``torch.distributed._symmetric_memory.empty`` +
+``rendezvous``; no multicast) holds, at fixed byte offsets: the signal pad, the all-gathered
+routing, the x buffer (pull dispatch reads peers' rows from it), the receive buffer (push
+dispatch stores into peers'), the combine slots (push combine) and the expert-output buffer
+(pull combine). Workspaces are cached per (group, device, shapes, dtype, config); creating one is
+collective and happens once, outside the steady state. Steady-state calls only bump host-side
+epoch counters and launch kernels: no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mok import _ext
+from mok.config import MoKConfig
+from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError, MoKUnsupportedError
+
+__all__ = ["Workspace", "get_workspace", "clear_workspaces"]
+
+_ALIGN = 256
+_CHUNK_TOKENS = 64
+_SCHEDULE_BLOCKS = 64
+_cache: dict[tuple, Workspace] = {}
+_by_handle: dict[int, Workspace] = {}
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Shapes:
+    num_tokens: int
+    hidden: int
+    num_topk: int
+    num_experts: int
+    dtype: torch.dtype
+
+
+def _layout(names_sizes: list[tuple[str, int]], align: int) -> tuple[dict[str, int], int]:
+    off, out = 0, {}
+    for name, size in names_sizes:
+        out[name] = off
+        off += -(-size // align) * align
+    return out, off
+
+
+class Workspace:
+    """Buffers and state of the layer on one rank. Use :func:`get_workspace`."""
+
+    def __init__(self, shapes: Shapes, config: MoKConfig, group, device: torch.device):
+        import torch.distributed as dist
+
+        self.shapes, self.config, self.device = shapes, config, device
+        self.group = group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if distributed else 0
+        self.num_ranks = dist.get_world_size(group) if distributed else 1
+        R, N, H, K, E = (
+            self.num_ranks,
+            shapes.num_tokens,
+            shapes.hidden,
+            shapes.num_topk,
+            shapes.num_experts,
+        )
+        if R > _ext.MAX_RANKS:
+            raise MoKUnsupportedError(
+                f"mok's NVLink kernels support up to {_ext.MAX_RANKS} ranks (found {R})"
+            )
+        if E % R:
+            raise MoKInputError(f"num_experts={E} is not divisible by num_ranks={R}")
+        if not 1 <= K <= _ext.MAX_TOPK:
+            raise MoKInputError(f"num_topk must be in [1, {_ext.MAX_TOPK}] (found {K})")
+        elem = torch.empty((), dtype=shapes.dtype).element_size()
+        self.row_bytes = H * elem
+        if (H * 2) % 16 or self.row_bytes % 16:
+            raise MoKInputError(f"hidden={H} must make 16-byte rows (hidden % 8 == 0 for bf16)")
+        self.num_local_experts = E // R
+        self.capacity = config.capacity_rows(N, K, self.num_local_experts)
+        self.num_chunks = max(1, -(-N // _CHUNK_TOKENS))
+        self.num_minibatches = -(-self.capacity // config.minibatch_size)
+
+        # Symmetric layout (bytes).
+        self.sym_off, sym_bytes = _layout(
+            [
+                ("signals", _ext.NUM_SIGNALS * _ext.MAX_RANKS * 8),
+                ("route_status", 2 * _ext.MAX_RANKS * 2 * 4),
+                ("route_idx", 2 * R * N * K * 4),
+                ("route_w", 2 * R * N * K * 4),
+                ("x", N * self.row_bytes),
+                ("recv", self.capacity * self.row_bytes),
+                ("slots", N * K * H * 2),
+                ("y", self.capacity * H * 2),
+            ],
+            _ALIGN,
+        )
+        # Local schedule layout (int32 elements).
+        L, cap, NC = self.num_local_experts, self.capacity, self.num_chunks
+        self.sched_off, sched_len = _layout(
+            [
+                ("counts", E * R),
+                ("offsets", R * (L + 1)),
+                ("src_rank", cap),
+                ("src_index", cap),
+                ("dst_rank", N * K),
+                ("dst_index", N * K),
+                ("dedup_src_rank", R * N),
+                ("dedup_src_token", R * N),
+                ("dedup_slot", R * N),
+                ("fanout", cap),
+                ("fan_rows", R * N * K),
+                ("fan_w", R * N * K),
+                ("hist", R * NC * E),
+                ("dhist", R * NC),
+                ("dcount", R),
+                ("meta", _ext.META_WORDS),
+                ("ready", self.num_minibatches),
+            ],
+            _ALIGN // 4,
+        )
+        self.sched = torch.zeros(sched_len, dtype=torch.int32, device=device)
+        self.sched[self.sched_off["meta"] + _ext.META["bad_detail"]] = 2**31 - 1
+
+        if distributed:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self.sym = symm_mem.empty(sym_bytes, dtype=torch.uint8, device=device)
+            self.handle = symm_mem.rendezvous(self.sym, group=group or dist.group.WORLD)
+            ptrs = list(self.handle.buffer_ptrs)
+            if ptrs[self.rank] != self.sym.data_ptr():
+                raise MoKUnsupportedError(
+                    f"symmetric buffer of rank {self.rank} is at {ptrs[self.rank]:#x} in the "
+                    f"handle but the tensor is at {self.sym.data_ptr():#x}; mok needs the tensor "
+                    "to be the start of its symmetric allocation"
+                )
+        else:
+            self.sym = torch.empty(sym_bytes, dtype=torch.uint8, device=device)
+            self.handle = None
+            ptrs = [self.sym.data_ptr()]
+        self.sym_ptrs = ptrs
+        # NOTE: the signal pad must start at zero on every rank before any peer signals it.
+        self.sym[: self.sym_off["route_idx"]].zero_()
+        torch.cuda.synchronize(device)
+        if self.handle is not None:
+            self.handle.barrier()
+
+        # Host-mapped error record (8 int64, see csrc/params.h ErrorField): kernels write it,
+        # Python reads it without synchronising the device.
+        self.error = torch.zeros(8, dtype=torch.int64).pin_memory()
+        self._ext = _ext.load()
+        self.error_dev = self._ext.host_device_pointer(self.error.data_ptr())
+        self.epochs = {"route": 0, "x": 0, "recv": 0, "slots": 0, "y": 0}
+        self.broken: Exception | None = None
+        self.id = len(_by_handle) + 1
+        _by_handle[self.id] = self
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if config.num_comm_sms > sms:
+            raise MoKUnsupportedError(
+                f"num_comm_sms={config.num_comm_sms} exceeds the {sms} SMs of this GPU"
+            )
+
+    # ---- views ---------------------------------------------------------------------------
+    def sym_view(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        off = self.sym_off[name]
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.sym[off : off + nbytes].view(dtype).view(shape)
+
+    @property
+    def x_buffer(self) -> torch.Tensor:
+        """[num_tokens, hidden] symmetric x buffer: write tokens here to skip the staging copy
+        of pull dispatch."""
+        return self.sym_view("x", self.shapes.dtype, (self.shapes.num_tokens, self.shapes.hidden))
+
+    @property
+    def recv_buffer(self) -> torch.Tensor:
+        """[capacity, hidden] receive buffer (expert-contiguous rows; padding rows untouched)."""
+        return self.sym_view("recv", self.shapes.dtype, (self.capacity, self.shapes.hidden))
+
+    @property
+    def y_buffer(self) -> torch.Tensor:
+        """[capacity, hidden] bf16 expert-output buffer read by pull combine: write the expert
+        outputs here to skip its staging copy."""
+        return self.sym_view("y", torch.bfloat16, (self.capacity, self.shapes.hidden))
+
+    def sched_view(self, name: str, length: int) -> torch.Tensor:
+        off = self.sched_off[name]
+        return self.sched[off : off + length]
+
+    # ---- launches ------------------------------------------------------------------------
+    def params(self, family: str | None) -> _ext.Params:
+        s, p = self.shapes, _ext.Params()
+        p.rank, p.num_ranks, p.num_tokens, p.num_topk = (
+            self.rank,
+            self.num_ranks,
+            s.num_tokens,
+            s.num_topk,
+        )
+        p.num_experts, p.num_local_experts = s.num_experts, self.num_local_experts
+        p.row_tile, p.capacity = self.config.row_tile, self.capacity
+        p.chunk_tokens, p.num_chunks = _CHUNK_TOKENS, self.num_chunks
+        p.minibatch_rows, p.num_minibatches = self.config.minibatch_size, self.num_minibatches
+        p.hidden, p.row_bytes = s.hidden, self.row_bytes
+        p.epoch = self.epochs[family] if family else 0
+        p.timeout_ns = int(self.config.wait_timeout_ms * 1e6)
+        for r, ptr in enumerate(self.sym_ptrs):
+            p.sym_base[r] = ptr
+        for name, off in self.sym_off.items():
+            setattr(p, f"off_{name}", off)
+        p.sched = self.sched.data_ptr()
+        for name, off in self.sched_off.items():
+            setattr(p, f"o_{name}", off)
+        p.error = self.error_dev
+        return p
+
+    def launch(self, kernel: str, p: _ext.Params, grid: int) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._ext.launch(_ext.KERNELS[kernel], bytes(p), grid, stream)
+
+    def schedule_blocks(self) -> int:
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return min(sms, _SCHEDULE_BLOCKS)
+
+    # ---- errors --------------------------------------------------------------------------
+    def raise_if_failed(self) -> None:
+        """Raise the error a kernel recorded (reads host memory; no device synchronisation)."""
+        if self.broken is not None:
+            raise self.broken
+        rec = self.error.tolist()
+        if rec[0] == 0:
+            return
+        self.broken = self._decode(rec)
+        raise self.broken
+
+    def check(self) -> None:
+        """Synchronise the device, then raise any recorded error (for tests and debugging)."""
+        torch.cuda.synchronize(self.device)
+        self.raise_if_failed()
+
+    def _decode(self, rec: list[int]) -> Exception:
+        code, wait, peer, observed, expected, rank, epoch, extra = rec
+        where = f"rank {rank}, epoch {epoch}"
+        tail = (
+            " The workspace is unusable now; call mok.clear_workspaces() on every rank and "
+            "rebuild it."
+        )
+        if code == _ext.ERR_TIMEOUT:
+            name = (
+                "grid barrier"
+                if wait == _ext.WAIT_GRID_BARRIER
+                else _ext.SIGNALS[wait]
+                if 0 <= wait < len(_ext.SIGNALS)
+                else f"wait {wait}"
+            )
+            return MoKTimeoutError(
+                f"mok: wait '{name}' for peer {peer} timed out after "
+                f"{self.config.wait_timeout_ms:g} ms on {where}: counter {observed}, expected "
+                f">= {expected}. Did every rank of the group enter the layer with the same "
+                f"shapes and config?{tail}",
+                wait=name,
+                peer=peer,
+                observed=observed,
+                expected=expected,
+            )
+        if code == _ext.ERR_CAPACITY:
+            return MoKCapacityError(
+                f"mok: rank {peer} must receive {observed} rows (padded to row_tile="
+                f"{self.config.row_tile}) but its receive buffer holds {expected} "
+                f"(capacity_factor={self.config.capacity_factor:g}); the overflow starts at "
+                f"expert {extra}. Raise capacity_factor; mok never drops tokens ({where}).{tail}"
+            )
+        if code in (_ext.ERR_BAD_EXPERT, _ext.ERR_DUP_EXPERT):
+            K = self.shapes.num_topk
+            what = (
+                f"expert {observed} outside [0, num_experts={expected})"
+                if code == _ext.ERR_BAD_EXPERT
+                else f"expert {observed} twice (each token's top-k experts must be distinct)"
+            )
+            return MoKInputError(
+                f"mok: topk_idx of rank {peer} routes token {extra // K} (k={extra % K}) to "
+                f"{what}; detected on {where}.{tail}"
+            )
+        return MoKUnsupportedError(f"mok: kernel error code {code} on {where}: {rec}")
+
+
+def _group_key(group) -> tuple:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ("local",)
+    g = group or dist.group.WORLD
+    return (getattr(g, "group_name", str(id(g))), dist.get_world_size(g))
+
+
+def get_workspace(
+    num_tokens: int,
+    hidden: int,
+    num_topk: int,
+    num_experts: int,
+    dtype: torch.dtype = torch.bfloat16,
+    config: MoKConfig | None = None,
+    group=None,
+    device: torch.device | int | str | None = None,
+) -> Workspace:
+    """The cached workspace of these shapes and config (created collectively on first use)."""
+    config = config or MoKConfig()
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    shapes = Shapes(num_tokens, hidden, num_topk, num_experts, dtype)
+    key = (_group_key(group), device.index, shapes, config)
+    ws = _cache.get(key)
+    if ws is None:
+        _check_same_everywhere(key, group)
+        ws = Workspace(shapes, config, group, device)
+        _cache[key] = ws
+    return ws
+
+
+def workspace_by_id(handle: int) -> Workspace:
+    return _by_handle[handle]
+
+
+def clear_workspaces() -> None:
+    """Drop every cached workspace (collective when distributed: call on every rank)."""
+    import gc
+
+    _cache.clear()
+    _by_handle.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _check_same_everywhere(key: tuple, group) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    mine = repr(key[2:])
+    # NOTE: only on workspace creation (once per shape/config), never in the steady state.
+    t = torch.tensor(list(mine.encode()), dtype=torch.uint8)
+    n = torch.tensor([t.numel()], dtype=torch.int64)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ns = [torch.empty_like(n, device=dev) for _ in range(world)]
+    dist.all_gather(ns, n.to(dev), group=group)
+    size = max(int(x.item()) for x in ns)
+    pad = torch.zeros(size, dtype=torch.uint8, device=dev)
+    pad[: t.numel()] = t.to(dev)
+    parts = [torch.empty_like(pad) for _ in range(world)]
+    dist.all_gather(parts, pad, group=group)
+    texts = [bytes(p[: int(k.item())].tolist()).decode() for p, k in zip(parts, ns, strict=True)]
+    if any(x != mine for x in texts):
+        diff = "; ".join(f"rank {r}: {x}" for r, x in enumerate(texts))
+        raise MoKInputError(f"ranks disagree on the layer's shapes or config: {diff}")

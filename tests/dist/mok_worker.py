@@ -1,0 +1,279 @@
+"""Worker of the mok GPU tests; launched by tests/test_mok_gpu.py through torchrun (1 or 2 GPUs).
+
+Every rank builds the whole problem (all ranks' routing, tokens and expert outputs, seeded per
+rank), runs mok on its own slice and checks it against the reference computed on the CPU for
+the whole problem (oracle anchor): the schedule table, the dispatched rows and the combined
+outputs bitwise, the full layer within the BF16 rule. Prints ``MOK-WORKER-OK rank=R``.
+
+``--timeout``: rank 1 never enters the layer; rank 0 must raise MoKTimeoutError in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import mok
+from mok import functional as mf
+from mok.workload import ModelShape, make_routing
+from reference import ep as ref_ep
+from reference.moe import combine as ref_combine
+from reference.moe import moe_forward as ref_moe_forward
+from reference.schedule import build_all_schedules
+from reference.weights import MoEWeights
+from tests import tolerances as tol
+
+SEED = 4321
+FIELDS = [
+    "counts",
+    "tokens_per_expert",
+    "offsets",
+    "src_rank",
+    "src_index",
+    "dst_rank",
+    "dst_index",
+    "dedup_src_rank",
+    "dedup_src_token",
+    "dedup_slot",
+    "fanout",
+]
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(f"rank {dist.get_rank()}: {what}")
+
+
+def tokens(rank: int, n: int, hidden: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(SEED + rank)
+    return torch.randn(n, hidden, generator=g).to(torch.bfloat16)
+
+
+def expert_outputs(rank: int, rows: int, cap: int, hidden: int) -> torch.Tensor:
+    """[cap, hidden] bf16: random rows for the schedule's rows, NaN poison past them."""
+    g = torch.Generator().manual_seed(SEED + 1000 + rank)
+    y = torch.full((cap, hidden), float("nan"), dtype=torch.bfloat16)
+    y[:rows] = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+    return y
+
+
+def ref_combines(scheds, ys, idx_all, w_all, shared, rank, K):
+    """Reference outputs of `rank` for the plain and the dedup combine (bf16)."""
+    s = scheds[rank]
+    N, H = s.num_tokens, ys[0].shape[1]
+    # Plain: slot (t, k) holds y of row dst_index on dst_rank (pure data movement).
+    slots = torch.stack(ys)[s.dst_rank.reshape(-1), s.dst_index.reshape(-1)].float()
+    plain = ref_combine(slots.view(N, K, H), w_all[rank], shared, torch.bfloat16)
+    # Dedup: every owner's weighted partial per (token, rank), placed in slot t * K + j.
+    dslots = torch.zeros(N * K, H)
+    for d, sd in enumerate(scheds):
+        part = ref_ep._dedup_partials(
+            ys[d][: sd.num_rows].float(), sd, ref_ep._row_weights(sd, w_all), torch.bfloat16
+        )
+        mine = (sd.dedup_src_rank == rank).nonzero().squeeze(1)
+        dslots[sd.dedup_slot[mine]] = part[mine]
+    filled = torch.zeros(N * K)
+    filled[ref_ep._dedup_slots_filled(s, idx_all[rank])] = 1.0
+    dedup = ref_combine(dslots.view(N, K, H), filled.view(N, K), shared, torch.bfloat16)
+    return plain.to(torch.bfloat16), dedup.to(torch.bfloat16)
+
+
+def comm_case(hidden, K, E, N, skew, dev, repeat=0):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = make_routing(N, E, K, world, skew, seed=SEED + hidden + K)
+    idx_all = torch.from_numpy(t.topk_idx).view(world, N, K)
+    w_all = torch.from_numpy(t.topk_weights).view(world, N, K)
+    cfg = mok.MoKConfig(num_comm_sms=8, minibatch_size=512, wait_timeout_ms=20000.0)
+    ws = mok.get_workspace(N, hidden, K, E, torch.bfloat16, cfg, device=dev)
+    tag = f"[H={hidden} K={K} E={E} N={N} {skew}]"
+
+    sched = mf.build_schedule(idx_all[rank].to(dev), w_all[rank].to(dev), ws)
+    got = sched.to_host()
+    refs = build_all_schedules(idx_all, E, cfg.row_tile)
+    want = refs[rank]
+    for f in FIELDS:
+        check(torch.equal(got[f], getattr(want, f)), f"{tag} schedule.{f} differs")
+
+    xs = [tokens(r, N, hidden) for r in range(world)]
+    x_all = torch.cat(xs)
+    real = (want.src_rank >= 0).nonzero().squeeze(1)
+    expect_rows = x_all[want.src_rank[real] * N + want.src_index[real] // K]
+    for mode in ("pull", "dedup_pull", "push"):
+        recv = mf.dispatch(xs[rank].to(dev), sched, mode)
+        ws.check()
+        check(
+            torch.equal(recv[real.to(dev)].cpu(), expect_rows), f"{tag} dispatch {mode} rows differ"
+        )
+
+    ys = [expert_outputs(r, refs[r].num_rows, ws.capacity, hidden) for r in range(world)]
+    g = torch.Generator().manual_seed(SEED + 7)
+    shared = torch.randn(N * world, hidden, generator=g).to(torch.bfloat16)[
+        rank * N : (rank + 1) * N
+    ]
+    for sh in (None, shared):
+        plain, dedup = ref_combines(
+            refs, ys, idx_all, w_all, None if sh is None else sh.float(), rank, K
+        )
+        y = ys[rank].to(dev)
+        shd = None if sh is None else sh.to(dev)
+        outs = {}
+        for mode, dd in (("push", False), ("pull", False), ("push", True)):
+            outs[mode, dd] = mf.combine(y, sched, mode, shared_y=shd, dedup=dd).cpu()
+            ws.check()
+            want_out = dedup if dd else plain
+            check(torch.equal(outs[mode, dd], want_out), f"{tag} combine {mode} dedup={dd} differs")
+        check(torch.equal(outs["push", False], outs["pull", False]), f"{tag} push vs pull")
+    for i in range(repeat):
+        sched = mf.build_schedule(idx_all[rank].to(dev), w_all[rank].to(dev), ws)
+        for mode in ("pull", "dedup_pull", "push"):
+            recv = mf.dispatch(xs[rank].to(dev), sched, mode)
+            check(torch.equal(recv[real.to(dev)].cpu(), expect_rows), f"{tag} repeat {i} {mode}")
+        for mode, dd in (("push", False), ("pull", False), ("push", True)):
+            o = mf.combine(y, sched, mode, shared_y=shd, dedup=dd).cpu()
+            check(torch.equal(o, outs[mode, dd]), f"{tag} repeat {i} combine {mode} {dd}")
+    ws.check()
+    return ws
+
+
+def layer_case(dev):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape = ModelShape("mok-test", 32, 512, 256, 4, shared_intermediate=256)
+    N, E = 300, shape.num_experts
+    w64 = MoEWeights.random(shape, seed=SEED, dtype=torch.float64)
+    t = make_routing(N, E, shape.num_topk, world, "hot:0.5", seed=SEED)
+    idx = torch.from_numpy(t.topk_idx)
+    tw = torch.from_numpy(t.topk_weights)
+    x64 = torch.cat([tokens(r, N, shape.hidden) for r in range(world)]).double()
+    xb, wb = x64.to(torch.bfloat16), w64.to(torch.bfloat16)
+    oracle = ref_moe_forward(xb.double(), idx, tw.double(), wb.to(torch.float64), torch.float64)
+    ref_b = ref_moe_forward(xb, idx, tw, wb, torch.bfloat16)
+    sl = slice(rank * N, (rank + 1) * N)
+    lw = wb.shard(rank, world)
+    lw = MoEWeights(*(None if v is None else v.to(dev) for v in vars(lw).values()))
+    outs = {}
+    for dm, cm in (("pull", "push"), ("push", "push"), ("pull", "pull"), ("dedup_pull", "push")):
+        cfg = mok.MoKConfig(dispatch_mode=dm, combine_mode=cm, num_comm_sms=16)
+        out = mf.moe_forward(xb[sl].to(dev), idx[sl].to(dev), tw[sl].to(dev), lw, E, cfg)
+        mok.get_workspace(N, shape.hidden, 4, E, torch.bfloat16, cfg, device=dev).check()
+        outs[dm, cm] = out.cpu()
+        tol.assert_bf16_rule(outs[dm, cm], ref_b[sl], oracle[sl])
+    check(torch.equal(outs["pull", "push"], outs["push", "push"]), "layer: pull vs push dispatch")
+    check(torch.equal(outs["pull", "push"], outs["pull", "pull"]), "layer: push vs pull combine")
+
+
+def error_cases(dev):
+    rank = dist.get_rank()
+    N, H, K, E = 200, 256, 4, 16
+    cfg = mok.MoKConfig(num_comm_sms=4, wait_timeout_ms=5000.0)
+    ws = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg, device=dev)
+    idx = torch.arange(K, device=dev).repeat(N, 1)
+    w = torch.full((N, K), 0.25, device=dev)
+    for bad, msg in (
+        (lambda: mf.build_schedule(idx[:, :2], w, ws), "topk_idx must have shape"),
+        (lambda: mf.build_schedule(idx.float(), w, ws), "topk_idx must be int32, int64"),
+        (lambda: mf.build_schedule(idx.cpu(), w, ws), "is on cpu"),
+    ):
+        try:
+            bad()
+            check(False, f"no error for {msg}")
+        except mok.MoKInputError as e:
+            check(msg in str(e), str(e))
+    s = mf.build_schedule(idx, w, ws)
+    try:
+        mf.dispatch(torch.zeros(N, H, device=dev), s)
+        check(False, "fp32 x accepted")
+    except mok.MoKInputError as e:
+        check("x must be bfloat16" in str(e), str(e))
+    # Device-side routing check: rank 0 routes token 5 to expert E; every rank raises.
+    bad_idx = idx.clone()
+    if rank == 0:
+        bad_idx[5, 2] = E
+    mf.build_schedule(bad_idx, w, ws)
+    try:
+        ws.check()
+        check(False, "out-of-range expert not detected")
+    except mok.MoKInputError as e:
+        check(
+            "rank 0 routes token 5 (k=2) to expert 16 outside [0, num_experts=16)" in str(e), str(e)
+        )
+    # Capacity: every token to experts 0..K-1 overflows a small receive buffer on rank 0 (row
+    # tile 16 keeps the padding allowance small); every rank raises the same error.
+    cfg2 = mok.MoKConfig(num_comm_sms=4, capacity_factor=0.1, row_tile=16, wait_timeout_ms=5000.0)
+    ws2 = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg2, device=dev)
+    mf.build_schedule(idx, w, ws2)
+    try:
+        ws2.check()
+        check(False, "capacity overflow not detected")
+    except mok.MoKCapacityError as e:
+        check("rank 0 must receive" in str(e) and "never drops tokens" in str(e), str(e))
+
+
+def timeout_case(dev):
+    rank = dist.get_rank()
+    N, H, K, E = 256, 512, 4, 16
+    cfg = mok.MoKConfig(num_comm_sms=4, wait_timeout_ms=1000.0)
+    ws = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg, device=dev)
+    dist.barrier()
+    if rank == 0:
+        t0 = time.monotonic()
+        idx = torch.arange(K, device=dev).repeat(N, 1)
+        s = mf.build_schedule(idx, torch.full((N, K), 0.25, device=dev), ws)
+        mf.dispatch(torch.zeros(N, H, dtype=torch.bfloat16, device=dev), s)
+        try:
+            ws.check()
+            check(False, "no timeout raised")
+        except mok.MoKTimeoutError as e:
+            dt = time.monotonic() - t0
+            check(e.peer == 1 and e.wait == "route_ready", str(e))
+            check(dt < 1.0 + 5.0, f"timeout took {dt:.1f}s")
+            print(f"rank 0 raised after {dt:.2f}s: {e}", flush=True)
+        # Later calls keep raising the recorded error instead of hanging.
+        try:
+            mf.build_schedule(idx, torch.full((N, K), 0.25, device=dev), ws)
+            check(False, "broken workspace accepted a call")
+        except mok.MoKTimeoutError:
+            pass
+    dist.barrier()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--timeout", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    rank = dist.get_rank()
+    if args.timeout:
+        timeout_case(dev)
+    else:
+        cases = [
+            (2048, 8, 128, 1000, "uniform", 20),
+            (4096, 6, 64, 777, "hot:0.5", 0),
+            (7168, 8, 256, 512, "hot:0.5", 0),
+            (7168, 10, 64, 300, "uniform", 0),
+            (2048, 1, 32, 513, "uniform", 0),
+        ]
+        for hidden, K, E, N, skew, rep in cases[: 2 if args.quick else None]:
+            comm_case(hidden, K, E, N, skew, dev, repeat=rep)
+            print(f"rank {rank}: comm H={hidden} K={K} E={E} N={N} {skew} ok", flush=True)
+            mok.clear_workspaces()
+        layer_case(dev)
+        print(f"rank {rank}: layer ok", flush=True)
+        error_cases(dev)
+        print(f"rank {rank}: errors ok", flush=True)
+    dist.barrier()
+    print(f"MOK-WORKER-OK rank={rank}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""CPU contract of the mok API: config validation and JSON, import without CUDA, error text."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mok
+from mok import MoKConfig, MoKConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_and_roundtrip(tmp_path):
+    c = MoKConfig()
+    assert (c.dispatch_mode, c.combine_mode, c.num_comm_sms, c.row_tile) == (
+        "dedup_pull",
+        "push",
+        24,
+        128,
+    )
+    p = tmp_path / "cfg.json"
+    c2 = MoKConfig(dispatch_mode="pull", minibatch_size=1024, macrobatch_size=4096)
+    c2.to_json(p)
+    assert json.loads(p.read_text())["format"] == "mok-config/1"
+    assert MoKConfig.from_json(p) == c2
+    assert MoKConfig.from_json(c2.to_json()) == c2
+    assert MoKConfig.from_json(c2.to_dict()) == c2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dispatch_mode": "scatter"}, "unknown dispatch_mode 'scatter'; supported: pull, push"),
+        ({"combine_mode": "gather"}, "unknown combine_mode 'gather'"),
+        ({"combine_mode": "pull"}, "dedup_pull' pairs with the dedup push combine"),
+        ({"num_comm_sms": 0}, r"num_comm_sms must be in \[1, 132\] \(found 0\)"),
+        ({"num_comm_sms": 2.5}, "num_comm_sms must be an int"),
+        ({"row_tile": 96}, "row_tile must be a positive power of two"),
+        ({"minibatch_size": 100}, "minibatch_size must be a positive multiple of row_tile=128"),
+        ({"macrobatch_size": 6144}, "macrobatch_size must be >= minibatch_size=4096"),
+        ({"capacity_factor": 0}, "capacity_factor must be > 0"),
+        ({"wait_timeout_ms": float("nan")}, "wait_timeout_ms must be a finite number"),
+    ],
+)
+def test_validation_messages(kwargs, match):
+    with pytest.raises(MoKConfigError, match=match):
+        MoKConfig(**kwargs)
+
+
+def test_json_errors_name_keys():
+    with pytest.raises(MoKConfigError, match=r"unknown MoKConfig keys \['num_sm'\]; supported: "):
+        MoKConfig.from_json({"format": "mok-config/1", "config": {"num_sm": 3}})
+    with pytest.raises(MoKConfigError, match="config format 'sim/2' is not supported"):
+        MoKConfig.from_json({"format": "sim/2", "config": {}})
+    with pytest.raises(MoKConfigError, match=r"unknown top-level keys \['extra'\]"):
+        MoKConfig.from_json({"format": "mok-config/1", "config": {}, "extra": 1})
+
+
+def test_capacity_rows():
+    c = MoKConfig(capacity_factor=1.0, row_tile=128)
+    assert c.capacity_rows(100, 8, 4) == 1408  # 800 + 4 * 127 = 1308 -> 11 tiles
+
+
+def test_import_never_touches_cuda():
+    code = (
+        "import sys, mok, mok.functional, mok.ops, mok.workspace, mok.bench.comm\n"
+        "assert 'mok._ext' not in sys.modules or mok._ext._module is None\n"
+        "import torch; assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_unsupported_without_gpu_is_clear(monkeypatch):
+    import torch
+
+    from mok import _ext
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    monkeypatch.delenv("MOK_CUDA_ARCH", raising=False)
+    with pytest.raises(mok.MoKUnsupportedError, match="need a CUDA GPU .*torch .*CUDA .*nvcc"):
+        _ext.detect_arch()
+
+
+def test_exports():
+    for name in ("MoKConfig", "MoKTimeoutError", "MoKCapacityError", "MoKInputError"):
+        assert hasattr(mok, name)
+    assert issubclass(mok.MoKTimeoutError, mok.MoKError)
