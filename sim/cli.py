@@ -1,0 +1,360 @@
+"""``mok-sim``: compare, sweep, tune, trace, calibrate, bench; no arguments runs the default job.
+
+mok-sim                                  # default comparison + PNG (under 10 s)
+mok-sim compare --shape kimi-k2 --ep 64 --topology gb300-nvl72 --skew zipf:1.2
+mok-sim sweep --ep 8 --topology hgx-h200 --sms 8,16,24,32 --minibatch 2048,4096 --out s.csv
+mok-sim tune --ep 8 --topology hgx-h200 --emit-config mok-config.json
+mok-sim trace --ep 8 --topology hgx-h200 --out trace.json
+mok-sim calibrate probe.json --out h200.json
+mok-sim bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+from sim.config import COMBINE_MODES, DISPATCH_MODES, SimConfig, Workload
+
+__all__ = ["main", "DEFAULT_JOBS", "format_table"]
+
+# The embedded default job: the same question on the rack we design for and on the box we rent.
+DEFAULT_JOBS = (
+    Workload("deepseek-v3", 4096, 64, "gb300-nvl72", "zipf:0.2", seed=0),
+    Workload("deepseek-v3", 4096, 8, "hgx-h200", "zipf:0.2", seed=0),
+)
+DEFAULT_CONFIG = SimConfig(num_comm_sms=24, minibatch_size=4096, macrobatch_size=16384)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _strs(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def _add_workload(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--shape", default="deepseek-v3", help="model preset (mok.workload.PRESETS)")
+    g.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    g.add_argument("--ep", type=int, default=8, help="expert-parallel ranks")
+    g.add_argument("--topology", default="hgx-h200", help="topology preset, e.g. gb300-nvl72x2")
+    g.add_argument("--skew", default="uniform", help="uniform | zipf:A | hot:SHARE[:N][@CORR]")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _add_config(p: argparse.ArgumentParser, single: bool = True) -> None:
+    g = p.add_argument_group("kernel config")
+    if single:
+        g.add_argument("--dispatch", default="pull", choices=DISPATCH_MODES)
+        g.add_argument("--combine", default="push", choices=COMBINE_MODES)
+        g.add_argument("--sms", type=int, default=24, help="communication SMs")
+        g.add_argument("--minibatch", type=int, default=4096, help="rows per rank per round")
+        g.add_argument("--ring-slots", type=int, default=4, help="macrobatch / minibatch")
+    g.add_argument("--row-tile", type=int, default=128)
+    g.add_argument("--mechanism", default="tma", choices=("tma", "st"))
+    g.add_argument("--dtype", default="bf16", choices=("bf16", "mxfp8"))
+    g.add_argument("--granularity", default="round", choices=("round", "peer"))
+
+
+def _workload(a) -> Workload:
+    return Workload(a.shape, a.tokens, a.ep, a.topology, a.skew, a.seed)
+
+
+def _base_config(a, single: bool = True) -> SimConfig:
+    kw = {
+        "row_tile": a.row_tile,
+        "mechanism": a.mechanism,
+        "dtype": a.dtype,
+        "flow_granularity": a.granularity,
+    }
+    if single:
+        kw.update(
+            dispatch_mode=a.dispatch,
+            combine_mode=a.combine,
+            num_comm_sms=a.sms,
+            minibatch_size=a.minibatch,
+            macrobatch_size=a.minibatch * a.ring_slots,
+        )
+    return SimConfig(**kw)
+
+
+def format_table(results, title: str = "") -> str:
+    """A readable comparison table of LayerResults (first row is the speedup reference)."""
+    head = (
+        f"{'dispatch/combine':<18}{'layer us':>10}{'vs first':>9}{'gemm':>9}{'exp.comm':>9}"
+        f"{'signal':>8}{'idle%':>7}{'NVLink MB/rank':>16}"
+    )
+    lines = [title, head, "-" * len(head)] if title else [head, "-" * len(head)]
+    ref = results[0].layer_us
+    for r in results:
+        b = r.breakdown
+        lines.append(
+            f"{r.config.dispatch_mode + '/' + r.config.combine_mode:<18}"
+            f"{r.layer_us:>10.1f}{ref / r.layer_us:>8.3f}x{b['gemm_us']:>9.1f}"
+            f"{b['exposed_comm_us']:>9.1f}{b['signalling_us']:>8.1f}"
+            f"{100 * r.compute_idle_frac:>6.1f}%"
+            f"{r.payload_bytes['nvlink'] / r.workload.ep / 1e6:>16.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _default_job(wl: Workload) -> list:
+    from sim.model import plan_for
+    from sim.sweep import compare
+
+    res = compare(wl, DEFAULT_CONFIG, plan=plan_for(wl, DEFAULT_CONFIG.row_tile))
+    for r in res:  # only the summary travels back from a worker
+        r.graph = r.run = None
+    return res
+
+
+def _cmd_default(a) -> int:
+    t0 = time.perf_counter()
+    if (os.cpu_count() or 1) > 1:
+        # the big workload in a worker, the small one here, then the PNG code while we wait
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(1) as pool:
+            pending = pool.map_async(_default_job, DEFAULT_JOBS[:1])
+            rest = [_default_job(wl) for wl in DEFAULT_JOBS[1:]]
+            from sim.plots import compare_bars
+
+            results = pending.get() + rest
+    else:
+        from sim.plots import compare_bars
+
+        results = [_default_job(wl) for wl in DEFAULT_JOBS]
+    groups = {}
+    for wl, res in zip(DEFAULT_JOBS, results, strict=True):
+        groups[wl.label()] = res
+        print(format_table(res, f"\n{wl.label()}  ({DEFAULT_CONFIG.label().split(' ', 1)[1]})"))
+        best = min(res, key=lambda r: r.layer_us)
+        print(
+            f"fastest: {best.config.dispatch_mode}/{best.config.combine_mode} "
+            f"({best.layer_us:.1f} us per layer forward)"
+        )
+    fig = compare_bars(groups)
+    out = Path(a.out)
+    fig.savefig(out, dpi=110)
+    print(f"\nwrote {out.resolve()}  ({time.perf_counter() - t0:.1f} s)")
+    print(
+        "next: mok-sim tune --shape deepseek-v3 --ep 8 --topology hgx-h200 --emit-config cfg.json"
+    )
+    return 0
+
+
+def _cmd_compare(a) -> int:
+    from sim.results import write_csv
+    from sim.sweep import compare
+
+    wl, base = _workload(a), _base_config(a)
+    res = compare(wl, base)
+    print(format_table(res, f"{wl.label()}  ({base.label().split(' ', 1)[1]})"))
+    if a.csv:
+        write_csv([r.summary() for r in res], a.csv)
+        print(f"wrote {a.csv}")
+    return 0
+
+
+def _cmd_sweep(a) -> int:
+    from sim.results import write_csv
+    from sim.sweep import grid, rank_rows, sweep
+
+    wl, base = _workload(a), _base_config(a, single=False)
+    configs = grid(
+        _strs(a.dispatch),
+        _strs(a.combine),
+        _ints(a.sms),
+        _ints(a.minibatch),
+        _ints(a.ring_slots),
+        base,
+    )
+    t0 = time.perf_counter()
+    rows = sweep(wl, configs, jobs=a.jobs, progress=not a.quiet)
+    dt = time.perf_counter() - t0
+    write_csv(rows, a.out)
+    best = rank_rows(rows)[0]
+    print(f"{len(rows)} configs in {dt:.1f} s -> {a.out}")
+    print(
+        f"best: {best['dispatch_mode']}/{best['combine_mode']} sms={best['num_comm_sms']} "
+        f"mb={best['minibatch_size']} ring={best['macrobatch_size']} -> {best['layer_us']:.1f} us"
+    )
+    if a.heatmap:
+        from sim.plots import sweep_heatmap
+
+        sweep_heatmap(rows).savefig(a.heatmap, dpi=110)
+        print(f"wrote {a.heatmap}")
+    return 0
+
+
+def _cmd_tune(a) -> int:
+    from sim.model import simulate
+    from sim.sweep import tune, tune_document, write_json
+
+    wl, base = _workload(a), _base_config(a, single=False)
+    space = {}
+    if a.sms:
+        space["num_comm_sms"] = _ints(a.sms)
+    if a.minibatch:
+        space["minibatch_size"] = _ints(a.minibatch)
+    cfg, rows = tune(wl, space, jobs=a.jobs, progress=not a.quiet, base=base)
+    doc = tune_document(wl, cfg, simulate(wl, cfg))
+    text = json.dumps(doc, indent=1)
+    print(text)
+    print(
+        f"searched {len(rows)} configs; runner-up: "
+        + ", ".join(
+            f"{r['dispatch_mode']}/{r['combine_mode']} sms={r['num_comm_sms']} "
+            f"mb={r['minibatch_size']} {r['layer_us']:.1f} us"
+            for r in rows[1:3]
+        )
+    )
+    if a.emit_config:
+        write_json(doc, a.emit_config)
+        print(f"wrote {a.emit_config}")
+    return 0
+
+
+def _cmd_trace(a) -> int:
+    from sim.model import simulate
+    from sim.results import write_csv
+    from sim.trace import write_chrome_trace
+
+    wl, cfg = _workload(a), _base_config(a)
+    res = simulate(wl, cfg, record_links=True)
+    p = write_chrome_trace(res, a.out)
+    print(f"{wl.label()} | {cfg.label()}: {res.layer_us:.1f} us; wrote {p} (open in Perfetto)")
+    if a.csv:
+        write_csv(res.records(), a.csv)
+        print(f"wrote {a.csv}")
+    if a.gantt:
+        from sim.plots import gantt
+
+        gantt(res).savefig(a.gantt, dpi=110)
+        print(f"wrote {a.gantt}")
+    if a.links:
+        from sim.plots import link_utilisation
+
+        link_utilisation(res).savefig(a.links, dpi=110)
+        print(f"wrote {a.links}")
+    return 0
+
+
+def _cmd_calibrate(a) -> int:
+    from sim.calibrate import fit_gpu_profile
+
+    probe = json.loads(Path(a.probe).read_text())
+    over = {}
+    if a.num_sms:
+        over["num_sms"] = a.num_sms
+    if a.nvlink_gbps:
+        over["nvlink_gbps_per_direction"] = a.nvlink_gbps
+    prof = fit_gpu_profile(probe, a.name, **over)
+    prof.save(a.out)
+    fit = prof.fit
+    print(
+        f"fitted {a.name}: wire {fit['wire_gbps_per_direction']:.1f} GB/s per direction, "
+        f"{fit['num_points']} probe points, max error {100 * fit['max_rel_error']:.2f}% "
+        f"(mean {100 * fit['mean_rel_error']:.2f}%)"
+    )
+    for name, c in prof.comm_curves.items():
+        print(
+            f"  {name:<10} {c.per_sm_gbps:6.1f} GB/s per SM, ceiling "
+            f"{c.ceiling_knee_gbps:7.1f} @ {c.sm_knee:g} SMs -> {c.ceiling_max_gbps:7.1f} @ "
+            f"{c.sm_max:g} SMs"
+        )
+    print(f"wrote {a.out}")
+    return 0
+
+
+def _cmd_bench(a) -> int:
+    from sim.bench import main as bench_main
+
+    return bench_main(["--sweep-configs", str(a.sweep_configs)] + (["--quick"] if a.quick else []))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mok-sim",
+        description="Discrete-event model of push vs pull MoE dispatch/combine on NVLink "
+        "topologies. With no subcommand: the default comparison (writes a PNG).",
+    )
+    p.add_argument("--out", default="mok-sim-default.png", help="PNG of the default run")
+    sub = p.add_subparsers(dest="cmd")
+
+    c = sub.add_parser("compare", help="push vs pull vs dedup-pull for one workload")
+    _add_workload(c)
+    _add_config(c)
+    c.add_argument("--csv", help="also write the rows as CSV")
+
+    s = sub.add_parser("sweep", help="grid over policy x comm SMs x minibatch x ring size")
+    _add_workload(s)
+    _add_config(s, single=False)
+    s.add_argument("--dispatch", default=",".join(DISPATCH_MODES))
+    s.add_argument("--combine", default=",".join(COMBINE_MODES))
+    s.add_argument("--sms", default="16,24,32")
+    s.add_argument("--minibatch", default="2048,4096")
+    s.add_argument("--ring-slots", default="2,4")
+    s.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPUs)")
+    s.add_argument("--out", default="mok-sim-sweep.csv")
+    s.add_argument("--heatmap", help="PNG heatmap of comm SMs x minibatch")
+    s.add_argument("--quiet", action="store_true")
+
+    t = sub.add_parser("tune", help="best config for a workload, as mok-config/1 JSON")
+    _add_workload(t)
+    _add_config(t, single=False)
+    t.add_argument("--sms", help="comm SMs to try (default 8,16,24,32,48)")
+    t.add_argument("--minibatch", help="minibatch sizes to try (default 1024..8192)")
+    t.add_argument("--emit-config", help="write the JSON here (mok.MoKConfig.from_json)")
+    t.add_argument("--jobs", type=int, default=None)
+    t.add_argument("--quiet", action="store_true")
+
+    tr = sub.add_parser("trace", help="Chrome trace (Perfetto) of one run")
+    _add_workload(tr)
+    _add_config(tr)
+    tr.add_argument("--out", default="mok-sim-trace.json")
+    tr.add_argument("--csv", help="timeline records as CSV")
+    tr.add_argument("--gantt", help="Gantt PNG")
+    tr.add_argument("--links", help="link utilisation PNG")
+
+    cal = sub.add_parser("calibrate", help="fit a GPU profile from a probe JSON")
+    cal.add_argument("probe")
+    cal.add_argument("--name", default="h200")
+    cal.add_argument("--out", default="gpu-profile.json")
+    cal.add_argument("--num-sms", type=int, default=None)
+    cal.add_argument("--nvlink-gbps", type=float, default=None, help="datasheet, per direction")
+
+    b = sub.add_parser("bench", help="simulator speed benchmark (same as python -m sim.bench)")
+    b.add_argument("--sweep-configs", type=int, default=500)
+    b.add_argument("--quick", action="store_true")
+    return p
+
+
+_COMMANDS = {
+    None: _cmd_default,
+    "compare": _cmd_compare,
+    "sweep": _cmd_sweep,
+    "tune": _cmd_tune,
+    "trace": _cmd_trace,
+    "calibrate": _cmd_calibrate,
+    "bench": _cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.cmd](args)
+    except ValueError as e:
+        print(f"mok-sim: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""What to simulate: the workload (model shape, tokens, EP, topology, skew) and the kernel config.
+
+``SimConfig`` mirrors ``mok.MoKConfig`` (dispatch/combine mode, comm SMs, minibatch, macrobatch,
+row tile) plus the simulator's own knobs, each documented where it is declared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from mok.workload import ModelShape, RoutingTrace, Skew, get_shape, make_routing
+from sim.topology import Topology, get_topology
+
+__all__ = ["Workload", "SimConfig", "DISPATCH_MODES", "COMBINE_MODES"]
+
+DISPATCH_MODES = ("push", "pull", "dedup_pull")
+COMBINE_MODES = ("push", "pull")
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: str = "deepseek-v3"
+    tokens_per_rank: int = 4096
+    ep: int = 8
+    topology: str = "hgx-h200"
+    skew: str = "uniform"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        shape = self.model_shape  # validates the name
+        topo = self.topo
+        if self.tokens_per_rank <= 0:
+            raise ValueError(f"tokens_per_rank must be positive (found {self.tokens_per_rank})")
+        if not 1 <= self.ep <= topo.num_gpus:
+            raise ValueError(
+                f"EP{self.ep} does not fit {topo.name} ({topo.num_gpus} GPUs); use a multi-domain "
+                f"topology such as {topo.name}x2 for EP beyond one NVLink domain"
+                if topo.num_gpus < self.ep
+                else f"ep must be >= 1 (found {self.ep})"
+            )
+        if shape.num_experts % self.ep:
+            raise ValueError(
+                f"{shape.name} has {shape.num_experts} experts, not divisible by EP{self.ep}"
+            )
+        Skew.parse(self.skew)
+
+    @property
+    def model_shape(self) -> ModelShape:
+        return get_shape(self.shape)
+
+    @property
+    def topo(self) -> Topology:
+        return get_topology(self.topology)
+
+    def make_trace(self) -> RoutingTrace:
+        s = self.model_shape
+        return make_routing(
+            self.tokens_per_rank, s.num_experts, s.num_topk, self.ep, self.skew, self.seed
+        )
+
+    def label(self) -> str:
+        return f"{self.shape} T{self.tokens_per_rank} EP{self.ep} {self.topology} {self.skew}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    dispatch_mode: str = "pull"
+    combine_mode: str = "push"
+    num_comm_sms: int = 24
+    minibatch_size: int = 4096  # received (token, expert) rows per destination rank per round
+    macrobatch_size: int = 16384  # rows in each rank's receive ring (multiple of minibatch)
+    row_tile: int = 128  # GEMM row tile; expert regions are padded to it
+    mechanism: str = "tma"  # "tma" (bulk copies) or "st" (16-byte loads/stores)
+    dtype: str = "bf16"  # dispatch rows and GEMMs: "bf16" or "mxfp8"; combine rows are bf16
+    flow_granularity: str = "round"  # "round": one flow per transfer, "peer": one per peer
+    # store -> remote visibility as a fraction of a dependent remote load (one way vs round trip)
+    push_latency_fraction: float = 0.5
+    # cost of checking one more peer's completion flag (push dispatch waits on every sender)
+    flag_poll_us_per_peer: float = 0.005
+    # dedup combine: extra local bytes per element for each rank-local row folded into the
+    # per-(token, rank) fp32 partial sum (read bf16 2 + read fp32 4 + write fp32 4)
+    dedup_accumulate_bytes_per_elem: float = 10.0
+    # schedule build (counts all-gather + prefix sums on the GPU): fixed part + per-row part
+    schedule_base_us: float = 2.0
+    schedule_ns_per_row: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.dispatch_mode not in DISPATCH_MODES:
+            raise ValueError(
+                f"unknown dispatch_mode {self.dispatch_mode!r}; supported: "
+                f"{', '.join(DISPATCH_MODES)}"
+            )
+        if self.combine_mode not in COMBINE_MODES:
+            raise ValueError(
+                f"unknown combine_mode {self.combine_mode!r}; supported: {', '.join(COMBINE_MODES)}"
+            )
+        if self.dispatch_mode == "dedup_pull" and self.combine_mode != "push":
+            raise ValueError(
+                "dispatch_mode='dedup_pull' pairs with the dedup push combine (rank-local "
+                f"reduction, one row per (token, rank)); found combine_mode={self.combine_mode!r}"
+            )
+        if self.num_comm_sms < 1:
+            raise ValueError(f"num_comm_sms must be >= 1 (found {self.num_comm_sms})")
+        if self.row_tile <= 0 or self.minibatch_size % self.row_tile or self.minibatch_size <= 0:
+            raise ValueError(
+                f"minibatch_size={self.minibatch_size} must be a positive multiple of "
+                f"row_tile={self.row_tile}"
+            )
+        if self.macrobatch_size < self.minibatch_size or self.macrobatch_size % self.minibatch_size:
+            raise ValueError(
+                f"macrobatch_size={self.macrobatch_size} must be a multiple of "
+                f"minibatch_size={self.minibatch_size} (>= 1 ring slot)"
+            )
+        if self.mechanism not in ("tma", "st"):
+            raise ValueError(f"mechanism must be 'tma' or 'st' (found {self.mechanism!r})")
+        if self.dtype not in ("bf16", "mxfp8"):
+            raise ValueError(f"dtype must be 'bf16' or 'mxfp8' (found {self.dtype!r})")
+        if self.flow_granularity not in ("round", "peer"):
+            raise ValueError(
+                f"flow_granularity must be 'round' or 'peer' (found {self.flow_granularity!r})"
+            )
+
+    @property
+    def ring_slots(self) -> int:
+        return self.macrobatch_size // self.minibatch_size
+
+    @property
+    def dedup(self) -> bool:
+        return self.dispatch_mode == "dedup_pull"
+
+    def label(self) -> str:
+        return (
+            f"{self.dispatch_mode}/{self.combine_mode} sms={self.num_comm_sms} "
+            f"mb={self.minibatch_size} ring={self.ring_slots}"
+        )
+
+    def replace(self, **kw) -> SimConfig:
+        return replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def mok_config(self) -> dict:
+        """The fields ``mok.MoKConfig.from_json`` reads."""
+        return {
+            "dispatch_mode": self.dispatch_mode,
+            "combine_mode": self.combine_mode,
+            "num_comm_sms": self.num_comm_sms,
+            # NOTE: backward is not modelled yet; it reuses the forward split.
+            "num_comm_sms_bwd": self.num_comm_sms,
+            "minibatch_size": self.minibatch_size,
+            "macrobatch_size": self.macrobatch_size,
+            "row_tile": self.row_tile,
+        }

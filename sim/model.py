@@ -1,0 +1,338 @@
+"""One MoE layer forward as a task graph over the flow network, and the function that runs it.
+
+Per rank r (EP ranks are the first ``ep`` GPUs of the topology):
+
+* ``schedule``: counts all-gather and the schedule table (one global task);
+* compute SMs, in order: shared expert (overlaps the first dispatch) -> expert FFN of round 0 ->
+  round 1 -> ... -> final weighted sum of the k combine rows of each token;
+* comm SMs: the dispatch and combine transfers of the policies (:mod:`sim.policies`), sharing the
+  rank's comm engine with max-min fairness;
+* the receive ring has ``macrobatch_size / minibatch_size`` slots; round m reuses slot
+  ``m % slots`` once round ``m - slots`` was combined (back-pressure).
+
+Backward is not modelled yet: :data:`PASSES` lists the passes, and a backward builder would add
+its own rounds (reverse-combine pull, dgrad GEMMs, reverse-dispatch push, wgrad at the end) with
+the same builder helpers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.config import SimConfig, Workload
+from sim.engine import Graph, run_graph
+from sim.gemm import expert_ffn_us, reduce_us
+from sim.policies import get_combine, get_dispatch
+from sim.results import LayerResult
+from sim.schedule import RoutingPlan
+from sim.topology import ENGINE, NIC_RX, NIC_TX, NVL_RX, NVL_TX, RES_PER_GPU
+
+__all__ = ["LayerBuilder", "simulate", "simulate_many", "PASSES", "plan_for"]
+
+PASSES = ("forward",)
+
+
+@dataclass
+class _Rates:
+    push: float  # comm-engine payload bytes/us of remote stores
+    pull: float  # of remote loads
+    local: float  # of local copies
+
+
+class LayerBuilder:
+    """Builds the forward task graph; policies call :meth:`transfer` and friends."""
+
+    def __init__(self, wl: Workload, cfg: SimConfig, plan: RoutingPlan) -> None:
+        self.wl, self.cfg = wl, cfg
+        self.topo = wl.topo
+        self.gpu = self.topo.gpu
+        self.shape = wl.model_shape
+        self.num_ranks = wl.ep
+        gpu, topo = self.gpu, self.topo
+        if plan.row_tile != cfg.row_tile:
+            raise ValueError(f"plan row_tile {plan.row_tile} != config row_tile {cfg.row_tile}")
+        self.rc = plan.rounds(cfg.minibatch_size)
+        self.plan = plan
+        self._set_sms()
+        self.flag_local = gpu.flag_latency_local_us
+        self.flag_remote = gpu.flag_latency_remote_us + topo.switch_hop_latency_us
+        self.fence = gpu.fence_us
+        h = self.shape.hidden
+        self.dispatch_row_bytes = float(h * 2 if cfg.dtype == "bf16" else h + h // 32)
+        self.combine_row_bytes = float(h * 2)
+        self.combine_rows = self.rc.uniq_last if cfg.dedup else self.rc.rows
+        self.g = Graph()
+        self.slot_free: dict[tuple[int, int], int] = {}
+        self.payload_bytes = {"nvlink": 0.0, "nic": 0.0, "local": 0.0}
+        self._eng: list[tuple[int, int, float, float]] = []  # flow, kind, nv/B, local/B
+        self._ffn: list[tuple[int, int, int]] = []  # task, row tiles, intermediate
+        self._proto = {
+            k: (gpu.protocol[k].data_bytes_per_byte, gpu.protocol[k].reverse_bytes_per_byte)
+            for k in ("push", "pull")
+        }
+        dom = np.arange(self.num_ranks) // topo.gpus_per_domain
+        self._same_domain = dom[:, None] == dom[None, :]
+        self._routes: dict[tuple[int, bool], np.ndarray] = {}
+        self._remote_lat = topo.remote_latency_us(gpu)
+
+    def _set_sms(self) -> None:
+        gpu, topo, cfg = self.gpu, self.topo, self.cfg
+        if cfg.num_comm_sms >= gpu.num_sms:
+            raise ValueError(
+                f"num_comm_sms={cfg.num_comm_sms} leaves no compute SMs on {gpu.name} "
+                f"({gpu.num_sms} SMs)"
+            )
+        self.compute_sms = gpu.num_sms - cfg.num_comm_sms
+        mech = cfg.mechanism
+        lat_factor = topo.per_sm_latency_factor(gpu)
+        n = cfg.num_comm_sms
+
+        def rate(name: str, remote: bool) -> float:
+            c = gpu.curve(name)
+            if remote:
+                c = c.scaled(per_sm=lat_factor)
+            return c.gbps(n) * 1e3  # bytes per us
+
+        self.rates = _Rates(
+            push=rate(f"push_{mech}", True),
+            pull=rate(f"pull_{'ld' if mech == 'st' else mech}", True),
+            local=rate(f"local_{mech}", False),
+        )
+        self._kind_rate = {"push": self.rates.push, "pull": self.rates.pull}
+
+    def _ffn_us(self, row_tiles: int, intermediate: int) -> float:
+        return expert_ffn_us(
+            self.gpu,
+            row_tiles,
+            self.shape.hidden,
+            intermediate,
+            self.compute_sms,
+            self.cfg.dtype,
+            self.cfg.row_tile,
+        )
+
+    # -- flows --------------------------------------------------------------------------------
+    def _static_route(self, issuer: int, into: bool) -> np.ndarray:
+        """Resource ids of a transfer between ``issuer`` and all ranks, in the order that
+        :meth:`_coefs` fills coefficients: engine, then for NVLink and for the NIC:
+        peer data port [R], issuer data port, issuer reverse port, peer reverse port [R];
+        then the switch of the issuer's domain."""
+        key = (issuer, into)
+        if key not in self._routes:
+            topo = self.topo
+            pr = np.arange(self.num_ranks, dtype=np.int64) * RES_PER_GPU
+            me = issuer * RES_PER_GPU
+            parts = [np.array([me + ENGINE])]
+            for tx, rx in ((NVL_TX, NVL_RX), (NIC_TX, NIC_RX)):
+                if into:  # data peer -> issuer, requests / acks issuer -> peer
+                    parts += [pr + tx, np.array([me + rx, me + tx]), pr + rx]
+                else:
+                    parts += [pr + rx, np.array([me + tx, me + rx]), pr + tx]
+            parts.append(np.array([topo.switch_res(topo.domain(issuer))]))
+            self._routes[key] = np.concatenate(parts).astype(np.int64)
+        return self._routes[key]
+
+    def _coefs(self, kind: str, nv: np.ndarray, nic: np.ndarray, local: float) -> np.ndarray:
+        """Coefficients (totals, not per byte) matching :meth:`_static_route`."""
+        b_nv, b_nic = float(nv.sum()), float(nic.sum())
+        a, r = self._proto[kind]
+        na, nr = self.topo.nic_data_bytes_per_byte, self.topo.nic_reverse_bytes_per_byte
+        sw = (a + r) * b_nv if self.topo.fabric == "nvswitch" else 0.0
+        return np.concatenate(
+            (
+                [b_nv / self._kind_rate[kind] + local / self.rates.local],
+                a * nv,
+                [a * b_nv, r * b_nv],
+                r * nv,
+                na * nic,
+                [na * b_nic, nr * b_nic],
+                nr * nic,
+                [sw],
+            )
+        )
+
+    def transfer(self, issuer, kind, into, peer_bytes, local_bytes, deps, rank, phase, rnd):
+        """Add a transfer issued by ``issuer``'s comm SMs with mechanism ``kind`` ("push" /
+        "pull"): ``peer_bytes`` [R] payload to (``into=False``) or from (``into=True``) each
+        peer, plus ``local_bytes`` copied inside the issuer."""
+        b = np.array(peer_bytes, dtype=np.float64)
+        local = float(local_bytes) + float(b[issuer])
+        b[issuer] = 0.0
+        same = self._same_domain[issuer]
+        nv = b * same
+        nic = b - nv
+        b_nv, b_nic = float(nv.sum()), float(nic.sum())
+        pb = self.payload_bytes
+        pb["nvlink"] += b_nv
+        pb["nic"] += b_nic
+        pb["local"] += local
+        lat = 0.0
+        if b_nv > 0:
+            lat = self._remote_lat * (self.cfg.push_latency_fraction if kind == "push" else 1.0)
+        if b_nic > 0:
+            lat = max(lat, self.topo.nic_latency_us)
+        if local > 0:
+            lat = max(lat, self.gpu.local_load_latency_us)
+        route = self._static_route(issuer, into)
+        # (size, NVLink bytes, local bytes, NIC bytes) of each flow
+        if self.cfg.flow_granularity == "peer":
+            parts = [(float(b[p]), float(nv[p]), 0.0, float(nic[p]), p) for p in np.flatnonzero(b)]
+            if local > 0:
+                parts.append((local, 0.0, local, 0.0, -1))
+        else:
+            total = b_nv + b_nic + local
+            parts = [(total, b_nv, local, b_nic, -1)] if total > 0 else []
+        flows = []
+        zero = np.zeros_like(b)
+        k = 0 if kind == "push" else 1
+        for size, f_nv, f_local, f_nic, p in parts:
+            if p < 0 and len(parts) == 1:
+                c = self._coefs(kind, nv, nic, local)
+            else:  # one flow per peer (and one for the local part)
+                one_nv, one_nic = zero.copy(), zero.copy()
+                if p >= 0:
+                    one_nv[p], one_nic[p] = f_nv, f_nic
+                c = self._coefs(kind, one_nv, one_nic, f_local)
+            if c[0] > 0:  # the engine entry (first in the route) survives the zero filter
+                self._eng.append((len(self.g.flows) + len(flows), k, f_nv / size, f_local / size))
+            flows.append((size, (route, c / size)))
+        return self.g.transfer(flows, lat, deps, rank, phase, rnd)
+
+    def retime(self, num_comm_sms: int) -> SimConfig:
+        """Re-target the built graph to another comm/compute SM split: only the comm-engine
+        coefficients and the GEMM durations depend on it, so a sweep over SMs reuses the graph."""
+        self.cfg = self.cfg.replace(num_comm_sms=num_comm_sms)
+        self._set_sms()
+        _, _, coef, _ = self.g.flows.arrays()
+        if self._eng:
+            ptr = self.g.flows.arrays()[0]
+            f, k, nv, loc = (np.asarray(x) for x in zip(*self._eng, strict=True))
+            rate = np.where(k == 0, self.rates.push, self.rates.pull)
+            coef[ptr[f.astype(np.int64)]] = nv / rate + loc / self.rates.local
+        dur = self.g.duration
+        for t, tiles, inter in self._ffn:
+            dur[t] = self._ffn_us(tiles, inter)
+        return self.cfg
+
+    # -- combine helpers ----------------------------------------------------------------------
+    def combine_local_bytes(self, d: int, m: int) -> float:
+        """Dedup combine: local bytes to fold round m's rows into per-(token, rank) partials."""
+        sent = self.rc.uniq_last[d, m].sum() - self.rc.uniq_last[d, m, d]
+        folded = max(0.0, float(self.rc.rows[d, m].sum() - sent))
+        return folded * self.shape.hidden * self.cfg.dedup_accumulate_bytes_per_elem
+
+    def combine_bytes(self, d: int, m: int) -> tuple[np.ndarray, float]:
+        """(peer bytes [R_home], local bytes) that owner d's round m sends back."""
+        b = self.combine_rows[d, m].astype(np.float64) * self.combine_row_bytes
+        if self.cfg.dedup:
+            b[d] = 0.0  # the home-rank partial stays in the accumulator
+            return b, self.combine_local_bytes(d, m)
+        return b, 0.0
+
+    # -- the layer ----------------------------------------------------------------------------
+    def build(self) -> Graph:
+        g, cfg, rc, shape, gpu = self.g, self.cfg, self.rc, self.shape, self.gpu
+        nr = self.num_ranks
+        rows_per_rank = self.wl.tokens_per_rank * shape.num_topk
+        self.sched = g.delay(
+            cfg.schedule_base_us
+            + 2 * self.flag_remote
+            + rows_per_rank * cfg.schedule_ns_per_row / 1e3,
+            [],
+            -1,
+            "schedule",
+        )
+        for d in range(nr):
+            for m in range(int(rc.num_rounds[d])):
+                self.slot_free[(d, m)] = g.join([], d, "slot_free", m)
+        ready = get_dispatch(cfg.dispatch_mode).build(self)
+        shared_tiles = -(-self.wl.tokens_per_rank // cfg.row_tile)
+        gemm_done = {}
+        chain = {}
+        sh_tiles = shared_tiles if shape.shared_intermediate else 0
+        for r in range(nr):
+            prev = g.delay(
+                self._ffn_us(sh_tiles, shape.shared_intermediate), [], r, "shared_expert"
+            )
+            self._ffn.append((prev, sh_tiles, shape.shared_intermediate))
+            for m in range(int(rc.num_rounds[r])):
+                tiles = int(rc.row_tiles[r, m])
+                dur = self._ffn_us(tiles, shape.intermediate)
+                prev = g.delay(dur, [ready[(r, m)], prev], r, "gemm", m)
+                self._ffn.append((prev, tiles, shape.intermediate))
+                gemm_done[(r, m)] = g.delay(self.flag_local, [prev], r, "signal", m)
+            chain[r] = prev
+        arrivals = get_combine(cfg.combine_mode).build(self, gemm_done)
+        rows_in = self.combine_rows.sum(axis=(0, 1))  # [R_home]
+        for s in range(nr):
+            dur = reduce_us(gpu, int(rows_in[s]), self.wl.tokens_per_rank, shape.hidden)
+            g.delay(dur, [chain[s], *arrivals[s]], s, "reduce")
+        return g
+
+
+def plan_for(wl: Workload, row_tile: int = 128) -> RoutingPlan:
+    return RoutingPlan(wl.make_trace(), row_tile)
+
+
+def simulate(
+    wl: Workload,
+    cfg: SimConfig | None = None,
+    plan: RoutingPlan | None = None,
+    record_links: bool = False,
+) -> LayerResult:
+    """Simulate one forward layer. Pass ``plan`` to reuse the routing across configs."""
+    return next(simulate_many(wl, [cfg or SimConfig()], plan, record_links))
+
+
+def _structure_key(cfg: SimConfig) -> SimConfig:
+    return cfg.replace(num_comm_sms=1)
+
+
+def simulate_many(
+    wl: Workload,
+    configs: Sequence[SimConfig],
+    plan: RoutingPlan | None = None,
+    record_links: bool = False,
+) -> Iterator[LayerResult]:
+    """Simulate several configs of one workload, yielding results in input order.
+
+    Configs that differ only in ``num_comm_sms`` share one task graph: it is built once and
+    re-timed (:meth:`LayerBuilder.retime`) for each SM split.
+    """
+    configs = list(configs)
+    groups: dict[SimConfig, list[int]] = {}
+    for i, c in enumerate(configs):
+        groups.setdefault(_structure_key(c), []).append(i)
+    out: dict[int, LayerResult] = {}
+    nxt = 0
+    for idx in groups.values():
+        cfg0 = configs[idx[0]]
+        t0 = time.perf_counter()
+        if plan is None or plan.row_tile != cfg0.row_tile:
+            plan = plan_for(wl, cfg0.row_tile)
+        b = LayerBuilder(wl, cfg0, plan)
+        graph = b.build()
+        caps = b.topo.capacities(b.gpu)
+        build_s = time.perf_counter() - t0
+        for n, i in enumerate(idx):
+            t1 = time.perf_counter()
+            cfg = b.retime(configs[i].num_comm_sms) if n else cfg0
+            run = run_graph(graph, caps, record_series=record_links)
+            t2 = time.perf_counter()
+            out[i] = LayerResult.from_run(
+                wl,
+                cfg,
+                graph,
+                run,
+                b.topo,
+                payload_bytes=b.payload_bytes,
+                build_s=build_s if n == 0 else 0.0,
+                run_s=t2 - t1,
+            )
+        while nxt in out:
+            yield out.pop(nxt)
+            nxt += 1

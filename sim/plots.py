@@ -1,0 +1,149 @@
+"""Figures of simulation results; each function returns a matplotlib Figure (Agg backend)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from sim.results import LayerResult  # noqa: E402
+from sim.topology import RES_PER_GPU  # noqa: E402
+
+__all__ = ["gantt", "link_utilisation", "sweep_heatmap", "compare_bars", "PHASE_COLORS"]
+
+PHASE_COLORS = {
+    "schedule": "#7f7f7f",
+    "shared_expert": "#9467bd",
+    "gemm": "#1f77b4",
+    "reduce": "#17becf",
+    "dispatch": "#ff7f0e",
+    "combine": "#2ca02c",
+    "signal": "#d62728",
+    "credit": "#e377c2",
+}
+_LANE = {"dispatch": 1, "combine": 2, "signal": 3, "credit": 3}
+BREAKDOWN_COLORS = {
+    "gemm_us": "#1f77b4",
+    "exposed_comm_us": "#ff7f0e",
+    "signalling_us": "#d62728",
+    "schedule_us": "#7f7f7f",
+}
+
+
+def gantt(result: LayerResult, ranks: Sequence[int] | None = None) -> Figure:
+    """Per-rank Gantt chart: compute, dispatch, combine and signal lanes."""
+    recs = result.records()
+    ranks = list(ranks) if ranks is not None else list(range(min(result.workload.ep, 8)))
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.75 * len(ranks)))
+    lane_h = 0.2
+    for i, r in enumerate(ranks):
+        for rec in recs:
+            if rec["rank"] not in (r, -1) or rec["duration_us"] <= 0:
+                continue
+            lane = _LANE.get(rec["phase"], 0)
+            ax.broken_barh(
+                [(rec["start_us"], rec["duration_us"])],
+                (i - 0.4 + lane * lane_h, lane_h * 0.9),
+                color=PHASE_COLORS.get(rec["phase"], "k"),
+                linewidth=0,
+            )
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (us)")
+    ax.set_title(f"{result.workload.label()} | {result.config.label()}", fontsize=9)
+    handles = [
+        matplotlib.patches.Patch(color=c, label=p)
+        for p, c in PHASE_COLORS.items()
+        if any(rec["phase"] == p for rec in recs)
+    ]
+    ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=4)
+    fig.tight_layout()
+    return fig
+
+
+def link_utilisation(result: LayerResult, ranks: Sequence[int] | None = None) -> Figure:
+    """NVLink utilisation per direction (tx and rx of each rank's port) over time; needs a run
+    with ``record_links=True``."""
+    run, topo = result.run, result.topology
+    fig, axes = plt.subplots(2, 1, figsize=(11, 5), sharex=True)
+    if run is None or not run.link_series:
+        axes[0].text(0.5, 0.5, "no link series recorded (record_links=True)", ha="center")
+        return fig
+    caps = np.asarray(topo.capacities())
+    t = np.array([s[0] for s in run.link_series])
+    used = np.stack([s[1] for s in run.link_series])
+    ranks = list(ranks) if ranks is not None else list(range(min(result.workload.ep, 4)))
+    for ax, kind, name in ((axes[0], 1, "tx"), (axes[1], 2, "rx")):
+        for r in ranks:
+            res = r * RES_PER_GPU + kind
+            ax.step(t, used[:, res] / caps[res], where="post", label=f"rank {r}", lw=0.9)
+        ax.set_ylabel(f"NVLink {name} utilisation")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=7, loc="upper right", ncol=4)
+    axes[1].set_xlabel("time (us)")
+    axes[0].set_title(f"{result.workload.label()} | {result.config.label()}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_heatmap(
+    rows: Sequence[dict],
+    x: str = "num_comm_sms",
+    y: str = "minibatch_size",
+    value: str = "layer_us",
+    where: dict | None = None,
+) -> Figure:
+    """Heatmap of the best ``value`` over the other swept fields, for each (x, y) cell."""
+    where = where or {}
+    sel = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+    xs = sorted({r[x] for r in sel})
+    ys = sorted({r[y] for r in sel})
+    grid = np.full((len(ys), len(xs)), np.nan)
+    for r in sel:
+        i, j = ys.index(r[y]), xs.index(r[x])
+        if np.isnan(grid[i, j]) or r[value] < grid[i, j]:
+            grid[i, j] = r[value]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(xs), 1.2 + 0.6 * len(ys)))
+    im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
+    ax.set_xticks(range(len(xs)))
+    ax.set_xticklabels(xs)
+    ax.set_yticks(range(len(ys)))
+    ax.set_yticklabels(ys)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    for i in range(len(ys)):
+        for j in range(len(xs)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=7, color="w")
+    fig.colorbar(im, ax=ax, label=value)
+    title = ", ".join(f"{k}={v}" for k, v in where.items()) or "best over other fields"
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def compare_bars(groups: dict[str, Sequence[LayerResult]]) -> Figure:
+    """Stacked critical-path breakdown per policy, one panel per workload label."""
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
+    for ax, (title, results) in zip(axes[0], groups.items(), strict=True):
+        labels = [f"{r.config.dispatch_mode}\n{r.config.combine_mode}" for r in results]
+        bottom = np.zeros(len(results))
+        for key, color in BREAKDOWN_COLORS.items():
+            vals = np.array([r.breakdown[key] for r in results])
+            ax.bar(labels, vals, bottom=bottom, color=color, label=key.removesuffix("_us"))
+            bottom += vals
+        for i, r in enumerate(results):
+            ax.text(i, r.layer_us, f"{r.layer_us:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("layer time (us), critical-path breakdown")
+        ax.set_ylim(0, bottom.max() * 1.12)
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,151 @@
+"""CLI smoke tests, outputs (CSV, Chrome trace, figures, tune JSON) and the default run's golden
+output."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import pytest
+from matplotlib.figure import Figure
+
+from sim import plots
+from sim.cli import main
+from sim.config import SimConfig, Workload
+from sim.model import simulate
+from sim.trace import chrome_trace
+
+SMALL = ["--shape", "tiny", "--tokens", "256", "--ep", "8", "--topology", "hgx-h200"]
+
+# `mok-sim` with no arguments: the table lines it must print (deterministic for seed 0).
+GOLDEN_DEFAULT = """
+deepseek-v3 T4096 EP64 gb300-nvl72 zipf:0.2  (sms=24 mb=4096 ring=4)
+push/push             3271.2   1.000x   3228.0     40.4     2.8  27.3%           924.8
+pull/push             3271.2   1.000x   3228.0     40.4     2.8  27.3%           924.8
+pull/pull             3268.6   1.001x   3228.0     36.9     3.6  27.2%           924.8
+dedup_pull/push       3270.0   1.000x   3225.5     41.8     2.8  27.4%           887.3
+deepseek-v3 T4096 EP8 hgx-h200 zipf:0.2  (sms=24 mb=4096 ring=4)
+push/push             6721.3   1.000x   6598.6    120.0     2.7   4.8%           821.8
+pull/push             6721.3   1.000x   6598.6    120.0     2.7   4.8%           821.8
+pull/pull             6717.4   1.001x   6598.6    115.3     3.5   4.7%           821.8
+dedup_pull/push       6706.6   1.002x   6561.0    142.9     2.7   5.1%           545.0
+"""
+
+
+def test_default_run_matches_golden_output(tmp_path, capsys):
+    png = tmp_path / "default.png"
+    assert main(["--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert png.stat().st_size > 10_000
+    assert f"wrote {png.resolve()}" in out
+    keep = re.compile(r"^(deepseek|push|pull|dedup)")
+    got = [ln.rstrip() for ln in out.splitlines() if keep.match(ln)]
+    assert got == GOLDEN_DEFAULT.strip().splitlines()
+
+
+def test_compare_prints_every_policy(capsys, tmp_path):
+    assert main(["compare", *SMALL, "--csv", str(tmp_path / "c.csv")]) == 0
+    out = capsys.readouterr().out
+    for pol in ("push/push", "pull/push", "pull/pull", "dedup_pull/push"):
+        assert pol in out
+    rows = list(csv.DictReader((tmp_path / "c.csv").read_text().splitlines()))
+    assert len(rows) == 4 and float(rows[0]["layer_us"]) > 0
+
+
+def test_sweep_writes_csv_and_heatmap(tmp_path, capsys):
+    out = tmp_path / "s.csv"
+    args = ["sweep", *SMALL, "--sms", "8,16", "--minibatch", "256,512", "--ring-slots", "2"]
+    args += ["--out", str(out), "--heatmap", str(tmp_path / "h.png"), "--jobs", "1", "--quiet"]
+    assert main(args) == 0
+    rows = list(csv.DictReader(out.read_text().splitlines()))
+    assert len(rows) == 5 * 2 * 2  # dedup_pull only with push combine
+    assert {r["dispatch_mode"] for r in rows} == {"push", "pull", "dedup_pull"}
+    assert (tmp_path / "h.png").exists()
+
+
+def test_tune_emits_a_mok_config(tmp_path, capsys):
+    path = tmp_path / "cfg.json"
+    args = ["tune", *SMALL, "--sms", "8,16", "--minibatch", "256,512", "--jobs", "1"]
+    assert main([*args, "--quiet", "--emit-config", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "mok-config/1"
+    cfg = doc["config"]
+    assert set(cfg) == {
+        "dispatch_mode",
+        "combine_mode",
+        "num_comm_sms",
+        "num_comm_sms_bwd",
+        "minibatch_size",
+        "macrobatch_size",
+        "row_tile",
+    }
+    assert cfg["dispatch_mode"] in ("push", "pull", "dedup_pull")
+    assert cfg["combine_mode"] in ("push", "pull")
+    assert cfg["macrobatch_size"] % cfg["minibatch_size"] == 0
+    assert doc["predicted_us"] > 0 and doc["workload"]["topology"] == "hgx-h200"
+    assert set(doc) == {"format", "config", "workload", "predicted_us", "breakdown"}
+    from mok.config import MoKConfig
+
+    loaded = MoKConfig.from_json(path)  # the kernel's loader takes the file as written
+    assert loaded.dispatch_mode == cfg["dispatch_mode"]
+    assert loaded.num_comm_sms == cfg["num_comm_sms"]
+    assert loaded.minibatch_size == cfg["minibatch_size"]
+    assert '"format": "mok-config/1"' in capsys.readouterr().out  # also printed
+
+
+def test_trace_writes_a_chrome_trace(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    args = ["trace", *SMALL, "--minibatch", "256", "--out", str(path)]
+    args += ["--csv", str(tmp_path / "t.csv"), "--gantt", str(tmp_path / "g.png")]
+    assert main([*args, "--links", str(tmp_path / "l.png")]) == 0
+    doc = json.loads(path.read_text())
+    phases = {e["ph"] for e in doc["traceEvents"]}
+    assert {"X", "M", "C"} <= phases
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in spans)
+    assert {"gemm", "dispatch", "combine"} <= {e["name"].split()[0] for e in spans}
+
+
+def test_calibrate_writes_a_profile(tmp_path, capsys):
+    from importlib import resources
+
+    probe = resources.files("sim") / "profiles" / "h200x2-probe-2026-11-29.json"
+    out = tmp_path / "p.json"
+    assert main(["calibrate", str(probe), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["format"] == "mok-gpu-profile/1"
+    assert "max error" in capsys.readouterr().out
+
+
+def test_bad_arguments_report_an_error(capsys):
+    assert main(["compare", *SMALL[:-2], "--topology", "nope"]) == 2
+    assert "unknown topology" in capsys.readouterr().err
+
+
+def test_plots_return_figures():
+    res = simulate(
+        Workload("tiny", 256, 8, "hgx-h200"),
+        SimConfig(minibatch_size=256, macrobatch_size=512),
+        record_links=True,
+    )
+    assert isinstance(plots.gantt(res), Figure)
+    assert isinstance(plots.link_utilisation(res), Figure)
+    rows = [dict(res.summary(), num_comm_sms=n, minibatch_size=m) for n in (8, 16) for m in (1, 2)]
+    assert isinstance(plots.sweep_heatmap(rows), Figure)
+    assert isinstance(plots.compare_bars({"x": [res]}), Figure)
+    assert res.link_records() and all(0 <= r["utilisation"] <= 1 + 1e-9 for r in res.link_records())
+    assert chrome_trace(res)["traceEvents"]
+
+
+@pytest.mark.parametrize("sub", ["compare", "sweep", "tune", "trace", "calibrate", "bench"])
+def test_help_for_every_subcommand(sub, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([sub, "--help"])
+    assert e.value.code == 0
+
+
+def test_bench_sweep_has_500_distinct_configs():
+    from sim.bench import _sweep_configs
+
+    cfgs = _sweep_configs(500)
+    assert len(cfgs) == len(set(cfgs)) == 500

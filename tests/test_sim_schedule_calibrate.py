@@ -1,0 +1,116 @@
+"""Receive layout (MoK schedule formula), GEMM waves, profiles and the calibration fit."""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mok.workload import make_routing
+from sim.calibrate import (
+    calibration_points,
+    fit_gpu_profile,
+    predict_bidirectional_gbps,
+    predict_one_direction_gbps,
+)
+from sim.gemm import gemm_us
+from sim.hardware import GpuProfile, list_gpus, load_gpu
+from sim.schedule import RoutingPlan
+
+PROFILES = Path(str(resources.files("sim") / "profiles"))
+PROBE = PROFILES / "h200x2-probe-2026-11-29.json"
+
+
+def _brute_positions(trace, row_tile):
+    """DESIGN.md formula, written with loops."""
+    nr, e_total = trace.num_ranks, trace.num_experts
+    per = e_total // nr
+    flat = trace.topk_idx.reshape(-1)
+    src = np.arange(flat.size) // (trace.num_tokens * trace.num_topk)
+    m = np.zeros((e_total, nr), dtype=int)
+    for e, s in zip(flat, src, strict=True):
+        m[e, s] += 1
+    pos = np.empty(flat.size, dtype=int)
+    seen = np.zeros((e_total, nr), dtype=int)
+    start = {}
+    for d in range(nr):
+        off = 0
+        for lo in range(per):
+            e = d * per + lo
+            start[e] = off
+            off += math.ceil(m[e].sum() / row_tile) * row_tile
+    for i, (e, r) in enumerate(zip(flat, src, strict=True)):
+        o = seen[e, r]
+        seen[e, r] += 1
+        p = sum(min(m[e, q], o) for q in range(nr)) + sum(1 for q in range(r) if m[e, q] > o)
+        pos[i] = start[e] + p
+    return pos
+
+
+@pytest.mark.parametrize("skew", ["uniform", "zipf:1.2", "hot:0.5"])
+def test_positions_follow_the_schedule_formula(skew):
+    tr = make_routing(50, 16, 4, 4, skew, seed=3)
+    plan = RoutingPlan(tr, row_tile=8)
+    np.testing.assert_array_equal(plan.pos, _brute_positions(tr, 8))
+
+
+def test_round_counts_are_consistent():
+    tr = make_routing(300, 16, 4, 4, "zipf:1.0", seed=0)
+    plan = RoutingPlan(tr, row_tile=16)
+    rc = plan.rounds(64)
+    assert rc.rows.sum() == tr.topk_idx.size
+    # dedup: each distinct (token, dest) pair counted once as first and once as last
+    dest = tr.topk_idx // 4
+    pairs = sum(len(set(row)) for row in dest)
+    assert rc.uniq_first.sum() == pairs == rc.uniq_last.sum()
+    assert np.all(rc.uniq_first.sum(axis=1) <= rc.rows.sum(axis=1))
+    # tiles cover the padded layout
+    assert (rc.row_tiles.sum(axis=1) * 16 == rc.padded_rows).all()
+    with pytest.raises(ValueError, match="multiple of"):
+        plan.rounds(40)
+
+
+def test_gemm_partial_waves_cost_full_waves():
+    gpu = load_gpu("h200")
+    one = gemm_us(gpu, 1, gpu.gemm_n_tile, 1024, 100)
+    assert gemm_us(gpu, 100, gpu.gemm_n_tile, 1024, 100) == pytest.approx(one)
+    assert gemm_us(gpu, 101, gpu.gemm_n_tile, 1024, 100) == pytest.approx(2 * one)
+    # 790 TFLOP/s x efficiency on all SMs for a full wave
+    flops = 2 * 128 * gpu.gemm_n_tile * 1024 * gpu.num_sms
+    rate = flops / gemm_us(gpu, gpu.num_sms, gpu.gemm_n_tile, 1024, gpu.num_sms) / 1e6
+    assert rate == pytest.approx(gpu.tensor_tflops["bf16"] * gpu.gemm_efficiency)
+
+
+def test_profiles_load_and_validate():
+    assert {"h200", "h100", "b200", "gb200", "gb300"} <= set(list_gpus())
+    for name in list_gpus():
+        p = load_gpu(name)
+        assert p.assumptions, f"{name} documents no assumptions"
+        assert p.curve("pull_tma").gbps(p.num_sms - 1) > 0
+    bad = load_gpu("h200").to_dict()
+    bad["gemm_efficiency"] = 1.5
+    with pytest.raises(ValueError, match="gemm_efficiency"):
+        GpuProfile.from_dict(bad)
+
+
+def test_calibration_reproduces_the_probe_within_5_percent():
+    probe = json.loads(PROBE.read_text())
+    prof = fit_gpu_profile(probe)
+    pts = calibration_points(probe)
+    assert len(pts) >= 60
+    for fam, kind, mech, n, measured in pts:
+        f = predict_one_direction_gbps if fam == "one_direction" else predict_bidirectional_gbps
+        pred = f(prof, kind, mech, n)
+        assert pred == pytest.approx(measured, rel=0.05), (fam, kind, mech, n)
+    assert prof.flag_latency_remote_us == pytest.approx(1.20, abs=0.01)
+    assert prof.tensor_tflops["bf16"] == pytest.approx(790.3)
+
+
+def test_committed_h200_profile_is_the_fit_of_the_committed_probe():
+    fresh = fit_gpu_profile(json.loads(PROBE.read_text())).to_dict()
+    committed = json.loads((PROFILES / "h200.json").read_text())
+    assert json.loads(json.dumps(fresh)) == committed
