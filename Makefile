@@ -20,7 +20,7 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/python -m reference.demo
+	$(BIN)/mok-sim
 
 lint: setup
 	$(BIN)/ruff check .
@@ -31,7 +31,10 @@ pytest: setup
 
 cuda-check:
 	@if [ -z "$(CU_SOURCES)" ]; then echo "cuda-check: no .cu files under csrc/"; exit 0; fi; \
-	if ! command -v $(NVCC) >/dev/null; then echo "cuda-check: nvcc not found (set NVCC=...)"; exit 1; fi; \
+	if ! command -v $(NVCC) >/dev/null; then \
+	  if [ -n "$$CI" ]; then echo "cuda-check: nvcc not found and CI is set: CI must compile csrc/"; exit 1; fi; \
+	  echo "cuda-check: skipped, nvcc not found (set NVCC=/path/to/nvcc to compile-check csrc/)"; exit 0; \
+	fi; \
 	tmp=$$(mktemp -d); \
 	for arch in $(CUDA_ARCHS); do for f in $(CU_SOURCES); do \
 	  echo "nvcc sm_$$arch $$f"; \
