@@ -146,9 +146,11 @@ class MoKConfig:
                 f"config format {fmt!r} is not supported; expected {CONFIG_FORMAT!r} "
                 "(as written by `mok-sim tune --emit-config` or MoKConfig.to_json)"
             )
-        extra = sorted(set(data) - {"format", "config"})
+        # The simulator's tune output also carries what it was tuned for and its prediction.
+        allowed = {"format", "config", "workload", "predicted_us", "breakdown"}
+        extra = sorted(set(data) - allowed)
         if extra:
-            raise MoKConfigError(f"unknown top-level keys {extra}; supported: ['config', 'format']")
+            raise MoKConfigError(f"unknown top-level keys {extra}; supported: {sorted(allowed)}")
         body = data.get("config")
         if not isinstance(body, dict):
             raise MoKConfigError("config JSON needs a 'config' object with the MoKConfig fields")
