@@ -6,6 +6,12 @@
 //               pushes one row per (token, rank) into slot token * num_topk + j;
 //   pull:       the home rank reads the k rows of each token straight from the owners'
 //               symmetric expert-output buffers while it reduces (no slots).
+//   dedup pull: two kernels. dedup_partials_kernel (local, the expert stage's epilogue in the
+//               fused layer): the owner sums its rows of each dedup row in k order (fp32,
+//               rounded to bf16) into its symmetric partials buffer, row src_rank * N + token.
+//               dedup_sum_kernel (the transfer, comparable with other libraries' combine): the
+//               home rank bulk-loads its token's partial rows from every owner (ascending rank)
+//               and sums them onto shared_y. Both run the tma.cuh reduce pipeline.
 //
 // The sum is acc = shared_y (or 0); acc = acc + w_k * y_k for k = 0..num_topk-1, each product
 // and each sum rounded separately in fp32 (__fmul_rn / __fadd_rn: no FMA contraction), output
@@ -18,6 +24,7 @@
 #include "params.h"
 #include "rows.cuh"
 #include "sync.cuh"
+#include "tma.cuh"
 
 namespace mok {
 
@@ -201,6 +208,206 @@ __global__ void __launch_bounds__(kCommThreads) combine_pull_kernel(const Params
   if (!block_wait_all(c, kSigYReady, static_cast<uint64_t>(p.epoch))) return;
   reduce_tokens(c, 2);
   block_signal_all(c, kSigYConsumed);
+}
+
+}  // namespace mok
+
+namespace mok {
+
+// Partial row of dedup row `row`: sum over its fan-out rows (k order) of w * y.
+struct PartialsMeta {
+  const Ctx* c;
+  const uint8_t* y;
+  __device__ int operator()(int row, uint64_t* src, float* w, uint64_t& init,
+                            uint64_t& out) const {
+    const Params& p = c->p;
+    const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
+    const int K = p.num_topk;
+    const int32_t* fan = p.sched + p.o_fan_rows + static_cast<int64_t>(row) * K;
+    const float* fw = reinterpret_cast<const float*>(p.sched + p.o_fan_w) +
+                      static_cast<int64_t>(row) * K;
+    int n = 0;
+    for (int j = 0; j < K; ++j) {
+      const int fr = fan[j];
+      if (fr < 0) break;
+      src[j] = reinterpret_cast<uint64_t>(y + fr * rb);
+      w[j] = fw[j];
+      n = j + 1;
+    }
+    const int64_t prow = static_cast<int64_t>(p.sched[p.o_dedup_src_rank + row]) * p.num_tokens +
+                         p.sched[p.o_dedup_src_token + row];
+    init = 0;
+    out = reinterpret_cast<uint64_t>(c->sym(p.rank, p.off_partials) + prow * rb);
+    return n;
+  }
+};
+
+// Output row of token `t`: shared_y + the owners' partials in ascending rank order.
+struct DedupSumMeta {
+  const Ctx* c;
+  __device__ int operator()(int t, uint64_t* src, float* w, uint64_t& init,
+                            uint64_t& out) const {
+    const Params& p = c->p;
+    const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
+    const int K = p.num_topk;
+    const int32_t* dr = p.sched + p.o_dst_rank + static_cast<int64_t>(t) * K;
+    uint32_t mask = 0;
+    for (int k = 0; k < K; ++k) mask |= 1u << dr[k];
+    int n = 0;
+    const int64_t prow = static_cast<int64_t>(p.rank) * p.num_tokens + t;
+    for (int d = 0; d < p.num_ranks; ++d) {
+      if (!((mask >> d) & 1u)) continue;
+      src[n] = reinterpret_cast<uint64_t>(c->sym(d, p.off_partials) + prow * rb);
+      w[n] = 1.0f;
+      ++n;
+    }
+    init = 0;
+    if (p.flags & kFlagHasShared)
+      init = reinterpret_cast<uint64_t>(static_cast<const uint8_t*>(p.in2) +
+                                        t * rb * ((p.flags & kFlagSharedFp32) ? 2 : 1));
+    out = reinterpret_cast<uint64_t>(static_cast<uint8_t*>(p.out0) + t * rb);
+    return n;
+  }
+};
+
+__host__ __device__ constexpr int partials_slots(int num_topk) {
+  return reduce_slots(num_topk, false);
+}
+
+// Vector-load path of the two dedup pull steps: one warp per row, walked in segments of
+// 32 * kSegVecs 16-byte vectors; each lane issues the loads of kSegGroup terms x kSegVecs
+// vectors before the first add (8-16 KiB in flight per warp), then adds in term order.
+constexpr int kSegVecs = 4;
+constexpr int kSegGroup = 4;
+
+__device__ __forceinline__ void warp_sum_segment(uint8_t* out, const uint8_t* init,
+                                                 bool init_fp32, const uint64_t* src,
+                                                 const float* w, int n, int seg, int n16,
+                                                 int lane) {
+  float acc[kSegVecs][8];
+  const int base = seg * 32 * kSegVecs + lane;
+#pragma unroll
+  for (int u = 0; u < kSegVecs; ++u) {
+    const int c = base + 32 * u;
+    if (init == nullptr || c >= n16) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
+    } else if (init_fp32) {
+      const float4 a = reinterpret_cast<const float4*>(init)[2 * c];
+      const float4 b = reinterpret_cast<const float4*>(init)[2 * c + 1];
+      acc[u][0] = a.x, acc[u][1] = a.y, acc[u][2] = a.z, acc[u][3] = a.w;
+      acc[u][4] = b.x, acc[u][5] = b.y, acc[u][6] = b.z, acc[u][7] = b.w;
+    } else {
+      const uint4 v = reinterpret_cast<const uint4*>(init)[c];
+      const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        acc[u][2 * i] = bf16_lo(w4[i]), acc[u][2 * i + 1] = bf16_hi(w4[i]);
+    }
+  }
+  for (int k0 = 0; k0 < n; k0 += kSegGroup) {
+    uint4 v[kSegGroup][kSegVecs];
+#pragma unroll
+    for (int g = 0; g < kSegGroup; ++g) {
+      const uint4* sp = reinterpret_cast<const uint4*>(k0 + g < n ? src[k0 + g] : 0);
+#pragma unroll
+      for (int u = 0; u < kSegVecs; ++u) {
+        const int c = base + 32 * u;
+        v[g][u] = (k0 + g < n && c < n16) ? sp[c] : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kSegGroup; ++g) {
+      if (k0 + g >= n) break;
+      const float wk = w[k0 + g];
+#pragma unroll
+      for (int u = 0; u < kSegVecs; ++u) {
+        const uint32_t w4[4] = {v[g][u].x, v[g][u].y, v[g][u].z, v[g][u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[u][2 * i] = __fadd_rn(acc[u][2 * i], __fmul_rn(wk, bf16_lo(w4[i])));
+          acc[u][2 * i + 1] = __fadd_rn(acc[u][2 * i + 1], __fmul_rn(wk, bf16_hi(w4[i])));
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kSegVecs; ++u) {
+    const int c = base + 32 * u;
+    if (c >= n16) continue;
+    uint4 o;
+    o.x = pack_bf16x2(acc[u][0], acc[u][1]);
+    o.y = pack_bf16x2(acc[u][2], acc[u][3]);
+    o.z = pack_bf16x2(acc[u][4], acc[u][5]);
+    o.w = pack_bf16x2(acc[u][6], acc[u][7]);
+    reinterpret_cast<uint4*>(out)[c] = o;
+  }
+}
+
+// Runs `meta` (PartialsMeta / DedupSumMeta) per row on one warp each (lane 0 reads the row's
+// terms), then sums the row segment by segment.
+template <typename Meta>
+__device__ __forceinline__ void warp_reduce_rows(const Meta& meta, int total, int64_t row_bytes,
+                                                 bool init_fp32) {
+  __shared__ WarpTerms terms;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gwarp = blockIdx.x * kCommWarps + warp;
+  const int nwarps = gridDim.x * kCommWarps;
+  const int n16 = static_cast<int>(row_bytes / 16);
+  const int nseg = (n16 + 32 * kSegVecs - 1) / (32 * kSegVecs);
+  for (int row = gwarp; row < total; row += nwarps) {
+    int n = 0;
+    uint64_t init = 0, out = 0;
+    if (lane == 0) {
+      n = meta(row, terms.src[warp], terms.w[warp], init, out);
+    }
+    n = __shfl_sync(0xffffffffu, n, 0);
+    init = __shfl_sync(0xffffffffu, init, 0);
+    out = __shfl_sync(0xffffffffu, out, 0);
+    __syncwarp();
+    for (int seg = 0; seg < nseg; ++seg)
+      warp_sum_segment(reinterpret_cast<uint8_t*>(out), reinterpret_cast<const uint8_t*>(init),
+                       init_fp32, terms.src[warp], terms.w[warp], n, seg, n16, lane);
+    __syncwarp();
+  }
+}
+
+// in0: y [capacity, hidden] bf16 (local). Fills my partials buffer for this epoch (family
+// "partials"), after every rank finished reading the previous epoch's partials.
+__global__ void __launch_bounds__(kCommThreads) dedup_partials_kernel(const Params p) {
+  const Ctx c(p);
+  if (c.aborted()) return;
+  if (!block_wait_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch - 1))) return;
+  const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
+  const int slots = partials_slots(p.num_topk);
+  const PartialsMeta meta{&c, static_cast<const uint8_t*>(p.in0)};
+  const int num_dedup = p.sched[p.o_meta + kMetaNumDedup];
+  if (p.flags & kFlagVector)
+    warp_reduce_rows(meta, num_dedup, rb, false);
+  else
+    tma_reduce_rows(meta, num_dedup, rb, p.num_topk, false, false, reduce_stages(rb, slots),
+                    dyn_smem);
+  if (!grid_sync(c)) return;
+  if (blockIdx.x == 0) block_store_all(c, kSigPartReady, static_cast<uint64_t>(p.epoch));
+}
+
+// in2: shared_y [num_tokens, hidden] (bf16 or fp32) or null; out0: out [num_tokens, hidden] bf16.
+// Reads every owner's partials of epoch p.epoch (may run several times per partials epoch).
+__global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p) {
+  const Ctx c(p);
+  if (c.aborted()) return;
+  if (!block_wait_all(c, kSigPartReady, static_cast<uint64_t>(p.epoch))) return;
+  const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
+  const bool has_shared = (p.flags & kFlagHasShared) != 0;
+  const bool fp32 = (p.flags & kFlagSharedFp32) != 0;
+  const int slots = reduce_slots(p.num_ranks, has_shared);
+  if (p.flags & kFlagVector)
+    warp_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, fp32);
+  else
+    tma_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, p.num_ranks, has_shared, fp32,
+                    reduce_stages(rb, slots), dyn_smem);
+  if (!grid_sync(c)) return;
+  if (blockIdx.x == 0) block_store_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch));
 }
 
 }  // namespace mok

@@ -5,6 +5,13 @@
 //               it to every receive row of that token (local fan-out);
 //   push:       the source stores each (token, k) row into the destination's receive buffer.
 //
+// pull and dedup_pull move rows with bulk copies (tma.cuh: one elected thread per block keeps
+// up to 14 rows of 14 KiB in flight) unless kFlagVector asks for the v1 path (one warp per row,
+// 16-byte loads/stores) or the rows are too large for >= 3 shared-memory stages. dedup_pull with
+// kFlagNoFanout only fills the dedup buffer (out0, row = dedup row): the unit comparable with
+// other libraries' dispatch; fanout_kernel then writes the expert-contiguous receive rows (the
+// expert stage's gather in the fused layer).
+//
 // Receive rows are written in minibatch order (pull) and each block raises the per-minibatch
 // ready counter once its share of a minibatch landed (target: gridDim.x * epoch), the hook the
 // fused GEMMs will wait on. Padding rows are left untouched.
@@ -15,11 +22,79 @@
 #include "params.h"
 #include "rows.cuh"
 #include "sync.cuh"
+#include "tma.cuh"
 
 namespace mok {
 
 constexpr int kCommThreads = 512;
 constexpr int kCommWarps = kCommThreads / 32;
+
+// Bulk-copy path for rows of this size?
+__device__ __forceinline__ bool use_tma_rows(const Params& p) {
+  return (p.flags & kFlagVector) == 0 && copy_stages(p.row_bytes) >= kMinStages;
+}
+
+extern __shared__ __align__(128) uint8_t dyn_smem[];
+
+// Receive row r0 + row <- the source's x row (padding rows: nothing).
+struct PullMeta {
+  const Ctx* c;
+  int r0;
+  uint8_t* recv;
+  __device__ void operator()(int row, uint64_t& src, int& n, uint64_t* dst) const {
+    const Params& p = c->p;
+    row += r0;
+    const int s = p.sched[p.o_src_rank + row];
+    if (s < 0) return;
+    const int token = p.sched[p.o_src_index + row] / p.num_topk;
+    src = reinterpret_cast<uint64_t>(c->sym(s, p.off_x) + token * p.row_bytes);
+    dst[0] = reinterpret_cast<uint64_t>(recv + row * p.row_bytes);
+    n = 1;
+  }
+};
+
+// Fan-out list of dedup row `row` (-1 terminated or full) -> receive row addresses.
+__device__ __forceinline__ int fan_dsts(const Params& p, int row, uint8_t* recv, uint64_t* dst) {
+  const int32_t* fan = p.sched + p.o_fan_rows + static_cast<int64_t>(row) * p.num_topk;
+  int n = 0;
+  for (int j = 0; j < p.num_topk; ++j) {
+    const int fr = fan[j];
+    if (fr < 0) break;
+    dst[j] = reinterpret_cast<uint64_t>(recv + fr * p.row_bytes);
+    n = j + 1;
+  }
+  return n;
+}
+
+// Dedup row <- the source's x row; to its fan-out receive rows, or to dedup-buffer row `row`.
+struct DedupMeta {
+  const Ctx* c;
+  uint8_t* out;
+  bool fan;
+  __device__ void operator()(int row, uint64_t& src, int& n, uint64_t* dst) const {
+    const Params& p = c->p;
+    const int s = p.sched[p.o_dedup_src_rank + row];
+    const int token = p.sched[p.o_dedup_src_token + row];
+    src = reinterpret_cast<uint64_t>(c->sym(s, p.off_x) + token * p.row_bytes);
+    if (fan) {
+      n = fan_dsts(p, row, out, dst);
+    } else {
+      dst[0] = reinterpret_cast<uint64_t>(out + row * p.row_bytes);
+      n = 1;
+    }
+  }
+};
+
+// Local fan-out: dedup-buffer row -> its receive rows.
+struct FanoutMeta {
+  const Params* p;
+  const uint8_t* dedup;
+  uint8_t* recv;
+  __device__ void operator()(int row, uint64_t& src, int& n, uint64_t* dst) const {
+    src = reinterpret_cast<uint64_t>(dedup + row * p->row_bytes);
+    n = fan_dsts(*p, row, recv, dst);
+  }
+};
 
 // Publishes this rank's x buffer for this epoch: optionally stage in0 into it first, after
 // every peer finished reading the previous epoch's rows.
@@ -55,6 +130,20 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const Param
   const int gwarp = blockIdx.x * kCommWarps + threadIdx.x / 32;
   const int nwarps = gridDim.x * kCommWarps;
   uint8_t* recv = static_cast<uint8_t*>(p.out0);
+  if (use_tma_rows(p)) {
+    __shared__ CopyRing ring;
+    const int stages = copy_stages(p.row_bytes);
+    copy_ring_init(ring, stages);
+    int done = 0;
+    for (int mb = 0; mb < p.num_minibatches; ++mb) {
+      const int r0 = mb * p.minibatch_rows, r1 = min(num_rows, r0 + p.minibatch_rows);
+      done = tma_copy_rows(ring, done, PullMeta{&c, r0, recv}, max(0, r1 - r0), p.row_bytes,
+                           stages, dyn_smem);
+      raise_ready(c, mb);
+    }
+    block_signal_all(c, kSigXConsumed);
+    return;
+  }
   for (int mb = 0; mb < p.num_minibatches; ++mb) {
     const int r0 = mb * p.minibatch_rows, r1 = min(num_rows, r0 + p.minibatch_rows);
     for (int row = r0 + gwarp; row < r1; row += nwarps) {
@@ -84,7 +173,20 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const
   const int gwarp = blockIdx.x * kCommWarps + threadIdx.x / 32;
   const int nwarps = gridDim.x * kCommWarps;
   uint8_t* recv = static_cast<uint8_t*>(p.out0);
-  for (int row = gwarp; row < num_dedup; row += nwarps) {
+  const bool fan = (p.flags & kFlagNoFanout) == 0;
+  if (use_tma_rows(p)) {
+    __shared__ CopyRing ring;
+    const int stages = copy_stages(p.row_bytes);
+    copy_ring_init(ring, stages);
+    tma_copy_rows(ring, 0, DedupMeta{&c, recv, fan}, num_dedup, p.row_bytes, stages, dyn_smem);
+  } else if (!fan) {
+    for (int row = gwarp; row < num_dedup; row += nwarps) {
+      const int4* from = reinterpret_cast<const int4*>(c.sym(d_src_rank[row], p.off_x) +
+                                                       d_src_token[row] * p.row_bytes);
+      warp_copy_row(reinterpret_cast<int4*>(recv + row * p.row_bytes), from, n16, lane);
+    }
+  }
+  for (int row = gwarp; fan && !use_tma_rows(p) && row < num_dedup; row += nwarps) {
     const int src = d_src_rank[row];
     const int token = d_src_token[row];
     const int fr = lane < K ? fan_rows[row * K + lane] : -1;
@@ -95,8 +197,39 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const
     warp_fan_row(dst, n, from, n16, lane);
   }
   // Receive rows of a token span all expert regions: every minibatch is complete only now.
-  for (int mb = 0; mb < p.num_minibatches; ++mb) raise_ready(c, mb);
+  if (fan)
+    for (int mb = 0; mb < p.num_minibatches; ++mb) raise_ready(c, mb);
   block_signal_all(c, kSigXConsumed);
+}
+
+// in0: dedup buffer [>= num_dedup, row_bytes] (dispatch dedup_pull with kFlagNoFanout);
+// out0: receive buffer. Local only: every receive row gets its dedup row.
+__global__ void __launch_bounds__(kCommThreads) fanout_kernel(const Params p) {
+  const Ctx c(p);
+  if (c.aborted()) return;
+  const int num_dedup = p.sched[p.o_meta + kMetaNumDedup];
+  const uint8_t* dedup = static_cast<const uint8_t*>(p.in0);
+  uint8_t* recv = static_cast<uint8_t*>(p.out0);
+  if (use_tma_rows(p)) {
+    __shared__ CopyRing ring;
+    const int stages = copy_stages(p.row_bytes);
+    copy_ring_init(ring, stages);
+    tma_copy_rows(ring, 0, FanoutMeta{&p, dedup, recv}, num_dedup, p.row_bytes, stages,
+                  dyn_smem);
+  } else {
+    const int n16 = static_cast<int>(p.row_bytes / 16);
+    const int K = p.num_topk;
+    const int lane = threadIdx.x % 32;
+    const int gwarp = blockIdx.x * kCommWarps + threadIdx.x / 32;
+    const int nwarps = gridDim.x * kCommWarps;
+    for (int row = gwarp; row < num_dedup; row += nwarps) {
+      const int fr = lane < K ? p.sched[p.o_fan_rows + row * K + lane] : -1;
+      const int n = warp_list_length(fr);
+      const uint64_t dst = reinterpret_cast<uint64_t>(recv + (fr < 0 ? 0 : fr) * p.row_bytes);
+      warp_fan_row(dst, n, reinterpret_cast<const int4*>(dedup + row * p.row_bytes), n16, lane);
+    }
+  }
+  for (int mb = 0; mb < p.num_minibatches; ++mb) raise_ready(c, mb);
 }
 
 // in0: x [num_tokens, row_bytes] (local); the receive buffers are the symmetric ones of every

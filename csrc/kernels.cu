@@ -31,6 +31,13 @@ cudaError_t launch_cooperative(Kernel kernel, const Params& params, int grid, in
                                      dim3(threads), args, smem, stream);
 }
 
+// Dynamic shared memory of the bulk-copy row pipelines (0 on the vector path).
+size_t copy_smem(const Params& p) {
+  const int stages = copy_stages(p.row_bytes);
+  if ((p.flags & kFlagVector) || stages < kMinStages) return 0;
+  return static_cast<size_t>(stages * align128(p.row_bytes));
+}
+
 }  // namespace
 
 int launch(int kind, const Params& params, int grid, void* stream_ptr) {
@@ -42,11 +49,30 @@ int launch(int kind, const Params& params, int grid, void* stream_ptr) {
                              sizeof(int32_t) * kScheduleWarps * params.num_experts, stream);
       break;
     case kKernelDispatchPull:
-      e = launch_cooperative(dispatch_pull_kernel, params, grid, kCommThreads, 0, stream);
+      e = launch_cooperative(dispatch_pull_kernel, params, grid, kCommThreads, copy_smem(params),
+                             stream);
       break;
     case kKernelDispatchDedupPull:
-      e = launch_cooperative(dispatch_dedup_pull_kernel, params, grid, kCommThreads, 0, stream);
+      e = launch_cooperative(dispatch_dedup_pull_kernel, params, grid, kCommThreads,
+                             copy_smem(params), stream);
       break;
+    case kKernelFanout:
+      e = launch_cooperative(fanout_kernel, params, grid, kCommThreads, copy_smem(params), stream);
+      break;
+    case kKernelDedupPartials: {
+      const int64_t rb = static_cast<int64_t>(params.hidden) * 2;
+      const int slots = partials_slots(params.num_topk);
+      e = launch_cooperative(dedup_partials_kernel, params, grid, kCommThreads,
+                             reduce_stages(rb, slots) * reduce_stage_bytes(rb, slots), stream);
+      break;
+    }
+    case kKernelDedupSum: {
+      const int64_t rb = static_cast<int64_t>(params.hidden) * 2;
+      const int slots = reduce_slots(params.num_ranks, (params.flags & kFlagHasShared) != 0);
+      e = launch_cooperative(dedup_sum_kernel, params, grid, kCommThreads,
+                             reduce_stages(rb, slots) * reduce_stage_bytes(rb, slots), stream);
+      break;
+    }
     case kKernelDispatchPush:
       e = launch_cooperative(dispatch_push_kernel, params, grid, kCommThreads, 0, stream);
       break;

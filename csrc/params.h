@@ -22,6 +22,8 @@ enum Signal : int {
   kSigSlotsFilled = 6,  // peer finished pushing into my combine slots (per block)
   kSigYReady = 7,       // peer's expert-output buffer holds this epoch's rows
   kSigYConsumed = 8,    // peer finished reading my expert-output buffer (per block)
+  kSigPartReady = 9,    // peer's dedup partials buffer holds epoch <value> (stored, not added)
+  kSigPartConsumed = 10,  // peer finished reading my partials of epoch <value> (stored)
 };
 
 enum WaitId : int { kWaitGridBarrier = 100 };
@@ -68,12 +70,17 @@ enum Kernel : int {
   kKernelCombinePush = 4,
   kKernelCombineDedupPush = 5,
   kKernelCombinePull = 6,
+  kKernelFanout = 7,
+  kKernelDedupPartials = 8,
+  kKernelDedupSum = 9,
 };
 
 enum Flags : int {
   kFlagStage = 1,          // copy in0 into the symmetric buffer first (x for pull, y for pull)
   kFlagSharedFp32 = 2,     // shared_y is fp32 (else bf16)
   kFlagHasShared = 4,
+  kFlagVector = 8,         // row copies with 16-byte vector loads/stores instead of bulk copies
+  kFlagNoFanout = 16,      // dedup dispatch: out0 is the dedup buffer, one row per dedup row
 };
 
 struct Params {
@@ -105,6 +112,7 @@ struct Params {
   int64_t off_recv;          // [capacity][row_bytes]
   int64_t off_slots;         // bf16 [num_tokens * num_topk][hidden]
   int64_t off_y;             // bf16 [capacity][hidden]
+  int64_t off_partials;      // bf16 [num_ranks * num_tokens][hidden], row src_rank * N + token
   // Local schedule storage (int32) and element offsets inside it.
   int32_t* sched;
   int64_t o_counts;           // [num_experts][num_ranks] (M, all experts)

@@ -50,6 +50,10 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* ptr, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
   uint32_t v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
@@ -137,6 +141,17 @@ __device__ __forceinline__ void block_signal_all(const Ctx& c, int kind) {
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int r = 0; r < c.p.num_ranks; ++r) red_add_release_sys(c.peer_signal(r, kind), 1);
+  }
+}
+
+// Thread 0 stores `value` into signal `kind` on every rank (mine included), after a system
+// fence; for monotone per-rank signals raised once per epoch (one block calls it).
+__device__ __forceinline__ void block_store_all(const Ctx& c, int kind, uint64_t value) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int r = 0; r < c.p.num_ranks; ++r) st_release_sys(c.peer_signal(r, kind), value);
   }
 }
 

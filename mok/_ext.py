@@ -35,8 +35,11 @@ KERNELS = {
     "combine_push": 4,
     "combine_dedup_push": 5,
     "combine_pull": 6,
+    "fanout": 7,
+    "dedup_partials": 8,
+    "dedup_sum": 9,
 }
-FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED = 1, 2, 4
+FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED, FLAG_VECTOR, FLAG_NO_FANOUT = 1, 2, 4, 8, 16
 META = {"num_rows": 0, "num_dedup": 1, "abort": 2, "err_claim": 3, "bad_detail": 7}
 SIGNALS = [
     "route_ready",
@@ -48,6 +51,8 @@ SIGNALS = [
     "slots_filled",
     "y_ready",
     "y_consumed",
+    "partials_ready",
+    "partials_consumed",
 ]
 WAIT_GRID_BARRIER = 100
 ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT = 1, 2, 3, 4
@@ -95,6 +100,7 @@ class Params(ctypes.Structure):
                 "off_recv",
                 "off_slots",
                 "off_y",
+                "off_partials",
             )
         ],
         ("sched", _U64),

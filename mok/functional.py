@@ -20,7 +20,16 @@ from mok.config import MoKConfig
 from mok.errors import MoKInputError
 from mok.workspace import Workspace, get_workspace
 
-__all__ = ["DeviceSchedule", "build_schedule", "dispatch", "combine", "moe_forward"]
+__all__ = [
+    "DeviceSchedule",
+    "build_schedule",
+    "dispatch",
+    "fanout",
+    "combine",
+    "dedup_partials",
+    "dedup_sum",
+    "moe_forward",
+]
 
 
 @dataclass
@@ -171,13 +180,30 @@ def build_schedule(
     return DeviceSchedule(ws, idx, w)
 
 
-def dispatch(x: torch.Tensor, schedule: DeviceSchedule, mode: str | None = None) -> torch.Tensor:
+def _check_engine(engine: str) -> None:
+    if engine not in ops.ENGINES:
+        raise MoKInputError(f"unknown copy engine {engine!r}; supported: {', '.join(ops.ENGINES)}")
+
+
+def dispatch(
+    x: torch.Tensor,
+    schedule: DeviceSchedule,
+    mode: str | None = None,
+    fan_out: bool = True,
+    engine: str = "tma",
+) -> torch.Tensor:
     """Move this rank's token rows to the expert owners.
 
     x: [num_tokens, hidden] (the workspace dtype). Returns the receive buffer [capacity, hidden]
     (a workspace view, valid until the next dispatch): rows ``offsets[l]..offsets[l] +
     tokens_per_expert[l]`` hold local expert l's tokens in schedule order; padding rows and rows
     past ``num_rows`` are unspecified. Writing x into ``ws.x_buffer`` first saves a copy.
+
+    ``dedup_pull`` with ``fan_out=False`` moves one row per (token, destination rank) only and
+    returns the dedup buffer [num_ranks * num_tokens, hidden] (row i = dedup row i, see
+    ``schedule.dedup_src_rank`` / ``dedup_src_token``; rows past ``num_dedup_rows``
+    unspecified); :func:`fanout` then fills the receive buffer. ``engine``: ``tma`` (bulk
+    copies) or ``vector`` (16-byte loads/stores, v1) for the pull modes.
     """
     ws = schedule.ws
     mode = mode or ws.config.dispatch_mode
@@ -185,10 +211,25 @@ def dispatch(x: torch.Tensor, schedule: DeviceSchedule, mode: str | None = None)
         raise MoKInputError(
             f"unknown dispatch mode {mode!r}; supported: {', '.join(ops._DISPATCH_KERNELS)}"
         )
+    _check_engine(engine)
+    if not fan_out and mode != "dedup_pull":
+        raise MoKInputError("fan_out=False needs mode='dedup_pull'")
     _check_tensor("x", x, (ws.shapes.num_tokens, ws.shapes.hidden), (ws.shapes.dtype,), ws.device)
     x = x.contiguous()
+    out = ws.recv_buffer if fan_out else ws.dedup_buffer
+    ops.dispatch(x, ws.sched, out, ws.id, mode, fan_out, engine)
+    return out
+
+
+def fanout(dedup: torch.Tensor, schedule: DeviceSchedule, engine: str = "tma") -> torch.Tensor:
+    """Local fan-out of a dedup buffer (``dispatch(..., 'dedup_pull', fan_out=False)``) into
+    the expert-contiguous receive buffer, which it returns (as :func:`dispatch` does)."""
+    ws = schedule.ws
+    _check_engine(engine)
+    R, s = ws.num_ranks, ws.shapes
+    _check_tensor("dedup", dedup, (R * s.num_tokens, s.hidden), (s.dtype,), ws.device)
     recv = ws.recv_buffer
-    ops.dispatch(x, ws.sched, recv, ws.id, mode)
+    ops.fanout(dedup.contiguous(), ws.sched, recv, ws.id, engine)
     return recv
 
 
@@ -204,7 +245,9 @@ def combine(
 
     ``mode`` is ``push`` or ``pull`` (default: the config's combine_mode); ``dedup`` (default:
     the config's dispatch_mode is ``dedup_pull``) first sums each token's rows on the expert
-    owner in k order and pushes one partial per (token, rank). Returns [num_tokens, hidden] bf16.
+    owner in k order into one partial per (token, rank); ``push`` then pushes the partials
+    into the home rank's slots, ``pull`` runs :func:`dedup_partials` + :func:`dedup_sum` (the
+    home rank reads the partials from the owners). Returns [num_tokens, hidden] bf16.
     """
     ws = schedule.ws
     s = ws.shapes
@@ -212,8 +255,9 @@ def combine(
     if mode not in ("push", "pull"):
         raise MoKInputError(f"unknown combine mode {mode!r}; supported: push, pull")
     dedup = ws.config.dispatch_mode == "dedup_pull" if dedup is None else dedup
-    if dedup and mode != "push":
-        raise MoKInputError("the dedup combine is a push combine: use mode='push'")
+    if dedup and mode == "pull":
+        dedup_partials(y, schedule)
+        return dedup_sum(schedule, shared_y)
     _check_tensor("y", y, (ws.capacity, s.hidden), (torch.bfloat16,), ws.device)
     if shared_y is not None:
         _check_tensor(
@@ -236,6 +280,44 @@ def combine(
         ws.id,
         kernel_mode,
     )
+    return out
+
+
+def dedup_partials(
+    y: torch.Tensor, schedule: DeviceSchedule, grid: int | None = None, engine: str = "vector"
+) -> None:
+    """Expert-side step of the dedup pull combine (the fused layer's GEMM epilogue): for every
+    dedup row, the sum over this rank's rows of that token, in k order, of w * y (fp32, stored
+    bf16) into the workspace's symmetric partials buffer. ``grid``: blocks (default
+    num_comm_sms); ``engine``: ``vector`` (16-byte loads, a warp per row) or ``tma`` (bulk
+    copies into shared memory, consumer warps)."""
+    ws = schedule.ws
+    _check_engine(engine)
+    _check_tensor("y", y, (ws.capacity, ws.shapes.hidden), (torch.bfloat16,), ws.device)
+    ops.dedup_partials(y.contiguous(), ws.sched, ws.partials_buffer, ws.id, grid or 0, engine)
+
+
+def dedup_sum(
+    schedule: DeviceSchedule, shared_y: torch.Tensor | None = None, engine: str = "vector"
+) -> torch.Tensor:
+    """Transfer step of the dedup pull combine: the home rank reads its tokens' partials from
+    every owner (after their :func:`dedup_partials`) and returns ``bf16(shared_y + partial_0 +
+    partial_1 + ...)`` in ascending owner rank order, [num_tokens, hidden]. ``engine`` as for
+    :func:`dedup_partials`."""
+    ws = schedule.ws
+    _check_engine(engine)
+    s = ws.shapes
+    if shared_y is not None:
+        _check_tensor(
+            "shared_y",
+            shared_y,
+            (s.num_tokens, s.hidden),
+            (torch.bfloat16, torch.float32),
+            ws.device,
+        )
+        shared_y = shared_y.contiguous()
+    out = torch.empty(s.num_tokens, s.hidden, dtype=torch.bfloat16, device=ws.device)
+    ops.dedup_sum(ws.sched, shared_y, out, ws.id, engine)
     return out
 
 

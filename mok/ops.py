@@ -12,9 +12,13 @@ from __future__ import annotations
 import torch
 
 from mok import _ext
+from mok.errors import MoKInputError
 from mok.workspace import workspace_by_id
 
-__all__ = ["build_schedule", "dispatch", "combine"]
+__all__ = ["build_schedule", "dispatch", "fanout", "combine", "dedup_partials", "dedup_sum"]
+
+# Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
+ENGINES = ("tma", "vector")
 
 _DISPATCH_KERNELS = {
     "pull": "dispatch_pull",
@@ -50,7 +54,11 @@ def dispatch(
     recv: torch.Tensor,  # [capacity, hidden] workspace receive buffer
     handle: int,
     mode: str,
+    fan_out: bool = True,
+    engine: str = "tma",
 ) -> None:
+    """``recv`` is the dedup buffer ([num_ranks * num_tokens, hidden]) when ``mode`` is
+    ``dedup_pull`` and ``fan_out`` is False."""
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
     family = "recv" if mode == "push" else "x"
@@ -59,11 +67,90 @@ def dispatch(
     p.in0, p.out0 = x.data_ptr(), recv.data_ptr()
     if mode != "push" and x.data_ptr() != ws.x_buffer.data_ptr():
         p.flags |= _ext.FLAG_STAGE
+    if engine == "vector":
+        p.flags |= _ext.FLAG_VECTOR
+    if mode == "dedup_pull" and not fan_out:
+        p.flags |= _ext.FLAG_NO_FANOUT
     ws.launch(_DISPATCH_KERNELS[mode], p, ws.config.num_comm_sms)
 
 
 @dispatch.register_fake
-def _(x, sched, recv, handle, mode) -> None:
+def _(x, sched, recv, handle, mode, fan_out=True, engine="tma") -> None:
+    return None
+
+
+@torch.library.custom_op("mok::fanout", mutates_args=("recv",))
+def fanout(
+    dedup: torch.Tensor,  # [num_ranks * num_tokens, hidden] dedup buffer
+    sched: torch.Tensor,
+    recv: torch.Tensor,  # [capacity, hidden] workspace receive buffer
+    handle: int,
+    engine: str = "tma",
+) -> None:
+    ws = workspace_by_id(handle)
+    ws.raise_if_failed()
+    p = ws.params(None)
+    p.in0, p.out0 = dedup.data_ptr(), recv.data_ptr()
+    if engine == "vector":
+        p.flags |= _ext.FLAG_VECTOR
+    ws.launch("fanout", p, ws.config.num_comm_sms)
+
+
+@fanout.register_fake
+def _(dedup, sched, recv, handle, engine="tma") -> None:
+    return None
+
+
+@torch.library.custom_op("mok::dedup_partials", mutates_args=("partials",))
+def dedup_partials(
+    y: torch.Tensor,  # [capacity, hidden] bf16 expert outputs in schedule row order
+    sched: torch.Tensor,
+    partials: torch.Tensor,  # workspace partials buffer (symmetric)
+    handle: int,
+    grid: int = 0,
+    engine: str = "vector",
+) -> None:
+    ws = workspace_by_id(handle)
+    ws.raise_if_failed()
+    ws.epochs["partials"] += 1
+    p = ws.params("partials")
+    p.in0 = y.data_ptr()
+    if engine == "vector":
+        p.flags |= _ext.FLAG_VECTOR
+    ws.launch("dedup_partials", p, grid or ws.config.num_comm_sms)
+
+
+@dedup_partials.register_fake
+def _(y, sched, partials, handle, grid=0, engine="vector") -> None:
+    return None
+
+
+@torch.library.custom_op("mok::dedup_sum", mutates_args=("out",))
+def dedup_sum(
+    sched: torch.Tensor,
+    shared_y: torch.Tensor | None,  # [num_tokens, hidden] bf16 or fp32
+    out: torch.Tensor,  # [num_tokens, hidden] bf16
+    handle: int,
+    engine: str = "vector",
+) -> None:
+    ws = workspace_by_id(handle)
+    ws.raise_if_failed()
+    if ws.epochs["partials"] == 0:
+        raise MoKInputError("mok: dedup_sum before any dedup_partials on this workspace")
+    p = ws.params("partials")
+    p.out0 = out.data_ptr()
+    if shared_y is not None:
+        p.in2 = shared_y.data_ptr()
+        p.flags |= _ext.FLAG_HAS_SHARED
+        if shared_y.dtype == torch.float32:
+            p.flags |= _ext.FLAG_SHARED_FP32
+    if engine == "vector":
+        p.flags |= _ext.FLAG_VECTOR
+    ws.launch("dedup_sum", p, ws.config.num_comm_sms)
+
+
+@dedup_sum.register_fake
+def _(sched, shared_y, out, handle, engine="vector") -> None:
     return None
 
 

@@ -96,6 +96,7 @@ class Workspace:
                 ("recv", self.capacity * self.row_bytes),
                 ("slots", N * K * H * 2),
                 ("y", self.capacity * H * 2),
+                ("partials", R * N * H * 2),
             ],
             _ALIGN,
         )
@@ -154,7 +155,8 @@ class Workspace:
         self.error = torch.zeros(8, dtype=torch.int64).pin_memory()
         self._ext = _ext.load()
         self.error_dev = self._ext.host_device_pointer(self.error.data_ptr())
-        self.epochs = {"route": 0, "x": 0, "recv": 0, "slots": 0, "y": 0}
+        self.epochs = {"route": 0, "x": 0, "recv": 0, "slots": 0, "y": 0, "partials": 0}
+        self._dedup_buffer: torch.Tensor | None = None
         self.broken: Exception | None = None
         self.id = len(_by_handle) + 1
         _by_handle[self.id] = self
@@ -186,6 +188,22 @@ class Workspace:
         """[capacity, hidden] bf16 expert-output buffer read by pull combine: write the expert
         outputs here to skip its staging copy."""
         return self.sym_view("y", torch.bfloat16, (self.capacity, self.shapes.hidden))
+
+    @property
+    def partials_buffer(self) -> torch.Tensor:
+        """[num_ranks * num_tokens, hidden] bf16 dedup partials (row src_rank * num_tokens +
+        token) that this rank's experts produced for the dedup pull combine."""
+        R, N, H = self.num_ranks, self.shapes.num_tokens, self.shapes.hidden
+        return self.sym_view("partials", torch.bfloat16, (R * N, H))
+
+    @property
+    def dedup_buffer(self) -> torch.Tensor:
+        """[num_ranks * num_tokens, hidden] local buffer of the dedup dispatch without fan-out
+        (row i = dedup row i; rows past num_dedup_rows unspecified). Allocated on first use."""
+        if self._dedup_buffer is None:
+            R, N, H = self.num_ranks, self.shapes.num_tokens, self.shapes.hidden
+            self._dedup_buffer = torch.empty(R * N, H, dtype=self.shapes.dtype, device=self.device)
+        return self._dedup_buffer
 
     def sched_view(self, name: str, length: int) -> torch.Tensor:
         off = self.sched_off[name]

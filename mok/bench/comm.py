@@ -49,7 +49,34 @@ def _timeit(fn, iters: int, warmup: int) -> tuple[float, float, float]:
     return tuple(float(v) for v in q.cpu())
 
 
+def _timeit_first(fn, then, iters: int, warmup: int) -> tuple[float, float, float]:
+    """Like _timeit for ``fn``, with ``then`` (untimed) run after each call (for steps that
+    need their consumer to run before they can run again)."""
+    for _ in range(warmup):
+        fn()
+        then()
+    torch.cuda.synchronize()
+    dist.barrier()
+    ev = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+        then()
+    torch.cuda.synchronize()
+    t = torch.tensor(sorted(s.elapsed_time(e) * 1e3 for s, e in ev), dtype=torch.float64)
+    q = torch.tensor([t.median(), t.quantile(0.2), t.quantile(0.8)], device="cuda")
+    dist.all_reduce(q, op=dist.ReduceOp.MAX)
+    return tuple(float(v) for v in q.cpu())
+
+
 def _sha() -> str:
+    env = os.environ.get("MOK_GIT_SHA")
+    if env:
+        return env
     try:
         root = Path(__file__).resolve().parents[2]
         out = subprocess.run(
@@ -75,7 +102,8 @@ class Recorder:
         if dist.get_rank() == 0:
             print(
                 f"{row['model']:>14} N={row['tokens_per_rank']:>5} {row['skew']:>8} "
-                f"{row['what']:>8} {row['impl']:>6} {row['mode']:>10} sms={row['sms']:>3} "
+                f"{row['what']:>8} {row['impl']:>6} {row['mode']:>18} {row['engine']:>6} "
+                f"{row['scope']:>10} sms={row['sms']:>3} "
                 f"{row['median_us']:>9.1f} us {row['nvlink_gbps']:>6.1f} GB/s "
                 f"({row['frac_ceiling']:.2f})",
                 flush=True,
@@ -101,11 +129,17 @@ def _routing(n: int, num_experts: int, topk: int, skew: str, seed: int):
     return torch.from_numpy(idx).cuda(), torch.from_numpy(w).cuda(), t
 
 
-def bench_mok(rec, base, x, idx, w, num_experts, sms, iters, warmup):
+def _remote_pull_dedup_combine(h: dict, rank: int, world: int) -> int:
+    """Partial rows the home rank reads from peers: (token, owner != rank) pairs."""
+    dst = h["dst_rank"]
+    return sum(int((dst == d).any(dim=1).sum()) for d in range(world) if d != rank)
+
+
+def bench_mok(rec, base, x, idx, w, num_experts, sms, iters, warmup, engines=("tma", "vector")):
     import mok
     from mok import functional as mf
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     n, hidden = x.shape
     topk = idx.shape[1]
     cfg = mok.MoKConfig(num_comm_sms=sms, capacity_factor=1.5, wait_timeout_ms=30000.0)
@@ -117,52 +151,76 @@ def bench_mok(rec, base, x, idx, w, num_experts, sms, iters, warmup):
     remote_rows = int((h["src_rank"] >= 0).logical_and(h["src_rank"] != rank).sum())
     remote_dedup = int((h["dedup_src_rank"] != rank).sum())
     remote_pull_combine = int((h["dst_rank"] != rank).sum())
+    remote_dedup_combine = _remote_pull_dedup_combine(h, rank, world)
     y = ws.y_buffer
     y.copy_(torch.randn(y.shape, device="cuda", dtype=torch.bfloat16))
-    sch = mf.build_schedule
-    t = _timeit(lambda: sch(idx, w, ws), iters, warmup)
-    rec.add(
-        **base,
-        what="schedule",
-        impl="mok",
-        mode="-",
-        sms=ws.schedule_blocks(),
-        median_us=t[0],
-        p20_us=t[1],
-        p80_us=t[2],
-        nvlink_bytes=0,
-    )
-    for mode, nb in (("pull", remote_rows), ("dedup_pull", remote_dedup), ("push", remote_rows)):
-        xin = ws.x_buffer if mode != "push" else x
-        t = _timeit(lambda m=mode, xi=xin: mf.dispatch(xi, s, m), iters, warmup)
+
+    def add(what, mode, engine, scope, t, nb, nsms=sms):
         rec.add(
             **base,
-            what="dispatch",
+            what=what,
             impl="mok",
             mode=mode,
-            sms=sms,
+            engine=engine,
+            scope=scope,
+            sms=nsms,
             median_us=t[0],
             p20_us=t[1],
             p80_us=t[2],
-            nvlink_bytes=nb * rb,
+            nvlink_bytes=nb,
         )
-    for mode, dd, nb in (
+
+    sch = mf.build_schedule
+    t = _timeit(lambda: sch(idx, w, ws), iters, warmup)
+    add("schedule", "-", "-", "local", t, 0, ws.schedule_blocks())
+    xb = ws.x_buffer
+    for eng in engines:
+        # Comparable unit: one row per (token, destination rank) into the dedup buffer.
+        t = _timeit(lambda e=eng: mf.dispatch(xb, s, "dedup_pull", False, e), iters, warmup)
+        add("dispatch", "dedup_pull", eng, "comparable", t, remote_dedup * rb)
+        dd = mf.dispatch(xb, s, "dedup_pull", False, eng)
+        t = _timeit(lambda e=eng, b=dd: mf.fanout(b, s, e), iters, warmup)
+        add("dispatch", "fanout", eng, "local", t, 0)
+        t = _timeit(lambda e=eng: mf.dispatch(xb, s, "dedup_pull", True, e), iters, warmup)
+        add("dispatch", "dedup_pull+fanout", eng, "end-to-end", t, remote_dedup * rb)
+        t = _timeit(lambda e=eng: mf.dispatch(xb, s, "pull", True, e), iters, warmup)
+        add("dispatch", "pull", eng, "end-to-end", t, remote_rows * rb)
+    t = _timeit(lambda: mf.dispatch(x, s, "push"), iters, warmup)
+    add("dispatch", "push", "vector", "end-to-end", t, remote_rows * rb)
+
+    # Dedup pull combine: partials (expert epilogue, local), then the transfer + sum.
+    # NOTE: partials of epoch e wait until every rank read epoch e - 1: a sum runs in between.
+    full = torch.cuda.get_device_properties(0).multi_processor_count
+    for eng in engines:
+        t = _timeit_first(
+            lambda e=eng: mf.dedup_partials(y, s, engine=e), lambda: mf.dedup_sum(s), iters, warmup
+        )
+        add("combine", "dedup_partials", eng, "local", t, 0)
+        t = _timeit_first(
+            lambda e=eng: mf.dedup_partials(y, s, grid=full, engine=e),
+            lambda: mf.dedup_sum(s),
+            iters,
+            warmup,
+        )
+        add("combine", "dedup_partials", eng, "local", t, 0, full)
+        mf.dedup_partials(y, s)
+        # NOTE: no shared-expert term in the combines (as in DeepEP's combine and v1's numbers).
+        t = _timeit(lambda e=eng: mf.dedup_sum(s, engine=e), iters, warmup)
+        add("combine", "dedup_pull_sum", eng, "comparable", t, remote_dedup_combine * rb)
+
+    def dedup_pull_e2e():
+        mf.dedup_partials(y, s)
+        mf.dedup_sum(s)
+
+    t = _timeit(dedup_pull_e2e, iters, warmup)
+    add("combine", "dedup_pull", "vector", "end-to-end", t, remote_dedup_combine * rb)
+    for mode, dd_, nb in (
         ("push", False, remote_rows),
         ("pull", False, remote_pull_combine),
         ("push", True, remote_dedup),
     ):
-        t = _timeit(lambda m=mode, d=dd: mf.combine(y, s, m, dedup=d), iters, warmup)
-        rec.add(
-            **base,
-            what="combine",
-            impl="mok",
-            mode=("dedup_" if dd else "") + mode,
-            sms=sms,
-            median_us=t[0],
-            p20_us=t[1],
-            p80_us=t[2],
-            nvlink_bytes=nb * rb,
-        )
+        t = _timeit(lambda m=mode, d=dd_: mf.combine(y, s, m, dedup=d), iters, warmup)
+        add("combine", ("dedup_" if dd_ else "") + mode, "vector", "end-to-end", t, nb * rb)
     ws.check()
     mok.clear_workspaces()
     return remote_dedup
@@ -193,6 +251,8 @@ def bench_nccl(rec, base, x, idx, w, num_experts, iters, warmup):
         what="dispatch",
         impl="nccl",
         mode="a2a",
+        engine="-",
+        scope="end-to-end",
         sms=0,
         median_us=t[0],
         p20_us=t[1],
@@ -215,6 +275,8 @@ def bench_nccl(rec, base, x, idx, w, num_experts, iters, warmup):
         what="combine",
         impl="nccl",
         mode="a2a",
+        engine="-",
+        scope="end-to-end",
         sms=0,
         median_us=t[0],
         p20_us=t[1],
@@ -265,6 +327,8 @@ def _deepep_one(rec, base, buf, x, idx64, w, num_experts, sms, remote_dedup, ite
         what="dispatch",
         impl="deepep",
         mode="normal",
+        engine="-",
+        scope="comparable",
         sms=sms,
         median_us=t[0],
         p20_us=t[1],
@@ -278,6 +342,8 @@ def _deepep_one(rec, base, buf, x, idx64, w, num_experts, sms, remote_dedup, ite
         what="combine",
         impl="deepep",
         mode="normal",
+        engine="-",
+        scope="comparable",
         sms=sms,
         median_us=t[0],
         p20_us=t[1],
@@ -296,6 +362,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--deepep-sms", default="24,48,64,96,128")
     ap.add_argument("--no-nccl", action="store_true")
     ap.add_argument("--no-deepep", action="store_true")
+    ap.add_argument("--engines", default="tma,vector", help="mok row-copy engines (comma list)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--csv", default="mok-bench-comm.csv")
@@ -330,7 +397,16 @@ def main(argv: list[str]) -> int:
                 remote_dedup = 0
                 for sms in (int(v) for v in args.sms.split(",")):
                     remote_dedup = bench_mok(
-                        rec, base, x, idx, w, num_experts, sms, args.iters, args.warmup
+                        rec,
+                        base,
+                        x,
+                        idx,
+                        w,
+                        num_experts,
+                        sms,
+                        args.iters,
+                        args.warmup,
+                        tuple(args.engines.split(",")),
                     )
                 if not args.no_nccl:
                     bench_nccl(rec, base, x, idx, w, num_experts, args.iters, args.warmup)

@@ -29,6 +29,14 @@ from reference.weights import MoEWeights
 from tests import tolerances as tol
 
 SEED = 4321
+DISPATCH_VARIANTS = [
+    ("pull", "tma"),
+    ("pull", "vector"),
+    ("dedup_pull", "tma"),
+    ("dedup_pull", "vector"),
+    ("push", "tma"),
+]
+COMBINE_VARIANTS = [("push", False), ("pull", False), ("push", True), ("pull", True)]
 FIELDS = [
     "counts",
     "tokens_per_expert",
@@ -103,12 +111,25 @@ def comm_case(hidden, K, E, N, skew, dev, repeat=0):
     x_all = torch.cat(xs)
     real = (want.src_rank >= 0).nonzero().squeeze(1)
     expect_rows = x_all[want.src_rank[real] * N + want.src_index[real] // K]
-    for mode in ("pull", "dedup_pull", "push"):
-        recv = mf.dispatch(xs[rank].to(dev), sched, mode)
+    for mode, engine in DISPATCH_VARIANTS:
+        recv = mf.dispatch(xs[rank].to(dev), sched, mode, engine=engine)
         ws.check()
         check(
-            torch.equal(recv[real.to(dev)].cpu(), expect_rows), f"{tag} dispatch {mode} rows differ"
+            torch.equal(recv[real.to(dev)].cpu(), expect_rows),
+            f"{tag} dispatch {mode} {engine} rows differ",
         )
+    # Dedup dispatch without fan-out (one row per (token, rank)), then the local fan-out.
+    D = want.dedup_src_rank.numel()
+    expect_dedup = x_all[want.dedup_src_rank * N + want.dedup_src_token]
+    for engine in ("tma", "vector"):
+        ws.recv_buffer.fill_(float("nan"))
+        ws.dedup_buffer.fill_(float("nan"))
+        dd = mf.dispatch(xs[rank].to(dev), sched, "dedup_pull", fan_out=False, engine=engine)
+        ws.check()
+        check(torch.equal(dd[:D].cpu(), expect_dedup), f"{tag} dedup buffer {engine} differs")
+        recv = mf.fanout(dd, sched, engine=engine)
+        ws.check()
+        check(torch.equal(recv[real.to(dev)].cpu(), expect_rows), f"{tag} fanout {engine} differs")
 
     ys = [expert_outputs(r, refs[r].num_rows, ws.capacity, hidden) for r in range(world)]
     g = torch.Generator().manual_seed(SEED + 7)
@@ -122,18 +143,27 @@ def comm_case(hidden, K, E, N, skew, dev, repeat=0):
         y = ys[rank].to(dev)
         shd = None if sh is None else sh.to(dev)
         outs = {}
-        for mode, dd in (("push", False), ("pull", False), ("push", True)):
+        for mode, dd in COMBINE_VARIANTS:
             outs[mode, dd] = mf.combine(y, sched, mode, shared_y=shd, dedup=dd).cpu()
             ws.check()
             want_out = dedup if dd else plain
             check(torch.equal(outs[mode, dd], want_out), f"{tag} combine {mode} dedup={dd} differs")
         check(torch.equal(outs["push", False], outs["pull", False]), f"{tag} push vs pull")
+        # The two steps of the dedup pull combine, the sum run twice on one partials epoch.
+        for pe in ("vector", "tma"):
+            mf.dedup_partials(y, sched, engine=pe)
+            for se in ("vector", "tma"):
+                o = mf.dedup_sum(sched, shd, engine=se).cpu()
+                ws.check()
+                check(torch.equal(o, dedup), f"{tag} dedup_sum {pe}/{se} differs")
     for i in range(repeat):
         sched = mf.build_schedule(idx_all[rank].to(dev), w_all[rank].to(dev), ws)
-        for mode in ("pull", "dedup_pull", "push"):
-            recv = mf.dispatch(xs[rank].to(dev), sched, mode)
+        for mode, engine in DISPATCH_VARIANTS:
+            recv = mf.dispatch(xs[rank].to(dev), sched, mode, engine=engine)
             check(torch.equal(recv[real.to(dev)].cpu(), expect_rows), f"{tag} repeat {i} {mode}")
-        for mode, dd in (("push", False), ("pull", False), ("push", True)):
+        dd = mf.dispatch(xs[rank].to(dev), sched, "dedup_pull", fan_out=False)
+        check(torch.equal(dd[:D].cpu(), expect_dedup), f"{tag} repeat {i} dedup buffer")
+        for mode, dd in COMBINE_VARIANTS:
             o = mf.combine(y, sched, mode, shared_y=shd, dedup=dd).cpu()
             check(torch.equal(o, outs[mode, dd]), f"{tag} repeat {i} combine {mode} {dd}")
     ws.check()
