@@ -6,6 +6,7 @@ mok-sim sweep --ep 8 --topology hgx-h200 --sms 8,16,24,32 --minibatch 2048,4096 
 mok-sim tune --ep 8 --topology hgx-h200 --emit-config mok-config.json
 mok-sim trace --ep 8 --topology hgx-h200 --out trace.json
 mok-sim calibrate probe.json --out h200.json
+mok-sim validate mok/bench/results/h200x2-comm.csv --csv pred.csv --plot pred.png
 mok-sim bench
 """
 
@@ -273,6 +274,34 @@ def _cmd_calibrate(a) -> int:
     return 0
 
 
+def _cmd_validate(a) -> int:
+    from sim.phases import load_kernel_profile
+    from sim.results import write_csv
+    from sim.validate import fit_kernel_profile, format_report, read_rows, summarise, validate_rows
+
+    rows = read_rows(a.measured)
+    prof = load_kernel_profile(a.profile)
+    if a.refit:
+        prof = fit_kernel_profile(rows, prof)
+        print(f"refitted kernel knobs on {prof.fit_subset}: {prof.fit}")
+        if a.save_profile:
+            prof.save(a.save_profile)
+            print(f"wrote {a.save_profile}")
+    records = validate_rows(rows, prof)
+    summary = summarise(records)
+    print(f"{a.measured}: {len(rows)} rows, kernel profile fitted on: {prof.fit_subset}")
+    print(format_report(records, summary))
+    if a.csv:
+        write_csv(records, a.csv)
+        print(f"wrote {a.csv}")
+    if a.plot:
+        from sim.plots import validation_scatter
+
+        validation_scatter(records).savefig(a.plot, dpi=110)
+        print(f"wrote {a.plot}")
+    return 0
+
+
 def _cmd_bench(a) -> int:
     from sim.bench import main as bench_main
 
@@ -330,6 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--num-sms", type=int, default=None)
     cal.add_argument("--nvlink-gbps", type=float, default=None, help="datasheet, per direction")
 
+    v = sub.add_parser("validate", help="predict a measured mok kernel sweep and score it")
+    v.add_argument("measured", help="CSV of mok.bench comm (mok/bench/results/*.csv)")
+    v.add_argument("--profile", default="mok-comm-h200x2", help="kernel profile name or JSON")
+    v.add_argument("--csv", help="write the per-row predictions here")
+    v.add_argument("--plot", help="PNG scatter of predicted vs measured")
+    v.add_argument("--refit", action="store_true", help="refit the kernel knobs on this CSV")
+    v.add_argument("--save-profile", help="with --refit: write the refitted profile here")
+
     b = sub.add_parser("bench", help="simulator speed benchmark (same as python -m sim.bench)")
     b.add_argument("--sweep-configs", type=int, default=500)
     b.add_argument("--quick", action="store_true")
@@ -344,6 +381,7 @@ _COMMANDS = {
     "trace": _cmd_trace,
     "calibrate": _cmd_calibrate,
     "bench": _cmd_bench,
+    "validate": _cmd_validate,
 }
 
 

@@ -15,7 +15,16 @@ from matplotlib.figure import Figure  # noqa: E402
 from sim.results import LayerResult  # noqa: E402
 from sim.topology import RES_PER_GPU  # noqa: E402
 
-__all__ = ["gantt", "link_utilisation", "sweep_heatmap", "compare_bars", "PHASE_COLORS"]
+__all__ = [
+    "gantt",
+    "link_utilisation",
+    "sweep_heatmap",
+    "compare_bars",
+    "policy_comparison",
+    "scaling_summary",
+    "waves_scatter",
+    "PHASE_COLORS",
+]
 
 PHASE_COLORS = {
     "schedule": "#7f7f7f",
@@ -146,4 +155,151 @@ def compare_bars(groups: dict[str, Sequence[LayerResult]]) -> Figure:
         ax.set_ylim(0, bottom.max() * 1.12)
     axes[0][0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
+    return fig
+
+
+def _policy(row: dict) -> str:
+    return f"{row['dispatch_mode']}/{row['combine_mode']}"
+
+
+def policy_comparison(rows: Sequence[dict], reference: str = "pull/push") -> Figure:
+    """Layer time, layer time relative to the ``reference`` policy and NVLink payload per rank
+    of each (dispatch, combine) policy: one row of panels per routing skew, one group of bars per
+    (topology, EP). ``rows`` are :meth:`LayerResult.summary` rows."""
+    skews = list(dict.fromkeys(r["skew"] for r in rows))
+    cases = list(dict.fromkeys((r["topology"], r["ep"]) for r in rows))
+    policies = list(dict.fromkeys(_policy(r) for r in rows))
+    ref = {
+        (r["topology"], r["ep"], r["skew"]): r["layer_us"] for r in rows if _policy(r) == reference
+    }
+    fig, axes = plt.subplots(
+        len(skews), 3, figsize=(15, 2.6 * len(skews) + 0.6), squeeze=False, sharex=True
+    )
+    width = 0.8 / len(policies)
+    metrics = (
+        ("layer time (us)", lambda r: r["layer_us"]),
+        (
+            f"layer time / {reference}",
+            lambda r: r["layer_us"] / ref.get((r["topology"], r["ep"], r["skew"]), np.nan),
+        ),
+        ("NVLink MB per rank", lambda r: r["nvlink_payload_mb"] / r["ep"]),
+    )
+    for i, skew in enumerate(skews):
+        for j, (label, get) in enumerate(metrics):
+            ax = axes[i][j]
+            for p, pol in enumerate(policies):
+                vals = np.full(len(cases), np.nan)
+                for r in rows:
+                    if r["skew"] == skew and _policy(r) == pol:
+                        vals[cases.index((r["topology"], r["ep"]))] = get(r)
+                xs = np.arange(len(cases)) + (p - (len(policies) - 1) / 2) * width
+                ax.bar(xs, vals, width, label=pol)
+            ax.set_ylabel(label, fontsize=8)
+            ax.set_title(f"skew {skew}", fontsize=8)
+        axes[i][1].axhline(1.0, color="k", lw=0.6)
+    for ax in axes[-1]:
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels([f"{t}\nEP{ep}" for t, ep in cases], fontsize=7)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def scaling_summary(rows: Sequence[dict], where: dict | None = None) -> Figure:
+    """One bar per step (in row order) of a scale-out: the critical-path breakdown of the layer
+    time, the exposed-communication share and compute idle fraction, and NVLink vs NIC payload
+    per rank. ``rows`` are :meth:`LayerResult.summary` rows; ``where`` filters them."""
+    where = where or {}
+    sel = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+    labels = [f"{r['topology']}\nEP{r['ep']}" for r in sel]
+    x = np.arange(len(sel))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    bottom = np.zeros(len(sel))
+    for key, color in BREAKDOWN_COLORS.items():
+        vals = np.array([r[key] for r in sel])
+        axes[0].bar(x, vals, bottom=bottom, color=color, label=key.removesuffix("_us"))
+        bottom += vals
+    axes[0].set_ylabel("layer time (us), critical-path breakdown")
+    axes[0].legend(fontsize=7)
+    share = np.array([r["exposed_comm_us"] / r["layer_us"] for r in sel])
+    idle = np.array([r["compute_idle_frac"] for r in sel])
+    axes[1].plot(x, 100 * share, "o-", color=BREAKDOWN_COLORS["exposed_comm_us"], label="exposed")
+    axes[1].plot(x, 100 * idle, "s--", color="#7f7f7f", label="compute idle")
+    axes[1].set_ylabel("% of layer time")
+    axes[1].set_ylim(0, 100)
+    axes[1].legend(fontsize=7)
+    nv = np.array([r["nvlink_payload_mb"] / r["ep"] for r in sel])
+    nic = np.array([r["nic_payload_mb"] / r["ep"] for r in sel])
+    axes[2].bar(x, nv, color="#1f77b4", label="NVLink")
+    axes[2].bar(x, nic, bottom=nv, color="#ff7f0e", label="NIC")
+    axes[2].set_ylabel("payload MB per rank")
+    axes[2].legend(fontsize=7)
+    for ax in axes:
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, fontsize=7)
+    title = ", ".join(f"{k}={v}" for k, v in where.items())
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def waves_scatter(
+    rows: Sequence[dict],
+    x: str = "gemm_waves",
+    y: str = "layer_us",
+    hue: str = "num_comm_sms",
+    threshold: float | None = 2.0,
+) -> Figure:
+    """Scatter of ``y`` against ``x`` (e.g. GEMM waves per minibatch, a field the caller adds to
+    sweep rows), one colour per ``hue`` value, with a vertical line at ``threshold``."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for h in sorted({r[hue] for r in rows}):
+        sel = [r for r in rows if r[hue] == h]
+        ax.scatter([r[x] for r in sel], [r[y] for r in sel], s=18, label=f"{hue}={h}")
+    if threshold is not None:
+        ax.axvline(threshold, color="k", ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def validation_scatter(records: Sequence[dict]) -> Figure:
+    """Predicted vs measured phase time of ``sim.validate`` records (log-log, y = x and +-15%
+    lines), coloured by ``what``, hollow markers for the rows the knobs were fitted on."""
+    ok = [r for r in records if r.get("status") == "ok"]
+    fig, ax = plt.subplots(figsize=(6.4, 6.0), layout="constrained")
+    colors = {"schedule": "#7f7f7f", "dispatch": "#ff7f0e", "combine": "#2ca02c"}
+    for what in sorted({r["what"] for r in ok}):
+        for role, face in (("validation", None), ("fit", "none")):
+            pts = [r for r in ok if r["what"] == what and r["role"] == role]
+            if not pts:
+                continue
+            c = colors.get(what, "#1f77b4")
+            ax.scatter(
+                [r["measured_us"] for r in pts],
+                [r["predicted_us"] for r in pts],
+                s=28,
+                edgecolors=c,
+                facecolors=face or c,
+                label=f"{what} ({role})",
+            )
+    if ok:
+        lo = min(min(r["measured_us"], r["predicted_us"]) for r in ok) * 0.8
+        hi = max(max(r["measured_us"], r["predicted_us"]) for r in ok) * 1.25
+        x = np.array([lo, hi])
+        ax.plot(x, x, color="k", lw=0.8)
+        for f in (0.85, 1.15):
+            ax.plot(x, f * x, color="k", lw=0.6, ls="--")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured us")
+    ax.set_ylabel("predicted us")
+    ax.set_title("mok-sim validate: predicted vs measured (dashed: +-15%)")
+    ax.legend(fontsize=8)
     return fig
