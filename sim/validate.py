@@ -48,7 +48,9 @@ __all__ = [
     "TARGETS",
 ]
 
-GROUP_KEYS = ("model", "tokens_per_rank", "skew", "what")
+# NOTE: `scope` (comparable unit / local step / end-to-end) keeps configurations that do
+# different work out of one ranking; it is empty in CSVs that predate it.
+GROUP_KEYS = ("model", "tokens_per_rank", "skew", "what", "scope")
 CONFIG_KEYS = ("impl", "mode", "engine", "sms")
 # The designated calibration subset: comm-kernel rows at these SM counts fit the in-flight
 # factors and the congestion constant; rows at every other SM count are validation only.
