@@ -16,6 +16,7 @@ CELL_TIMEOUT_S = 120
 EXPECTED_TEXT = {
     "01_push_vs_pull.py": "Dedup-pull cuts NVLink payload per rank",
     "02_tuning.py": "MoKConfig.from_json reads back",
+    "03_sim_vs_kernel.py": "Targets met:",
     "04_scaling.py": "layer time at",
 }
 
