@@ -28,7 +28,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reference.moe import combine, expert_ffn, expert_ffn_backward, shared_mode
+from reference.moe import (
+    MoEGrads,
+    combine,
+    expert_ffn,
+    expert_ffn_backward,
+    finish_backward,
+    output_dtype,
+    shared_forward,
+)
 from reference.numerics import Mode, carrier, check_mode, store
 from reference.schedule import Schedule, build_schedule, required_rows
 from reference.validation import validate_layer_inputs
@@ -315,14 +323,9 @@ def ep_forward(
     else:
         slots = _combine_to_slots(y, s, combine_mode, group)
         weights = topk_weights
-    shared_y = None
-    if local_weights.has_shared:
-        lw = local_weights
-        sm = shared_mode(mode)
-        shared_y, _ = expert_ffn(x, lw.shared_w_gate, lw.shared_w_up, lw.shared_w_down, sm)
+    shared_y = shared_forward(x, local_weights, mode)
     out = combine(slots.view(s.num_tokens, s.num_topk, -1), weights, shared_y, mode)
-    out_dtype = torch.bfloat16 if mode in (torch.bfloat16, "mxfp8") else carrier(mode)
-    return EPForward(out.to(out_dtype), s, recv, y, slots, weights_all)
+    return EPForward(out.to(output_dtype(mode)), s, recv, y, slots, weights_all)
 
 
 def _dedup_slots_filled(s: Schedule, topk_idx: torch.Tensor) -> torch.Tensor:
@@ -332,21 +335,6 @@ def _dedup_slots_filled(s: Schedule, topk_idx: torch.Tensor) -> torch.Tensor:
     j = torch.arange(s.num_topk)
     mask = j[None, :] < distinct[:, None]
     return mask.reshape(-1).nonzero().squeeze(1)
-
-
-@dataclass
-class EPGrads:
-    """Gradients on this rank: dx of its tokens, d_topk_weights of its routing, and the weight
-    gradients of its local experts and (replicated, not all-reduced) shared expert."""
-
-    dx: torch.Tensor  # [num_tokens, hidden]
-    d_topk_weights: torch.Tensor  # [num_tokens, num_topk]
-    dw_gate: torch.Tensor  # [num_local_experts, intermediate, hidden]
-    dw_up: torch.Tensor
-    dw_down: torch.Tensor
-    d_shared_w_gate: torch.Tensor | None = None
-    d_shared_w_up: torch.Tensor | None = None
-    d_shared_w_down: torch.Tensor | None = None
 
 
 def ep_backward(
@@ -360,7 +348,7 @@ def ep_backward(
     row_tile: int = 128,
     compute_dtype: Mode = torch.float32,
     group: dist.ProcessGroup | None = None,
-) -> EPGrads:
+) -> MoEGrads:
     """Expert-parallel backward over the same schedule, transfers reversed.
 
     Reverse combine: the expert owner *pulls* ``grad_out`` rows of its (token, k) rows (the
@@ -396,21 +384,11 @@ def ep_backward(
         dw_gate[lx], dw_up[lx], dw_down[lx] = dwg, dwu, dwd
     dx_slots = _combine_to_slots(dx_rows, s, "push", group)
     dw_slots = _combine_to_slots(dw_rows, s, "push", group)
-    grads = EPGrads(
-        dx=torch.zeros(s.num_tokens, x.shape[1], dtype=c),
+    grads = MoEGrads(
+        dx=dx_slots,  # replaced by finish_backward
         d_topk_weights=dw_slots.view(s.num_tokens, s.num_topk),
         dw_gate=dw_gate,
         dw_up=dw_up,
         dw_down=dw_down,
     )
-    if lw.has_shared:
-        sm = shared_mode(mode)
-        ws = (lw.shared_w_gate, lw.shared_w_up, lw.shared_w_down)
-        _, sv = expert_ffn(x, *ws, sm)
-        ones = torch.ones(s.num_tokens, dtype=c)
-        grads.dx, _, sdg, sdu, sdd = expert_ffn_backward(grad_out, ones, x, sv, *ws, sm)
-        grads.d_shared_w_gate, grads.d_shared_w_up, grads.d_shared_w_down = sdg, sdu, sdd
-    ones_w = torch.ones(s.num_tokens, s.num_topk, dtype=c)
-    dx = combine(dx_slots.view(s.num_tokens, s.num_topk, -1), ones_w, grads.dx, mode)
-    grads.dx = dx.to(torch.bfloat16 if mode in (torch.bfloat16, "mxfp8") else c)
-    return grads
+    return finish_backward(grads, dx_slots, grad_out, x, lw, mode)

@@ -34,6 +34,9 @@ __all__ = [
     "moe_forward",
     "moe_backward",
     "MoEGrads",
+    "finish_backward",
+    "output_dtype",
+    "shared_forward",
 ]
 
 
@@ -156,8 +159,17 @@ def combine(
     return store(acc, mode)
 
 
-def _output_dtype(mode: Mode) -> torch.dtype:
+def output_dtype(mode: Mode) -> torch.dtype:
+    """dtype of the layer's output and dx in this mode."""
     return torch.bfloat16 if mode in (torch.bfloat16, "mxfp8") else carrier(mode)
+
+
+def shared_forward(x: torch.Tensor, weights: MoEWeights, mode: Mode) -> torch.Tensor | None:
+    """The shared expert's output [num_tokens, hidden] (rounded for storage), or None."""
+    if not weights.has_shared:
+        return None
+    ws = (weights.shared_w_gate, weights.shared_w_up, weights.shared_w_down)
+    return expert_ffn(x, *ws, shared_mode(mode))[0]
 
 
 def moe_forward(
@@ -183,19 +195,16 @@ def moe_forward(
         if tok.numel():
             y, _ = expert_ffn(x[tok], weights.w_gate[e], weights.w_up[e], weights.w_down[e], mode)
             slots = slots.index_put((tok * num_topk + k,), y)
-    shared_y = None
-    if weights.has_shared:
-        sm = shared_mode(mode)
-        shared_y, _ = expert_ffn(
-            x, weights.shared_w_gate, weights.shared_w_up, weights.shared_w_down, sm
-        )
+    shared_y = shared_forward(x, weights, mode)
     out = combine(slots.view(num_tokens, num_topk, -1), topk_weights, shared_y, mode)
-    return out.to(_output_dtype(mode))
+    return out.to(output_dtype(mode))
 
 
 @dataclass
 class MoEGrads:
-    """Gradients of the layer. Weight gradients are not rounded (fp32 / fp64 carrier)."""
+    """Gradients of the layer (of one rank's tokens and local experts under expert parallelism;
+    the shared expert's weight gradients are then per-rank partials). Weight gradients are not
+    rounded (fp32 / fp64 carrier)."""
 
     dx: torch.Tensor  # [num_tokens, hidden]
     d_topk_weights: torch.Tensor  # [num_tokens, num_topk]
@@ -243,21 +252,41 @@ def moe_backward(
         d_topk_weights[tok * num_topk + k] = dw
         dw_gate[e], dw_up[e], dw_down[e] = dwg, dwu, dwd
     grads = MoEGrads(
-        dx=torch.zeros(num_tokens, h_, dtype=c),
+        dx=dslots,  # replaced below
         d_topk_weights=d_topk_weights.view(num_tokens, num_topk),
         dw_gate=dw_gate,
         dw_up=dw_up,
         dw_down=dw_down,
     )
+    return finish_backward(grads, dslots, grad_out, x, weights, mode)
+
+
+def finish_backward(
+    grads: MoEGrads,
+    dx_slots: torch.Tensor,
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weights: MoEWeights,
+    compute_dtype: Mode,
+) -> MoEGrads:
+    """Home-rank end of the backward: the shared expert's backward, then
+    ``dx = dx_shared + dx_0 + dx_1 + ...`` in k order (fp32 / fp64), set into ``grads``.
+
+    dx_slots: [num_tokens * num_topk, hidden] routed dx rows in slot order (token * K + k)
+    """
+    mode = check_mode(compute_dtype)
+    c = carrier(mode)
+    num_tokens = x.shape[0]
+    acc = torch.zeros(num_tokens, x.shape[1], dtype=c)
     if weights.has_shared:
         sm = shared_mode(mode)
         ws = (weights.shared_w_gate, weights.shared_w_up, weights.shared_w_down)
         _, saved = expert_ffn(x, *ws, sm)
         ones = torch.ones(num_tokens, dtype=c)
-        sdx, _, sdg, sdu, sdd = expert_ffn_backward(grad_out, ones, x, saved, *ws, sm)
-        grads.dx = sdx
+        acc, _, sdg, sdu, sdd = expert_ffn_backward(grad_out, ones, x, saved, *ws, sm)
         grads.d_shared_w_gate, grads.d_shared_w_up, grads.d_shared_w_down = sdg, sdu, sdd
+    num_topk = grads.d_topk_weights.shape[1]
     ones_w = torch.ones(num_tokens, num_topk, dtype=c)
-    grads.dx = combine(dslots.view(num_tokens, num_topk, h_), ones_w, grads.dx, mode)
-    grads.dx = grads.dx.to(_output_dtype(mode))
+    dx = combine(dx_slots.view(num_tokens, num_topk, -1), ones_w, acc, mode)
+    grads.dx = dx.to(output_dtype(mode))
     return grads
