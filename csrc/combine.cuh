@@ -11,7 +11,11 @@
 //               rounded to bf16) into its symmetric partials buffer, row src_rank * N + token.
 //               dedup_sum_kernel (the transfer, comparable with other libraries' combine): the
 //               home rank bulk-loads its token's partial rows from every owner (ascending rank)
-//               and sums them onto shared_y. Both run the tma.cuh reduce pipeline.
+//               and sums them onto shared_y. Both run the tma.cuh reduce pipeline, or one
+//               warp per row with vector loads (kFlagVector); dedup_sum also has a gather
+//               ring (kFlagGather): each warp keeps kGatherStages row chunks of every term
+//               in flight with cp.async (16-byte async copies into its shared-memory ring),
+//               then adds them in the same fixed order.
 //
 // The sum is acc = shared_y (or 0); acc = acc + w_k * y_k for k = 0..num_topk-1, each product
 // and each sum rounded separately in fp32 (__fmul_rn / __fadd_rn: no FMA contraction), output
@@ -391,6 +395,160 @@ __global__ void __launch_bounds__(kCommThreads) dedup_partials_kernel(const Para
   if (blockIdx.x == 0) block_store_all(c, kSigPartReady, static_cast<uint64_t>(p.epoch));
 }
 
+// ---- gather ring of dedup_sum ----------------------------------------------------------------
+// Item = (token, chunk of 32 * U vectors of its row). Per warp a ring of kGatherStages stages;
+// a stage holds, per slot (term 0..num_ranks-1, then 1 or 2 slots of shared_y), U vectors per
+// lane, laid out [slot][u][lane] x 16 B (a warp's accesses are 512 contiguous bytes). Every
+// lane copies and later reads only its own vectors, so cp.async.wait_group alone orders them.
+constexpr int kGatherStages = 4;
+constexpr int kGatherMaxU = 8;
+
+__host__ __device__ constexpr int gather_slots(int num_ranks, bool has_shared, bool fp32) {
+  return num_ranks + (has_shared ? (fp32 ? 2 : 1) : 0);
+}
+// Vectors per lane per item (0: the ring does not fit; the kernel uses the vector path).
+__host__ __device__ constexpr int gather_units(int slots) {
+  return kStageBudget / (kCommWarps * kGatherStages * slots * 512) > kGatherMaxU
+             ? kGatherMaxU
+             : kStageBudget / (kCommWarps * kGatherStages * slots * 512);
+}
+__host__ __device__ constexpr int64_t gather_smem(int slots) {
+  return static_cast<int64_t>(kCommWarps) * kGatherStages * slots * gather_units(slots) * 512;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem_dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Owner ranks (bit mask) of token t: the ranks of its top-k experts.
+__device__ __forceinline__ uint32_t token_owner_mask(const Params& p, int t) {
+  const int32_t* dr = p.sched + p.o_dst_rank + static_cast<int64_t>(t) * p.num_topk;
+  uint32_t mask = 0;
+  for (int k = 0; k < p.num_topk; ++k) mask |= 1u << dr[k];
+  return mask;
+}
+
+__device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) {
+  const Params& p = c.p;
+  __shared__ uint32_t stage_mask[kCommWarps][kGatherStages];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gwarp = blockIdx.x * kCommWarps + warp;
+  const int nwarps = gridDim.x * kCommWarps;
+  const int N = p.num_tokens, R = p.num_ranks;
+  const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
+  const int n16 = static_cast<int>(rb / 16);
+  const int per = 32 * U;
+  const int nch = (n16 + per - 1) / per;
+  const int ntok = gwarp < N ? (N - gwarp + nwarps - 1) / nwarps : 0;
+  const int items = ntok * nch;
+  const bool has_shared = (p.flags & kFlagHasShared) != 0;
+  const bool fp32 = (p.flags & kFlagSharedFp32) != 0;
+  const uint8_t* shared_y = static_cast<const uint8_t*>(p.in2);
+  uint8_t* out = static_cast<uint8_t*>(p.out0);
+  const int stage_bytes = slots * U * 512;
+  uint8_t* ring = dyn_smem + static_cast<int64_t>(warp) * kGatherStages * stage_bytes;
+  // Owner masks of the warp's tokens, 32 at a time (lane l: token index batch * 32 + l); the
+  // issue side walks the tokens in order, so each batch is loaded once.
+  uint32_t lane_mask = 0;
+  int batch = -1;
+  auto issue = [&](int j) {
+    if (j < items) {
+      const int i = j / nch, ch = j % nch, s = j % kGatherStages;
+      if (i / 32 != batch) {
+        batch = i / 32;
+        const int ti = batch * 32 + lane;
+        lane_mask = ti < ntok ? token_owner_mask(p, gwarp + ti * nwarps) : 0;
+      }
+      const uint32_t mask = __shfl_sync(0xffffffffu, lane_mask, i % 32);
+      const int t = gwarp + i * nwarps;
+      if (lane == 0) stage_mask[warp][s] = mask;
+      uint8_t* st = ring + s * stage_bytes + lane * 16;
+      const int64_t prow = static_cast<int64_t>(p.rank) * N + t;
+      int q = 0;
+      for (int d = 0; d < R; ++d) {
+        if (!((mask >> d) & 1u)) continue;
+        const uint8_t* src = c.sym(d, p.off_partials) + prow * rb;
+        for (int u = 0; u < U; ++u) {
+          const int v = ch * per + u * 32 + lane;
+          if (v < n16) cp_async16(st + (q * U + u) * 512, src + v * 16);
+        }
+        ++q;
+      }
+      if (has_shared) {
+        const uint8_t* ip = shared_y + t * rb * (fp32 ? 2 : 1);
+        for (int u = 0; u < U; ++u) {
+          const int v = ch * per + u * 32 + lane;
+          if (v >= n16) continue;
+          if (fp32) {
+            cp_async16(st + (R * U + u) * 512, ip + v * 32);
+            cp_async16(st + ((R + 1) * U + u) * 512, ip + v * 32 + 16);
+          } else {
+            cp_async16(st + (R * U + u) * 512, ip + v * 16);
+          }
+        }
+      }
+    }
+    // NOTE: one group per item, empty past the end, so wait_group counts stay in step.
+    cp_async_commit();
+  };
+  for (int j = 0; j < kGatherStages - 1; ++j) issue(j);
+  for (int j = 0; j < items; ++j) {
+    issue(j + kGatherStages - 1);
+    cp_async_wait<kGatherStages - 1>();
+    __syncwarp();
+    const int i = j / nch, ch = j % nch, s = j % kGatherStages;
+    const int t = gwarp + i * nwarps;
+    const int n = __popc(stage_mask[warp][s]);
+    const uint8_t* st = ring + s * stage_bytes + lane * 16;
+    for (int u = 0; u < U; ++u) {
+      const int v = ch * per + u * 32 + lane;
+      if (v >= n16) break;
+      float acc[8];
+      if (!has_shared) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+      } else if (fp32) {
+        const float4 a = *reinterpret_cast<const float4*>(st + (R * U + u) * 512);
+        const float4 b = *reinterpret_cast<const float4*>(st + ((R + 1) * U + u) * 512);
+        acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
+        acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
+      } else {
+        const uint4 x = *reinterpret_cast<const uint4*>(st + (R * U + u) * 512);
+        const uint32_t w4[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[2 * e] = bf16_lo(w4[e]), acc[2 * e + 1] = bf16_hi(w4[e]);
+      }
+      // Same arithmetic as warp_sum_segment with w = 1 (ascending owner rank).
+      for (int q = 0; q < n; ++q) {
+        const uint4 x = *reinterpret_cast<const uint4*>(st + (q * U + u) * 512);
+        const uint32_t w4[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[2 * e] = __fadd_rn(acc[2 * e], __fmul_rn(1.0f, bf16_lo(w4[e])));
+          acc[2 * e + 1] = __fadd_rn(acc[2 * e + 1], __fmul_rn(1.0f, bf16_hi(w4[e])));
+        }
+      }
+      uint4 o;
+      o.x = pack_bf16x2(acc[0], acc[1]);
+      o.y = pack_bf16x2(acc[2], acc[3]);
+      o.z = pack_bf16x2(acc[4], acc[5]);
+      o.w = pack_bf16x2(acc[6], acc[7]);
+      reinterpret_cast<uint4*>(out + t * rb)[v] = o;
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+  __syncwarp();
+}
+
 // in2: shared_y [num_tokens, hidden] (bf16 or fp32) or null; out0: out [num_tokens, hidden] bf16.
 // Reads every owner's partials of epoch p.epoch (may run several times per partials epoch).
 __global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p) {
@@ -401,7 +559,10 @@ __global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p)
   const bool has_shared = (p.flags & kFlagHasShared) != 0;
   const bool fp32 = (p.flags & kFlagSharedFp32) != 0;
   const int slots = reduce_slots(p.num_ranks, has_shared);
-  if (p.flags & kFlagVector)
+  const int gslots = gather_slots(p.num_ranks, has_shared, fp32);
+  if ((p.flags & kFlagGather) && gather_units(gslots) > 0)
+    gather_sum_rows(c, gather_units(gslots), gslots);
+  else if (p.flags & (kFlagVector | kFlagGather))
     warp_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, fp32);
   else
     tma_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, p.num_ranks, has_shared, fp32,

@@ -10,7 +10,9 @@
 // 16-byte loads/stores) or the rows are too large for >= 3 shared-memory stages. dedup_pull with
 // kFlagNoFanout only fills the dedup buffer (out0, row = dedup row): the unit comparable with
 // other libraries' dispatch; fanout_kernel then writes the expert-contiguous receive rows (the
-// expert stage's gather in the fused layer).
+// expert stage's gather in the fused layer). kFlagSkipLocal (with kFlagNoFanout) leaves this
+// rank's own dedup rows out of the dedup buffer: they are already in the local x buffer, so only
+// the remote rows cross the pipeline; fanout_kernel with kFlagSkipLocal reads them from x.
 //
 // Receive rows are written in minibatch order (pull) and each block raises the per-minibatch
 // ready counter once its share of a minibatch landed (target: gridDim.x * epoch), the hook the
@@ -21,6 +23,7 @@
 
 #include "params.h"
 #include "rows.cuh"
+#include "schedule.cuh"
 #include "sync.cuh"
 #include "tma.cuh"
 
@@ -85,13 +88,57 @@ struct DedupMeta {
   }
 };
 
+// Remote dedup rows (source rank != mine), numbered source by source in ascending rank:
+// item i -> its dedup row. The o-th dedup row of source r sits at the round-robin position the
+// schedule gave it (schedule.cuh phase 3).
+__device__ __forceinline__ int num_remote_dedup(const Params& p) {
+  return p.sched[p.o_meta + kMetaNumDedup] - p.sched[p.o_dcount + p.rank];
+}
+__device__ __forceinline__ int remote_dedup_row(const Params& p, int i) {
+  const int32_t* dcount = p.sched + p.o_dcount;
+  int r = 0;
+  for (; r < p.num_ranks; ++r) {
+    if (r == p.rank) continue;
+    const int n = dcount[r];
+    if (i < n) break;
+    i -= n;
+  }
+  return round_robin_pos(dcount, p.num_ranks, i, r);
+}
+
+// Remote dedup row (item index -> row) <- the source's x row, into dedup-buffer row `row`.
+struct RemoteDedupMeta {
+  const Ctx* c;
+  uint8_t* out;
+  __device__ void operator()(int item, uint64_t& src, int& n, uint64_t* dst) const {
+    const Params& p = c->p;
+    const int row = remote_dedup_row(p, item);
+    const int s = p.sched[p.o_dedup_src_rank + row];
+    const int token = p.sched[p.o_dedup_src_token + row];
+    src = reinterpret_cast<uint64_t>(c->sym(s, p.off_x) + token * p.row_bytes);
+    dst[0] = reinterpret_cast<uint64_t>(out + row * p.row_bytes);
+    n = 1;
+  }
+};
+
+// Source of dedup row `row` for the fan-out: the dedup buffer, or (skip_local) my x buffer for
+// my own rows.
+__device__ __forceinline__ const uint8_t* fan_src(const Params& p, const uint8_t* dedup, int row,
+                                                  bool skip_local) {
+  if (skip_local && p.sched[p.o_dedup_src_rank + row] == p.rank)
+    return reinterpret_cast<const uint8_t*>(p.sym_base[p.rank]) + p.off_x +
+           p.sched[p.o_dedup_src_token + row] * p.row_bytes;
+  return dedup + row * p.row_bytes;
+}
+
 // Local fan-out: dedup-buffer row -> its receive rows.
 struct FanoutMeta {
   const Params* p;
   const uint8_t* dedup;
   uint8_t* recv;
+  bool skip_local;
   __device__ void operator()(int row, uint64_t& src, int& n, uint64_t* dst) const {
-    src = reinterpret_cast<uint64_t>(dedup + row * p->row_bytes);
+    src = reinterpret_cast<uint64_t>(fan_src(*p, dedup, row, skip_local));
     n = fan_dsts(*p, row, recv, dst);
   }
 };
@@ -174,8 +221,22 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const
   const int nwarps = gridDim.x * kCommWarps;
   uint8_t* recv = static_cast<uint8_t*>(p.out0);
   const bool fan = (p.flags & kFlagNoFanout) == 0;
-  if (use_tma_rows(p)) {
-    __shared__ CopyRing ring;
+  const bool remote_only = !fan && (p.flags & kFlagSkipLocal) != 0;
+  __shared__ CopyRing ring;
+  if (remote_only && use_tma_rows(p)) {
+    const int stages = copy_stages(p.row_bytes);
+    copy_ring_init(ring, stages);
+    tma_copy_rows(ring, 0, RemoteDedupMeta{&c, recv}, num_remote_dedup(p), p.row_bytes, stages,
+                  dyn_smem);
+  } else if (remote_only) {
+    const int num_remote = num_remote_dedup(p);
+    for (int i = gwarp; i < num_remote; i += nwarps) {
+      const int row = remote_dedup_row(p, i);
+      const int4* from = reinterpret_cast<const int4*>(c.sym(d_src_rank[row], p.off_x) +
+                                                       d_src_token[row] * p.row_bytes);
+      warp_copy_row(reinterpret_cast<int4*>(recv + row * p.row_bytes), from, n16, lane);
+    }
+  } else if (use_tma_rows(p)) {
     const int stages = copy_stages(p.row_bytes);
     copy_ring_init(ring, stages);
     tma_copy_rows(ring, 0, DedupMeta{&c, recv, fan}, num_dedup, p.row_bytes, stages, dyn_smem);
@@ -203,19 +264,21 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const
 }
 
 // in0: dedup buffer [>= num_dedup, row_bytes] (dispatch dedup_pull with kFlagNoFanout);
-// out0: receive buffer. Local only: every receive row gets its dedup row.
+// out0: receive buffer. Local only: every receive row gets its dedup row. kFlagSkipLocal: my
+// own dedup rows are read from my x buffer (which holds this epoch's tokens after the dispatch).
 __global__ void __launch_bounds__(kCommThreads) fanout_kernel(const Params p) {
   const Ctx c(p);
   if (c.aborted()) return;
   const int num_dedup = p.sched[p.o_meta + kMetaNumDedup];
   const uint8_t* dedup = static_cast<const uint8_t*>(p.in0);
   uint8_t* recv = static_cast<uint8_t*>(p.out0);
+  const bool skip_local = (p.flags & kFlagSkipLocal) != 0;
   if (use_tma_rows(p)) {
     __shared__ CopyRing ring;
     const int stages = copy_stages(p.row_bytes);
     copy_ring_init(ring, stages);
-    tma_copy_rows(ring, 0, FanoutMeta{&p, dedup, recv}, num_dedup, p.row_bytes, stages,
-                  dyn_smem);
+    tma_copy_rows(ring, 0, FanoutMeta{&p, dedup, recv, skip_local}, num_dedup, p.row_bytes,
+                  stages, dyn_smem);
   } else {
     const int n16 = static_cast<int>(p.row_bytes / 16);
     const int K = p.num_topk;
@@ -226,7 +289,8 @@ __global__ void __launch_bounds__(kCommThreads) fanout_kernel(const Params p) {
       const int fr = lane < K ? p.sched[p.o_fan_rows + row * K + lane] : -1;
       const int n = warp_list_length(fr);
       const uint64_t dst = reinterpret_cast<uint64_t>(recv + (fr < 0 ? 0 : fr) * p.row_bytes);
-      warp_fan_row(dst, n, reinterpret_cast<const int4*>(dedup + row * p.row_bytes), n16, lane);
+      warp_fan_row(dst, n, reinterpret_cast<const int4*>(fan_src(p, dedup, row, skip_local)), n16,
+                   lane);
     }
   }
   for (int mb = 0; mb < p.num_minibatches; ++mb) raise_ready(c, mb);

@@ -68,9 +68,13 @@ int launch(int kind, const Params& params, int grid, void* stream_ptr) {
     }
     case kKernelDedupSum: {
       const int64_t rb = static_cast<int64_t>(params.hidden) * 2;
-      const int slots = reduce_slots(params.num_ranks, (params.flags & kFlagHasShared) != 0);
-      e = launch_cooperative(dedup_sum_kernel, params, grid, kCommThreads,
-                             reduce_stages(rb, slots) * reduce_stage_bytes(rb, slots), stream);
+      const bool has = (params.flags & kFlagHasShared) != 0;
+      const int slots = reduce_slots(params.num_ranks, has);
+      const int gslots =
+          gather_slots(params.num_ranks, has, (params.flags & kFlagSharedFp32) != 0);
+      size_t smem = reduce_stages(rb, slots) * reduce_stage_bytes(rb, slots);
+      if (params.flags & kFlagGather) smem = gather_units(gslots) > 0 ? gather_smem(gslots) : 0;
+      e = launch_cooperative(dedup_sum_kernel, params, grid, kCommThreads, smem, stream);
       break;
     }
     case kKernelDispatchPush:

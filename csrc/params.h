@@ -81,6 +81,8 @@ enum Flags : int {
   kFlagHasShared = 4,
   kFlagVector = 8,         // row copies with 16-byte vector loads/stores instead of bulk copies
   kFlagNoFanout = 16,      // dedup dispatch: out0 is the dedup buffer, one row per dedup row
+  kFlagSkipLocal = 32,     // dedup buffer without this rank's own rows (they stay in x)
+  kFlagGather = 64,        // dedup_sum: cp.async gather ring (many loads in flight per warp)
 };
 
 struct Params {

@@ -180,9 +180,9 @@ def build_schedule(
     return DeviceSchedule(ws, idx, w)
 
 
-def _check_engine(engine: str) -> None:
-    if engine not in ops.ENGINES:
-        raise MoKInputError(f"unknown copy engine {engine!r}; supported: {', '.join(ops.ENGINES)}")
+def _check_engine(engine: str, engines: tuple[str, ...] = ops.ENGINES) -> None:
+    if engine not in engines:
+        raise MoKInputError(f"unknown copy engine {engine!r}; supported: {', '.join(engines)}")
 
 
 def dispatch(
@@ -191,6 +191,7 @@ def dispatch(
     mode: str | None = None,
     fan_out: bool = True,
     engine: str = "tma",
+    skip_local: bool = False,
 ) -> torch.Tensor:
     """Move this rank's token rows to the expert owners.
 
@@ -202,7 +203,10 @@ def dispatch(
     ``dedup_pull`` with ``fan_out=False`` moves one row per (token, destination rank) only and
     returns the dedup buffer [num_ranks * num_tokens, hidden] (row i = dedup row i, see
     ``schedule.dedup_src_rank`` / ``dedup_src_token``; rows past ``num_dedup_rows``
-    unspecified); :func:`fanout` then fills the receive buffer. ``engine``: ``tma`` (bulk
+    unspecified); :func:`fanout` then fills the receive buffer. ``skip_local`` (with
+    ``fan_out=False``) moves only the rows of other ranks' tokens: the rows of this rank's own
+    tokens stay unspecified in the dedup buffer and are read from ``ws.x_buffer`` by
+    ``fanout(..., skip_local=True)`` (the data is already local). ``engine``: ``tma`` (bulk
     copies) or ``vector`` (16-byte loads/stores, v1) for the pull modes.
     """
     ws = schedule.ws
@@ -214,22 +218,31 @@ def dispatch(
     _check_engine(engine)
     if not fan_out and mode != "dedup_pull":
         raise MoKInputError("fan_out=False needs mode='dedup_pull'")
+    if skip_local and fan_out:
+        raise MoKInputError("skip_local=True needs mode='dedup_pull' and fan_out=False")
     _check_tensor("x", x, (ws.shapes.num_tokens, ws.shapes.hidden), (ws.shapes.dtype,), ws.device)
     x = x.contiguous()
     out = ws.recv_buffer if fan_out else ws.dedup_buffer
-    ops.dispatch(x, ws.sched, out, ws.id, mode, fan_out, engine)
+    ops.dispatch(x, ws.sched, out, ws.id, mode, fan_out, engine, skip_local)
     return out
 
 
-def fanout(dedup: torch.Tensor, schedule: DeviceSchedule, engine: str = "tma") -> torch.Tensor:
+def fanout(
+    dedup: torch.Tensor,
+    schedule: DeviceSchedule,
+    engine: str = "tma",
+    skip_local: bool = False,
+) -> torch.Tensor:
     """Local fan-out of a dedup buffer (``dispatch(..., 'dedup_pull', fan_out=False)``) into
-    the expert-contiguous receive buffer, which it returns (as :func:`dispatch` does)."""
+    the expert-contiguous receive buffer, which it returns (as :func:`dispatch` does).
+    ``skip_local``: the dedup buffer came from ``dispatch(..., skip_local=True)``; this rank's
+    own rows are read from the workspace x buffer (which the dispatch filled)."""
     ws = schedule.ws
     _check_engine(engine)
     R, s = ws.num_ranks, ws.shapes
     _check_tensor("dedup", dedup, (R * s.num_tokens, s.hidden), (s.dtype,), ws.device)
     recv = ws.recv_buffer
-    ops.fanout(dedup.contiguous(), ws.sched, recv, ws.id, engine)
+    ops.fanout(dedup.contiguous(), ws.sched, recv, ws.id, engine, skip_local)
     return recv
 
 
@@ -302,10 +315,13 @@ def dedup_sum(
 ) -> torch.Tensor:
     """Transfer step of the dedup pull combine: the home rank reads its tokens' partials from
     every owner (after their :func:`dedup_partials`) and returns ``bf16(shared_y + partial_0 +
-    partial_1 + ...)`` in ascending owner rank order, [num_tokens, hidden]. ``engine`` as for
-    :func:`dedup_partials`."""
+    partial_1 + ...)`` in ascending owner rank order, [num_tokens, hidden]. ``engine``:
+    ``vector`` or ``tma`` (as for :func:`dedup_partials`), or ``gather`` (a warp per row,
+    several row chunks of every term in flight through cp.async into a shared-memory ring;
+    falls back to ``vector`` when the ring does not fit; slower than ``vector`` on 2x H200,
+    docs/perf-notes.md v3)."""
     ws = schedule.ws
-    _check_engine(engine)
+    _check_engine(engine, ops.SUM_ENGINES)
     s = ws.shapes
     if shared_y is not None:
         _check_tensor(

@@ -19,6 +19,8 @@ __all__ = ["build_schedule", "dispatch", "fanout", "combine", "dedup_partials", 
 
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
 ENGINES = ("tma", "vector")
+# dedup_sum also has the cp.async gather ring (v3; slower than vector on 2x H200, kept for study).
+SUM_ENGINES = ("gather", "tma", "vector")
 
 _DISPATCH_KERNELS = {
     "pull": "dispatch_pull",
@@ -56,9 +58,11 @@ def dispatch(
     mode: str,
     fan_out: bool = True,
     engine: str = "tma",
+    skip_local: bool = False,
 ) -> None:
     """``recv`` is the dedup buffer ([num_ranks * num_tokens, hidden]) when ``mode`` is
-    ``dedup_pull`` and ``fan_out`` is False."""
+    ``dedup_pull`` and ``fan_out`` is False; ``skip_local`` leaves this rank's own rows out of
+    it (they stay in the x buffer)."""
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
     family = "recv" if mode == "push" else "x"
@@ -71,11 +75,13 @@ def dispatch(
         p.flags |= _ext.FLAG_VECTOR
     if mode == "dedup_pull" and not fan_out:
         p.flags |= _ext.FLAG_NO_FANOUT
+        if skip_local:
+            p.flags |= _ext.FLAG_SKIP_LOCAL
     ws.launch(_DISPATCH_KERNELS[mode], p, ws.config.num_comm_sms)
 
 
 @dispatch.register_fake
-def _(x, sched, recv, handle, mode, fan_out=True, engine="tma") -> None:
+def _(x, sched, recv, handle, mode, fan_out=True, engine="tma", skip_local=False) -> None:
     return None
 
 
@@ -86,6 +92,7 @@ def fanout(
     recv: torch.Tensor,  # [capacity, hidden] workspace receive buffer
     handle: int,
     engine: str = "tma",
+    skip_local: bool = False,
 ) -> None:
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
@@ -93,11 +100,13 @@ def fanout(
     p.in0, p.out0 = dedup.data_ptr(), recv.data_ptr()
     if engine == "vector":
         p.flags |= _ext.FLAG_VECTOR
+    if skip_local:
+        p.flags |= _ext.FLAG_SKIP_LOCAL
     ws.launch("fanout", p, ws.config.num_comm_sms)
 
 
 @fanout.register_fake
-def _(dedup, sched, recv, handle, engine="tma") -> None:
+def _(dedup, sched, recv, handle, engine="tma", skip_local=False) -> None:
     return None
 
 
@@ -146,6 +155,8 @@ def dedup_sum(
             p.flags |= _ext.FLAG_SHARED_FP32
     if engine == "vector":
         p.flags |= _ext.FLAG_VECTOR
+    elif engine == "gather":
+        p.flags |= _ext.FLAG_GATHER
     ws.launch("dedup_sum", p, ws.config.num_comm_sms)
 
 

@@ -181,6 +181,14 @@ def bench_mok(rec, base, x, idx, w, num_experts, sms, iters, warmup, engines=("t
         dd = mf.dispatch(xb, s, "dedup_pull", False, eng)
         t = _timeit(lambda e=eng, b=dd: mf.fanout(b, s, e), iters, warmup)
         add("dispatch", "fanout", eng, "local", t, 0)
+        # Same unit without this rank's own rows (they stay in x; the fan-out reads them there).
+        t = _timeit(
+            lambda e=eng: mf.dispatch(xb, s, "dedup_pull", False, e, skip_local=True), iters, warmup
+        )
+        add("dispatch", "dedup_pull_remote", eng, "comparable", t, remote_dedup * rb)
+        dd = mf.dispatch(xb, s, "dedup_pull", False, eng, skip_local=True)
+        t = _timeit(lambda e=eng, b=dd: mf.fanout(b, s, e, skip_local=True), iters, warmup)
+        add("dispatch", "fanout_remote", eng, "local", t, 0)
         t = _timeit(lambda e=eng: mf.dispatch(xb, s, "dedup_pull", True, e), iters, warmup)
         add("dispatch", "dedup_pull+fanout", eng, "end-to-end", t, remote_dedup * rb)
         t = _timeit(lambda e=eng: mf.dispatch(xb, s, "pull", True, e), iters, warmup)
@@ -191,6 +199,9 @@ def bench_mok(rec, base, x, idx, w, num_experts, sms, iters, warmup, engines=("t
     # Dedup pull combine: partials (expert epilogue, local), then the transfer + sum.
     # NOTE: partials of epoch e wait until every rank read epoch e - 1: a sum runs in between.
     full = torch.cuda.get_device_properties(0).multi_processor_count
+    mf.dedup_partials(y, s)
+    t = _timeit(lambda: mf.dedup_sum(s, engine="gather"), iters, warmup)
+    add("combine", "dedup_pull_sum", "gather", "comparable", t, remote_dedup_combine * rb)
     for eng in engines:
         t = _timeit_first(
             lambda e=eng: mf.dedup_partials(y, s, engine=e), lambda: mf.dedup_sum(s), iters, warmup

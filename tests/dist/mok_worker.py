@@ -130,6 +130,29 @@ def comm_case(hidden, K, E, N, skew, dev, repeat=0):
         recv = mf.fanout(dd, sched, engine=engine)
         ws.check()
         check(torch.equal(recv[real.to(dev)].cpu(), expect_rows), f"{tag} fanout {engine} differs")
+        # Remote rows only (own rows stay in the x buffer), then the fan-out reading them there.
+        ws.recv_buffer.fill_(float("nan"))
+        ws.dedup_buffer.fill_(float("nan"))
+        dd = mf.dispatch(
+            xs[rank].to(dev), sched, "dedup_pull", fan_out=False, engine=engine, skip_local=True
+        )
+        ws.check()
+        own = want.dedup_src_rank == rank
+        remote = (~own).nonzero().squeeze(1)
+        check(
+            torch.equal(dd[remote.to(dev)].cpu(), expect_dedup[remote]),
+            f"{tag} dedup buffer {engine} skip_local differs",
+        )
+        check(
+            bool(dd[own.nonzero().squeeze(1).to(dev)].isnan().all()),
+            f"{tag} dedup buffer {engine} skip_local wrote own rows",
+        )
+        recv = mf.fanout(dd, sched, engine=engine, skip_local=True)
+        ws.check()
+        check(
+            torch.equal(recv[real.to(dev)].cpu(), expect_rows),
+            f"{tag} fanout {engine} skip_local differs",
+        )
 
     ys = [expert_outputs(r, refs[r].num_rows, ws.capacity, hidden) for r in range(world)]
     g = torch.Generator().manual_seed(SEED + 7)
@@ -152,7 +175,7 @@ def comm_case(hidden, K, E, N, skew, dev, repeat=0):
         # The two steps of the dedup pull combine, the sum run twice on one partials epoch.
         for pe in ("vector", "tma"):
             mf.dedup_partials(y, sched, engine=pe)
-            for se in ("vector", "tma"):
+            for se in ("gather", "vector", "tma"):
                 o = mf.dedup_sum(sched, shd, engine=se).cpu()
                 ws.check()
                 check(torch.equal(o, dedup), f"{tag} dedup_sum {pe}/{se} differs")
