@@ -18,7 +18,8 @@
 # machine (`torchrun --nproc-per-node=2 -m mok.bench comm`). The simulator's comm-phase model
 # (`sim.phases`) predicts every mok row of such a sweep from the calibrated H200 profile plus a
 # few kernel knobs (`sim/profiles/mok-comm-h200x2.json`) that were fitted on a designated subset
-# of the rows (8 and 16 communication SMs); the other rows are the validation set.
+# of the rows (DeepSeek-V3 uniform at 4096 / 16384 tokens, and 8 / 16 communication SMs); the
+# other rows (Qwen3, hot:0.5, 512 tokens) are the validation set.
 #
 # This notebook scores the predictions the way `mok-sim validate` does: absolute % error,
 # Spearman rank correlation per workload group, and how much slower the simulator's chosen
@@ -39,7 +40,7 @@ from sim.validate import TARGETS, format_report, read_rows, summarise, validate_
 # %% tags=["parameters"]
 # A measured sweep in the format `python -m mok.bench comm` writes; the default is the snapshot
 # the regression test pins (the file under mok/bench/results/ is the latest run).
-MEASURED_CSV = "sim/profiles/h200x2-comm-2026-11-30.csv"
+MEASURED_CSV = "sim/profiles/h200x2-comm-grid-2026-11-30.csv"
 KERNEL_PROFILE = "mok-comm-h200x2"
 
 # %%

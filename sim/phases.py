@@ -24,6 +24,9 @@ combine dedup_push          owner: read N y rows, NVLink out remote D, write sel
 combine dedup_partials      read N y rows, write D partial rows (local only)
 combine dedup_pull_sum      NVLink in: remote partials of my tokens; read self partials; write T
 combine dedup_pull          dedup_partials, then dedup_pull_sum (two launches, no new knob)
+dispatch dedup_pull_remote  NVLink in: remote D; local: write remote D (own rows stay in x)
+dispatch fanout_remote      as fanout (own rows read from x): knob shared with fanout
+combine dedup_pull_sum      gather engine (16-byte cp.async ring): vector curves, own knob
 =========================== =============================================================
 
 Comm-engine cost: remote bytes use the calibrated per-SM curve of the mechanism (``pull_ld`` /
@@ -38,6 +41,24 @@ issuing SMs, per-SM rate x ``1 / (1 + n / sm_congestion_sms)``. Rates are capped
 ceiling (the probe's saturation), the NVLink ports by the wire rate. ``f`` and the congestion are
 fitted by :func:`sim.validate.fit_kernel_profile` on a designated subset of rows (the profile says
 which) and stored in ``sim/profiles/mok-comm-h200x2.json``; everything else is validation.
+
+Designated fit subset (written down before any validation error of the broad grid was looked
+at; :func:`sim.validate.is_fit_row`): a row is a FIT row iff (model=deepseek-v3, skew=uniform,
+tokens_per_rank in {4096, 16384}) or its SM count is 8 or 16, from the snapshots
+``sim/profiles/h200x2-comm-grid-2026-11-30.csv``, ``h200x2-comm-target-2026-11-30.csv`` and
+``h200x2-comm-2026-11-30.csv``. Every other row (qwen3-30b-a3b, hot:0.5, 512 tokens) is
+validation only.
+
+Fixed costs and host floor (:class:`KernelProfile`): every kernel call pays ``call_fixed_us``
+(launch, pipeline fill/drain, final fence + signal; fitted), every cross-GPU wait the probed flag
+latency plus ``handshake_us`` (fitted); the schedule kernel is that plus
+``schedule_us_per_token`` per token. The benchmark times back-to-back Python calls with CUDA
+events: the start event sits right behind the previous kernel, so a call measures
+max(calls x ``host_floor_us``, device time) (a priori, docs/perf-notes.md v3). Row size: the
+dispatch TMA rings issue one bulk copy per row from one thread, each costing
+``tma_row_issue_us`` besides its bytes (a priori from the probe's 2 KiB / 16 KiB points), which
+halves the per-SM rate at Qwen3's 4 KiB rows. Skew: per-rank row counts come from
+``make_routing`` with the benchmark's seed (= tokens per rank).
 
 Row -> prediction mapping: :data:`PREDICTORS` is keyed by the CSV's ``what``; a megakernel layer
 sweep adds a ``"layer"`` entry that maps its row to :func:`sim.model.simulate`.
@@ -72,6 +93,9 @@ __all__ = [
     "predict_kernel_us",
     "predict_row",
     "load_kernel_profile",
+    "host_bound",
+    "num_calls",
+    "schedule_us",
     "KERNEL_PROFILE_FORMAT",
 ]
 
@@ -83,8 +107,23 @@ class KernelProfile:
     """Kernel-specific knobs of the comm-phase model (units in the names)."""
 
     topology: str = "h200x2"
-    launch_us: float = 5.0  # one kernel launch as CUDA events see it (assumption, not fitted)
-    schedule_us: float = 160.0  # schedule kernel, 64 blocks (docs/perf-notes.md v1 table)
+    # us per kernel call on the device, every kernel: launch as CUDA events see it, pipeline
+    # fill and drain, the final system fence + done signal; fitted
+    call_fixed_us: float = 5.0
+    # us per cross-GPU wait (x-ready / partials-ready / route-ready handshake) on top of the
+    # probed one-way flag latency: the two ranks' launches are not aligned, so the first to
+    # arrive waits for the other; fitted
+    handshake_us: float = 0.0
+    # us of host (Python) time per kernel call of the benchmark's launch path (custom op, Params
+    # packing, error-record read); a measured call is max(calls x this, device time). A priori
+    # from docs/perf-notes.md v3 ("~140-150 us whatever the bytes"), not fitted
+    host_floor_us: float = 0.0
+    # us per bulk copy per SM the single issuing thread of a TMA copy ring spends besides the
+    # bytes (row-rate bound at small rows); a priori from the probe's 2 KiB vs 16 KiB
+    # cp.async.bulk points (tma_bulk_by_sms), not fitted
+    tma_row_issue_us: float = 0.0
+    # us per token per rank of the schedule kernel (64 blocks walk the tokens); fitted
+    schedule_us_per_token: float = 0.0
     # per engine ("vector" / "tma"): per-SM rate x 1 / (1 + n / this); fitted
     sm_congestion_sms: dict[str, float] = field(default_factory=dict)
     inflight_factor: dict[str, float] = field(default_factory=dict)  # per kernel; fitted
@@ -94,8 +133,15 @@ class KernelProfile:
     fit: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.launch_us < 0 or self.schedule_us < 0:
-            raise ValueError(f"launch_us and schedule_us must be >= 0 (found {self})")
+        for k in (
+            "call_fixed_us",
+            "handshake_us",
+            "host_floor_us",
+            "tma_row_issue_us",
+            "schedule_us_per_token",
+        ):
+            if not getattr(self, k) >= 0:
+                raise ValueError(f"{k} must be >= 0 (found {getattr(self, k)})")
         if any(not v > 0 for v in self.sm_congestion_sms.values()):
             raise ValueError(f"sm_congestion_sms must be > 0 (found {self.sm_congestion_sms})")
         bad = {k: v for k, v in self.inflight_factor.items() if not v > 0}
@@ -139,6 +185,10 @@ class KernelProfile:
         }
         d["inflight_factor"] = {k: float(v) for k, v in d.get("inflight_factor", {}).items()}
         d["assumptions"] = tuple(d.get("assumptions", ()))
+        # profiles of format 1 before the fixed-cost knobs: a launch and a constant schedule
+        if "launch_us" in d:
+            d.setdefault("call_fixed_us", float(d.pop("launch_us")))
+        d.pop("schedule_us", None)
         return cls(**d)
 
     def save(self, path: str | Path) -> None:
@@ -172,8 +222,9 @@ class Counts:
 
 @lru_cache(maxsize=64)
 def counts_for(model: str, tokens: int, num_ranks: int, skew: str, seed: int = 0) -> Counts:
-    """Counts of a generated routing (``mok.workload.make_routing``; the benchmark's own routing
-    is not stored, so the same distribution with our seed stands in for it)."""
+    """Counts of a generated routing (``mok.workload.make_routing``). The benchmark's routing is
+    not stored, but ``mok.bench comm`` draws it with ``make_routing(n, E, 8, 2, skew, seed=n)``
+    (n = tokens per rank), so the kernel predictions pass that seed: the same routing."""
     shape = get_shape(model)
     tr = make_routing(tokens, shape.num_experts, shape.num_topk, num_ranks, skew, seed)
     dest = tr.per_rank() // (shape.num_experts // num_ranks)  # [R_src, T, K]
@@ -215,6 +266,11 @@ def _pull_dispatch(c, r):
 
 def _dedup_dispatch(c, r):
     return _b(c, r, nv_in=c.dedup[r], rd=c.dedup[r, r], wr=c.dedup[r].sum())
+
+
+def _dedup_remote_dispatch(c, r):
+    # kFlagSkipLocal: only other ranks' dedup rows are pulled and written; own rows stay in x
+    return _b(c, r, nv_in=c.dedup[r], wr=c.dedup[r].sum() - c.dedup[r, r])
 
 
 def _fanout(c, r):
@@ -289,6 +345,19 @@ def _kernels() -> dict[tuple[str, str, str], KernelSpec]:
         k[("dispatch", "pull", eng)] = _one(f"dispatch.pull.{eng}", _pull_dispatch)
         k[("dispatch", "dedup_pull", eng)] = _one(f"dispatch.dedup_pull.{eng}", _dedup_dispatch)
         k[("dispatch", "fanout", eng)] = _one(f"dispatch.fanout.{eng}", _fanout, 0)
+        # v3 remote-only variants: same copy loops as their v2 units, so they share the knobs
+        # (the remote-only dispatch moves fewer local bytes; the fan-out reads its own rows from x
+        # instead of the dedup buffer: same bytes)
+        k[("dispatch", "dedup_pull_remote", eng)] = KernelSpec(
+            f"dispatch.dedup_pull_remote.{eng}",
+            (PhaseSpec(_dedup_remote_dispatch, f"dispatch.dedup_pull.{eng}", 1),),
+            "knob shared with dispatch.dedup_pull",
+        )
+        k[("dispatch", "fanout_remote", eng)] = KernelSpec(
+            f"dispatch.fanout_remote.{eng}",
+            (PhaseSpec(_fanout, f"dispatch.fanout.{eng}", 0),),
+            "knob shared with dispatch.fanout",
+        )
         k[("dispatch", "dedup_pull+fanout", eng)] = _one(
             f"dispatch.dedup_pull+fanout.{eng}", _dedup_fan_dispatch
         )
@@ -303,6 +372,17 @@ def _kernels() -> dict[tuple[str, str, str], KernelSpec]:
             ),
             "composite of dedup_partials + dedup_pull_sum: no knob of its own",
         )
+    # v3 cp.async gather ring of dedup_sum (16-byte copies: the vector curves, its own knob);
+    # the end-to-end dedup pull combine of the grid run used it (engine label "vec+gather")
+    k[("combine", "dedup_pull_sum", "gather")] = _one("combine.dedup_pull_sum.gather", _dedup_sum)
+    k[("combine", "dedup_pull", "vec+gather")] = KernelSpec(
+        "combine.dedup_pull.vec+gather",
+        (
+            PhaseSpec(_partials, "combine.dedup_partials.vector", 0),
+            PhaseSpec(_dedup_sum, "combine.dedup_pull_sum.gather", 1, new_launch=True),
+        ),
+        "composite of vector dedup_partials + gather dedup_pull_sum: no knob of its own",
+    )
     k[("dispatch", "push", "vector")] = _one("dispatch.push.vector", _push_dispatch)
     k[("combine", "push", "vector")] = KernelSpec(
         "combine.push.vector",
@@ -375,7 +455,12 @@ class PhaseBuilder(LayerBuilder):
     def set_phase_rates(self, knob: str, engine: str) -> None:
         """Comm-engine payload rates (bytes/us) of ``num_comm_sms`` SMs running kernel ``knob``."""
         gpu, n = self.gpu, float(self.cfg.num_comm_sms)
-        f = self.prof.factor(knob) * self.topo.per_sm_latency_factor(gpu)
+        engine = knob.rsplit(".", 1)[1]  # a composite's phases run their own kernels' engines
+        engine = _CURVE_ENGINE.get(engine, engine)
+        # row-size effect of the one-thread bulk-copy issuer (one row per copy in the dispatch
+        # rings): the probe's per-SM rate is for 16 KiB copies
+        rs = _row_scale(self.prof, self.wl.model_shape.hidden * 2) if knob in _ROW_COPY else 1.0
+        f = self.prof.factor(knob) * rs * self.topo.per_sm_latency_factor(gpu)
         cong = 1.0 / (1.0 + n / self.prof.sm_congestion_sms.get(engine, math.inf))
         suffix = {"vector": ("st", "ld", "st"), "tma": ("tma", "tma", "tma")}[engine]
 
@@ -390,9 +475,29 @@ class PhaseBuilder(LayerBuilder):
         self.rates = _Rates(
             push=rate(f"push_{suffix[0]}", f),
             pull=rate(f"pull_{suffix[1]}", f, capped=False),
-            local=rate(f"local_{suffix[2]}", self.prof.factor(knob)),
+            local=rate(f"local_{suffix[2]}", self.prof.factor(knob) * rs),
         )
         self._kind_rate = {"push": self.rates.push, "pull": self.rates.pull}
+
+
+# engine label -> the probe curves / congestion constant it uses (gather: 16-byte cp.async)
+_CURVE_ENGINE = {"gather": "vector"}
+# knobs whose kernels issue one bulk copy per row (csrc/dispatch.cuh copy ring); the TMA reduce
+# steps of the combine copy fixed-size chunks, so their rate does not depend on the row size
+_ROW_COPY = {f"dispatch.{m}.tma" for m in ("pull", "dedup_pull", "fanout", "dedup_pull+fanout")}
+_PROBE_COPY_BYTES = 16384.0  # chunk of the probe's per-SM TMA curve
+
+
+def _row_scale(prof: KernelProfile, row_bytes: float) -> float:
+    """Per-SM rate of ``row_bytes`` copies / that of the probe's 16 KiB copies, when every copy
+    costs ``tma_row_issue_us`` plus its bytes at the streaming rate: t(b) = a + b * s with s set
+    so that 16 KiB copies run at the probe's per-SM rate (44 GB/s: t(16 KiB) = 0.37 us)."""
+    a = prof.tma_row_issue_us
+    if a <= 0:
+        return 1.0
+    t16 = _PROBE_COPY_BYTES / 44.0e3  # us per 16 KiB copy at the probe's per-SM pull rate
+    per_byte = (t16 - a) / _PROBE_COPY_BYTES
+    return (row_bytes / (a + row_bytes * per_byte)) / (_PROBE_COPY_BYTES / t16)
 
 
 def _workload(model: str, tokens: int, num_ranks: int, skew: str, prof: KernelProfile):
@@ -414,18 +519,19 @@ def build_kernel_graph(
         raise ValueError(f"sms={sms} outside 1..{wl.topo.gpu.num_sms}")
     cfg = SimConfig(num_comm_sms=sms, mechanism="tma" if engine == "tma" else "st")
     b = PhaseBuilder(wl, cfg, prof)
-    c = counts_for(model, tokens, num_ranks, skew)
+    c = counts_for(model, tokens, num_ranks, skew, _bench_seed(tokens))
     row_bytes = float(wl.model_shape.hidden * 2)
     g = b.g
     prev: list[int | None] = [None] * num_ranks
-    start = [g.delay(prof.launch_us, [], r, "launch") for r in range(num_ranks)]
+    start = [g.delay(prof.call_fixed_us, [], r, "launch") for r in range(num_ranks)]
     for i, ph in enumerate(spec.phases):
         b.set_phase_rates(ph.knob, engine)
         # a phase waits for every rank's previous phase when it needs their signals
         barrier = [p for p in prev if p is not None] if ph.remote_waits else []
         for r in range(num_ranks):
             deps = [start[r], prev[r], *barrier]
-            wait = ph.remote_waits * b.flag_remote + (prof.launch_us if ph.new_launch else 0.0)
+            wait = ph.remote_waits * (b.flag_remote + prof.handshake_us)
+            wait += prof.call_fixed_us if ph.new_launch else 0.0
             if i and ph.remote_waits:
                 wait += b.fence
             pre = g.delay(wait, deps, r, "signal", i) if wait > 0 else g.join(deps, r, "join", i)
@@ -448,10 +554,30 @@ def predict_kernel_us(
     sms: int,
     prof: KernelProfile,
 ) -> float:
-    """Predicted time (us, the slowest rank) of one standalone kernel run."""
+    """Predicted time (us, the slowest rank) of one standalone kernel run as the benchmark times
+    it: max(host floor x Python calls, device time) (see :func:`host_bound`)."""
     spec = KERNELS[key]
     b, g = build_kernel_graph(spec, key[2], model, tokens, num_ranks, skew, sms, prof)
-    return run_graph(g, b.topo.capacities(b.gpu)).makespan_us
+    return host_bound(run_graph(g, b.topo.capacities(b.gpu)).makespan_us, spec, prof)
+
+
+def num_calls(spec: KernelSpec) -> int:
+    """Python calls (= kernel launches) of one measured run."""
+    return 1 + sum(ph.new_launch for ph in spec.phases)
+
+
+def host_bound(device_us: float, spec: KernelSpec | None, prof: KernelProfile) -> float:
+    """What back-to-back CUDA-event timing sees: the start event is enqueued right behind the
+    previous call's kernel and the host spends ~``host_floor_us`` per call before the next
+    kernel reaches the GPU, so a call shorter than its host time measures the host time and a
+    longer one its device time (not their sum: the host work overlaps the previous kernel)."""
+    calls = 1 if spec is None else num_calls(spec)
+    return max(device_us, calls * prof.host_floor_us)
+
+
+def _bench_seed(tokens: int) -> int:
+    """The routing seed of ``mok.bench comm`` (``_routing(..., seed=n)``, n = tokens/rank)."""
+    return tokens
 
 
 # -- row -> prediction ------------------------------------------------------------------------
@@ -474,8 +600,15 @@ def _comm_row(row: dict, prof: KernelProfile) -> tuple[float, str]:
     return us, KERNELS[key].name
 
 
+def schedule_us(tokens: int, prof: KernelProfile) -> float:
+    """The schedule kernel: one call (fixed cost + the route-ready handshake with the peer)
+    plus a per-token walk, behind the host floor."""
+    dev = prof.call_fixed_us + prof.handshake_us + prof.schedule_us_per_token * tokens
+    return host_bound(dev, None, prof)
+
+
 def _schedule_row(row: dict, prof: KernelProfile) -> tuple[float, str]:
-    return prof.schedule_us, "schedule"
+    return schedule_us(int(row["tokens_per_rank"]), prof), "schedule"
 
 
 # what -> predictor(row, profile) -> (predicted us, kernel name); LookupError = not modelled.

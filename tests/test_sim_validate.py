@@ -20,6 +20,9 @@ HEADER = (
 )
 
 
+GRID = PINNED.with_name("h200x2-comm-grid-2026-11-30.csv")
+
+
 @pytest.fixture(scope="module")
 def pinned():
     with open(PINNED, newline="") as f:
@@ -28,29 +31,54 @@ def pinned():
     return rows, recs, summarise(recs)
 
 
-def test_pinned_sweep_metrics(pinned):
-    rows, recs, s = pinned
+@pytest.fixture(scope="module")
+def grid():
+    with open(GRID, newline="") as f:
+        rows = list(csv.DictReader(f))
+    recs = validate_rows(rows, load_kernel_profile())
+    return rows, recs, summarise(recs)
+
+
+def test_grid_sweep_metrics(grid):
+    """The broad grid (both models, 512/4096/16384 tokens, uniform and hot:0.5, 24 SMs): fit rows
+    are DeepSeek-V3 uniform at 4096/16384 tokens, everything else is validation."""
+    rows, recs, s = grid
     v = s["validation"]
     print(
-        f"\nvalidation rows {v['n']}: median |err| {100 * v['median_abs_err']:.2f}% max "
-        f"{100 * v['max_abs_err']:.2f}%; fit rows {s['fit']['n']}: median "
-        f"{100 * s['fit']['median_abs_err']:.2f}% max {100 * s['fit']['max_abs_err']:.2f}%; "
-        f"spearman min {s['spearman_min']:.3f}; gap max {100 * s['gap_max']:.2f}%"
+        f"\ngrid validation rows {v['n']}: median |err| {100 * v['median_abs_err']:.2f}% max "
+        f"{100 * v['max_abs_err']:.2f}%; fit rows {s['fit']['n']}; spearman min "
+        f"{s['spearman_min']:.3f}; gap max {100 * s['gap_max']:.2f}%"
     )
-    assert s["by_status"] == {"ok": 60, "skipped": 4}  # the DeepEP rows are not ours
-    assert v["n"] == 26 and s["fit"]["n"] == 34
-    # targets met on the pinned sweep
-    assert v["median_abs_err"] <= 0.05
-    assert s["spearman_min"] >= 0.9
-    # target missed (gap <= 3%): among end-to-end dedup dispatches the sim picks the bulk-copy
-    # kernel (414 us) over the vector one (401 us); guard against regressions
-    assert s["gap_max"] <= 0.034
-    # target missed (max <= 15%): vector dedup_partials at 132 SMs; guard against regressions
-    assert v["max_abs_err"] <= 0.24
+    assert s["by_status"] == {"ok": 300, "skipped": 72}  # DeepEP and NCCL rows are not ours
+    assert v["n"] == 250 and s["fit"]["n"] == 50
+    assert s["fit"]["median_abs_err"] <= 0.02
+    # every target is MISSED on the grid; guard against regressions with a small margin:
+    # median: the host floor differs per Python entry point (dedup_sum ~100 us, others ~145)
+    assert v["median_abs_err"] <= 0.075
+    # max: pull dispatch/combine at 512 tokens (~300-400 us, not host- or byte-bound) and the
+    # bulk-copy engine on Qwen3's 4 KiB rows (slower than the probe's row-issue cost implies)
+    assert v["max_abs_err"] <= 0.60
     worst = max((r for r in recs if r["role"] == "validation"), key=lambda r: abs(r["err"]))
-    assert (worst["mode"], worst["engine"], worst["sms"]) == ("dedup_partials", "vector", "132")
-    others = [abs(r["err"]) for r in recs if r["role"] == "validation" and r["sms"] != "132"]
-    assert max(others) <= 0.13
+    assert (worst["tokens_per_rank"], worst["mode"]) == ("512", "pull")
+    assert s["spearman_min"] >= -0.45
+    assert s["gap_max"] <= 0.33
+    # v3 labels are modelled (remote-only dispatch / fan-out, gather sum, vec+gather e2e)
+    assert not s["unsupported"]
+
+
+def test_pinned_sweep_metrics(pinned):
+    """The old single-workload snapshot: DeepSeek-V3 4096 uniform is a fit workload now, so all
+    its rows are in-sample (kept as a cheap regression check)."""
+    rows, recs, s = pinned
+    assert s["by_status"] == {"ok": 60, "skipped": 4}  # the DeepEP rows are not ours
+    assert s["validation"]["n"] == 0 and s["fit"]["n"] == 60
+    assert s["fit"]["median_abs_err"] <= 0.03
+    assert s["spearman_min"] >= 0.9
+    assert s["gap_max"] <= 0.01
+    # dedup_partials at 132 SMs (local-HBM bound on the full GPU) stays the worst row
+    assert s["fit"]["max_abs_err"] <= 0.21
+    worst = max(recs, key=lambda r: abs(r["err"]) if r["status"] == "ok" else 0)
+    assert (worst["mode"], worst["sms"]) == ("dedup_partials", "132")
 
 
 def test_spearman_hand_example_and_ties():
