@@ -95,3 +95,37 @@ def test_exports():
     for name in ("MoKConfig", "MoKTimeoutError", "MoKCapacityError", "MoKInputError"):
         assert hasattr(mok, name)
     assert issubclass(mok.MoKTimeoutError, mok.MoKError)
+
+
+def test_custom_ops_trace_with_fake_tensors():
+    # torch.compile traces through the fake implementations; make_fx in fake mode does the same
+    # without a GPU and never runs a kernel. Each mutating op must appear in the graph.
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import mok.ops  # noqa: F401  (registers the mok:: ops)
+
+    def layer(x, idx, w, sched, recv, y, partials, out):
+        torch.ops.mok.build_schedule(idx, w, sched, 0)
+        torch.ops.mok.dispatch(x, sched, recv, 0, "dedup_pull")
+        torch.ops.mok.fanout(recv, sched, recv, 0)
+        torch.ops.mok.combine(y, sched, idx, w, None, out, 0, "push")
+        torch.ops.mok.dedup_partials(y, sched, partials, 0)
+        torch.ops.mok.dedup_sum(sched, None, out, 0)
+        return out
+
+    n, h, k = 8, 64, 2
+    args = (
+        torch.randn(n, h).bfloat16(),
+        torch.zeros(n, k, dtype=torch.int32),
+        torch.rand(n, k),
+        torch.zeros(1024, dtype=torch.int32),
+        torch.zeros(64, h).bfloat16(),
+        torch.zeros(64, h).bfloat16(),
+        torch.zeros(2 * n, h).bfloat16(),
+        torch.zeros(n, h).bfloat16(),
+    )
+    gm = make_fx(layer, tracing_mode="fake")(*args)
+    called = {str(nd.target) for nd in gm.graph.nodes if nd.op == "call_function"}
+    for op in ("build_schedule", "dispatch", "fanout", "combine", "dedup_partials", "dedup_sum"):
+        assert any(f"mok.{op}" in c for c in called), (op, called)
