@@ -53,6 +53,19 @@ def test_ep2_against_reference():
 
 @pytest.mark.multigpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("nproc", [4, 8])
+def test_ep4_ep8_against_reference(nproc):
+    # One NVLink domain of Hopper GPUs holds up to 8 ranks (kMaxRanks in csrc/params.h).
+    import torch
+
+    found = torch.cuda.device_count()
+    if found < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs (found {found})")
+    _torchrun(nproc)
+
+
+@pytest.mark.multigpu
+@pytest.mark.sm90
 def test_missing_peer_raises_timeout():
     out = _torchrun(2, "--timeout")
     assert "rank 0 raised after" in out, out[-3000:]
