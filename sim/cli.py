@@ -4,6 +4,7 @@ mok-sim                                  # default comparison + PNG (under 10 s)
 mok-sim compare --shape kimi-k2 --ep 64 --topology gb300-nvl72 --skew zipf:1.2
 mok-sim sweep --ep 8 --topology hgx-h200 --sms 8,16,24,32 --minibatch 2048,4096 --out s.csv
 mok-sim tune --ep 8 --topology hgx-h200 --emit-config mok-config.json
+mok-sim tune --ep 8 --topology hgx-h200 --kernel-profile mok-comm-h200x2   # measured kernels
 mok-sim trace --ep 8 --topology hgx-h200 --out trace.json
 mok-sim calibrate probe.json --out h200.json
 mok-sim validate mok/bench/results/h200x2-comm.csv --csv pred.csv --plot pred.png
@@ -62,6 +63,14 @@ def _add_config(p: argparse.ArgumentParser, single: bool = True) -> None:
     g.add_argument("--mechanism", default="tma", choices=("tma", "st"))
     g.add_argument("--dtype", default="bf16", choices=("bf16", "mxfp8"))
     g.add_argument("--granularity", default="round", choices=("round", "peer"))
+    g.add_argument(
+        "--kernel-profile",
+        metavar="NAME|PATH",
+        default=None,
+        help="scale the per-SM comm rates by the measured mok kernels' fitted efficiency "
+        "(kernel profile name under sim/profiles, e.g. mok-comm-h200x2, or a JSON path); "
+        "default: the probe curves",
+    )
 
 
 def _workload(a) -> Workload:
@@ -74,6 +83,7 @@ def _base_config(a, single: bool = True) -> SimConfig:
         "mechanism": a.mechanism,
         "dtype": a.dtype,
         "flow_granularity": a.granularity,
+        "kernel_profile": a.kernel_profile,
     }
     if single:
         kw.update(

@@ -86,6 +86,12 @@ class SimConfig:
     # schedule build (counts all-gather + prefix sums on the GPU): fixed part + per-row part
     schedule_base_us: float = 2.0
     schedule_ns_per_row: float = 0.05
+    # opt-in measured copy-loop efficiency: name (sim/profiles/<name>.json) or path of a
+    # KernelProfile JSON (format mok-kernel-profile/1, e.g. "mok-comm-h200x2"). None: the
+    # per-SM comm rates are the probe's curves. Set: the dispatch and combine transfers run at
+    # the probe rates times the fitted in-flight factor and SM congestion of the mok kernel
+    # that plays each role (sim.model.kernel_knobs; no per-call costs are added)
+    kernel_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.dispatch_mode not in DISPATCH_MODES:
@@ -123,6 +129,11 @@ class SimConfig:
                 f"flow_granularity must be 'round' or 'peer' (found {self.flow_granularity!r})"
             )
 
+        if self.kernel_profile is not None:
+            from sim.model import kernel_knobs  # sim.model imports this module
+
+            kernel_knobs(self)  # the profile loads and has a kernel for every role
+
     @property
     def ring_slots(self) -> int:
         return self.macrobatch_size // self.minibatch_size
@@ -132,9 +143,10 @@ class SimConfig:
         return self.dispatch_mode == "dedup_pull"
 
     def label(self) -> str:
+        kp = f" kernels={self.kernel_profile}" if self.kernel_profile is not None else ""
         return (
             f"{self.dispatch_mode}/{self.combine_mode} sms={self.num_comm_sms} "
-            f"mb={self.minibatch_size} ring={self.ring_slots}"
+            f"mb={self.minibatch_size} ring={self.ring_slots}{kp}"
         )
 
     def replace(self, **kw) -> SimConfig:

@@ -10,6 +10,17 @@ Per rank r (EP ranks are the first ``ep`` GPUs of the topology):
 * the receive ring has ``macrobatch_size / minibatch_size`` slots; round m reuses slot
   ``m % slots`` once round ``m - slots`` was combined (back-pressure).
 
+Comm rates: by default each transfer's comm-engine rate is the probe's per-SM curve of the
+mechanism (:meth:`LayerBuilder._set_sms`; 1024 threads x 16 B in flight per SM). With
+``SimConfig.kernel_profile`` set, the dispatch and the combine transfers instead run at the rates
+of the measured mok kernel that plays that role (:func:`kernel_knobs`, :meth:`LayerBuilder.
+_kernel_rates`): the probe's per-SM rate times that kernel's fitted in-flight factor, the TMA
+row-size scale of the dispatch copy rings, and the SM congestion ``1 / (1 + n / c[engine])``,
+under the same ceilings. Assumption: the megakernel's comm SMs run the standalone kernels' copy
+loops, so their per-SM efficiency carries over; the standalone kernels' per-call costs (launch,
+fill/drain, host floor, handshakes) do not, since the megakernel is one launch whose signalling
+the layer already models.
+
 Backward is not modelled yet: :data:`PASSES` lists the passes, and a backward builder would add
 its own rounds (reverse-combine pull, dgrad GEMMs, reverse-dispatch push, wgrad at the end) with
 the same builder helpers.
@@ -17,9 +28,13 @@ the same builder helpers.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,7 +46,19 @@ from sim.results import LayerResult
 from sim.schedule import RoutingPlan
 from sim.topology import ENGINE, NIC_RX, NIC_TX, NVL_RX, NVL_TX, RES_PER_GPU
 
-__all__ = ["LayerBuilder", "simulate", "simulate_many", "PASSES", "plan_for"]
+if TYPE_CHECKING:  # pragma: no cover
+    from sim.phases import KernelProfile
+
+__all__ = [
+    "LayerBuilder",
+    "simulate",
+    "simulate_many",
+    "PASSES",
+    "plan_for",
+    "kernel_knobs",
+    "layer_kernel_profile",
+    "ROLES",
+]
 
 PASSES = ("forward",)
 
@@ -43,8 +70,91 @@ class _Rates:
     local: float  # of local copies
 
 
+# -- measured kernel efficiency (opt-in) --------------------------------------------------------
+# The transfers of the layer, by the ``phase`` the policies pass to LayerBuilder.transfer.
+ROLES = ("dispatch", "combine")
+# SimConfig.mechanism -> engine label of the kernel profile's knobs (and back to probe curves)
+_ENGINE_OF_MECH = {"tma": "tma", "st": "vector"}
+_CURVES = {
+    "vector": ("push_st", "pull_ld", "local_st"),
+    "tma": ("push_tma", "pull_tma", "local_tma"),
+}
+
+
+@lru_cache(maxsize=16)
+def layer_kernel_profile(name_or_path: str) -> KernelProfile:
+    """The KernelProfile behind ``SimConfig.kernel_profile`` (a name under sim/profiles or a JSON
+    path), loaded once per process. Only its in-flight factors, congestion constants and TMA
+    row-issue cost are used by the layer; its fixed per-call and host costs describe standalone
+    launches and are ignored (the megakernel is one launch)."""
+    from sim.phases import load_kernel_profile  # sim.phases imports this module
+
+    try:
+        return load_kernel_profile(name_or_path)
+    except OSError as e:
+        raise ValueError(
+            f"kernel profile {name_or_path!r} not found ({e.strerror}); give a name under "
+            "sim/profiles (e.g. mok-comm-h200x2) or a path to a mok-kernel-profile/1 JSON"
+        ) from None
+
+
+def _role_candidates(cfg: SimConfig) -> dict[str, tuple[str, ...]]:
+    """Kernel knobs that may play each role of the fused layer, preferred first.
+
+    ============================ ========================================================
+    dispatch pull                ``dispatch.pull.<engine>``
+    dispatch dedup_pull          ``dispatch.dedup_pull+fanout.<engine>``: the layer's dedup
+                                 dispatch moves the unique rows over NVLink and fans the rest
+                                 out locally in the same comm-SM transfer, as that kernel does
+    dispatch push                ``dispatch.push.<engine>`` (only ``vector`` was measured)
+    combine push                 ``combine.push.<engine>`` (only ``vector``)
+    combine push after dedup     ``combine.dedup_push.<engine>`` (only ``vector``): fold the
+                                 rank-local rows, push one row per (token, rank)
+    combine pull                 ``combine.pull.<engine>`` (only ``vector``)
+    ============================ ========================================================
+
+    ``<engine>`` is ``tma`` for ``mechanism="tma"`` and ``vector`` for ``"st"``. When the profile
+    has no kernel of that engine for a role, the role falls back to the other engine's kernel
+    and then runs on that kernel's probe curves and congestion constant (the copy loop that was
+    measured), not on the config's mechanism.
+    """
+    eng = _ENGINE_OF_MECH[cfg.mechanism]
+    other = "vector" if eng == "tma" else "tma"
+    disp = {
+        "pull": "dispatch.pull",
+        "dedup_pull": "dispatch.dedup_pull+fanout",
+        "push": "dispatch.push",
+    }[cfg.dispatch_mode]
+    comb = "combine.dedup_push" if cfg.dedup else f"combine.{cfg.combine_mode}"
+    return {
+        "dispatch": (f"{disp}.{eng}", f"{disp}.{other}"),
+        "combine": (f"{comb}.{eng}", f"{comb}.{other}"),
+    }
+
+
+def kernel_knobs(cfg: SimConfig) -> dict[str, str]:
+    """Role ("dispatch" / "combine") -> the kernel profile knob whose fitted efficiency sets
+    that role's comm rates under ``cfg`` (see :func:`_role_candidates`); {} without a profile."""
+    if cfg.kernel_profile is None:
+        return {}
+    prof = layer_kernel_profile(cfg.kernel_profile)
+    out = {}
+    for role, cands in _role_candidates(cfg).items():
+        hit = next((k for k in cands if k in prof.inflight_factor), None)
+        if hit is None:
+            raise ValueError(
+                f"kernel profile {cfg.kernel_profile!r} has no kernel for the {role} of "
+                f"{cfg.dispatch_mode}/{cfg.combine_mode} (wanted one of {', '.join(cands)})"
+            )
+        out[role] = hit
+    return out
+
+
 class LayerBuilder:
     """Builds the forward task graph; policies call :meth:`transfer` and friends."""
+
+    # per-role comm rates (kernel profile); a phase not listed runs at ``self.rates``
+    _roles: Mapping[str, _Rates] = MappingProxyType({})
 
     def __init__(self, wl: Workload, cfg: SimConfig, plan: RoutingPlan) -> None:
         self.wl, self.cfg = wl, cfg
@@ -57,18 +167,19 @@ class LayerBuilder:
             raise ValueError(f"plan row_tile {plan.row_tile} != config row_tile {cfg.row_tile}")
         self.rc = plan.rounds(cfg.minibatch_size)
         self.plan = plan
+        h = self.shape.hidden
+        self.dispatch_row_bytes = float(h * 2 if cfg.dtype == "bf16" else h + h // 32)
+        self.combine_row_bytes = float(h * 2)
         self._set_sms()
         self.flag_local = gpu.flag_latency_local_us
         self.flag_remote = gpu.flag_latency_remote_us + topo.switch_hop_latency_us
         self.fence = gpu.fence_us
-        h = self.shape.hidden
-        self.dispatch_row_bytes = float(h * 2 if cfg.dtype == "bf16" else h + h // 32)
-        self.combine_row_bytes = float(h * 2)
         self.combine_rows = self.rc.uniq_last if cfg.dedup else self.rc.rows
         self.g = Graph()
         self.slot_free: dict[tuple[int, int], int] = {}
         self.payload_bytes = {"nvlink": 0.0, "nic": 0.0, "local": 0.0}
-        self._eng: list[tuple[int, int, float, float]] = []  # flow, kind, nv/B, local/B
+        # flow, kind, nv/B, local/B, role (index into ROLES, -1: self.rates)
+        self._eng: list[tuple[int, int, float, float, int]] = []
         self._ffn: list[tuple[int, int, int]] = []  # task, row tiles, intermediate
         self._proto = {
             k: (gpu.protocol[k].data_bytes_per_byte, gpu.protocol[k].reverse_bytes_per_byte)
@@ -102,7 +213,50 @@ class LayerBuilder:
             pull=rate(f"pull_{'ld' if mech == 'st' else mech}", True),
             local=rate(f"local_{mech}", False),
         )
+        self.kernel_knobs = kernel_knobs(cfg)
+        if self.kernel_knobs:
+            self._roles = {r: self._kernel_rates(k) for r, k in self.kernel_knobs.items()}
+            self.rates = self._roles["dispatch"]
         self._kind_rate = {"push": self.rates.push, "pull": self.rates.pull}
+
+    def _kernel_rates(self, knob: str) -> _Rates:
+        """Comm-engine rates (bytes/us) of ``num_comm_sms`` SMs running the copy loop of the
+        measured kernel ``knob`` (``SimConfig.kernel_profile``).
+
+        Same form as the standalone kernel model (:meth:`sim.phases.PhaseBuilder.
+        set_phase_rates`): per-SM rate = probe per-SM rate of the kernel's engine x in-flight
+        factor ``f[knob]`` x TMA row-size scale (dispatch copy rings only) x ``1 / (1 + n /
+        sm_congestion_sms[engine])`` x the switch-hop latency factor for remote bytes; then the
+        probe ceilings cap it, as for the probe rates. Assumption: the megakernel's comm SMs
+        reuse the standalone kernels' copy loops, so their measured per-SM efficiency carries
+        over to the fused layer. Nothing else of the profile is used: its per-call costs
+        (``call_fixed_us``, ``handshake_us``, ``host_floor_us``, ``schedule_us_per_token``)
+        belong to standalone launches; the megakernel is one launch and the layer models its
+        own flags and fences. Caveat: the factors were fitted with the standalone model's byte
+        accounting (the received rows' local writes, the slot reduce of the combine), which the
+        layer does not charge to the comm engine; a factor above 1 (push dispatch) partly
+        pays for those bytes and makes the layer's role faster than the probe at low SM counts.
+        """
+        from sim.phases import _CURVE_ENGINE, _ROW_COPY, _row_scale  # imports this module
+
+        prof = layer_kernel_profile(self.cfg.kernel_profile)
+        gpu, n = self.gpu, float(self.cfg.num_comm_sms)
+        engine = knob.rsplit(".", 1)[1]
+        engine = _CURVE_ENGINE.get(engine, engine)
+        rs = _row_scale(prof, self.dispatch_row_bytes) if knob in _ROW_COPY else 1.0
+        cong = 1.0 / (1.0 + n / prof.sm_congestion_sms.get(engine, math.inf))
+        per_sm = prof.factor(knob) * rs * cong
+        lat_factor = self.topo.per_sm_latency_factor(gpu)
+        push, pull, local = _CURVES[engine]
+
+        def rate(name: str, scale: float) -> float:
+            return gpu.curve(name).scaled(per_sm=scale).gbps(n) * 1e3  # bytes per us
+
+        return _Rates(
+            push=rate(push, per_sm * lat_factor),
+            pull=rate(pull, per_sm * lat_factor),
+            local=rate(local, per_sm),
+        )
 
     def _ffn_us(self, row_tiles: int, intermediate: int) -> float:
         return expert_ffn_us(
@@ -136,7 +290,9 @@ class LayerBuilder:
             self._routes[key] = np.concatenate(parts).astype(np.int64)
         return self._routes[key]
 
-    def _coefs(self, kind: str, nv: np.ndarray, nic: np.ndarray, local: float) -> np.ndarray:
+    def _coefs(
+        self, kind: str, nv: np.ndarray, nic: np.ndarray, local: float, rates: _Rates
+    ) -> np.ndarray:
         """Coefficients (totals, not per byte) matching :meth:`_static_route`."""
         b_nv, b_nic = float(nv.sum()), float(nic.sum())
         a, r = self._proto[kind]
@@ -144,7 +300,7 @@ class LayerBuilder:
         sw = (a + r) * b_nv if self.topo.fabric == "nvswitch" else 0.0
         return np.concatenate(
             (
-                [b_nv / self._kind_rate[kind] + local / self.rates.local],
+                [b_nv / (rates.push if kind == "push" else rates.pull) + local / rates.local],
                 a * nv,
                 [a * b_nv, r * b_nv],
                 r * nv,
@@ -189,16 +345,19 @@ class LayerBuilder:
         flows = []
         zero = np.zeros_like(b)
         k = 0 if kind == "push" else 1
+        role = ROLES.index(phase) if phase in self._roles else -1
+        rates = self._roles[phase] if role >= 0 else self.rates
         for size, f_nv, f_local, f_nic, p in parts:
             if p < 0 and len(parts) == 1:
-                c = self._coefs(kind, nv, nic, local)
+                c = self._coefs(kind, nv, nic, local, rates)
             else:  # one flow per peer (and one for the local part)
                 one_nv, one_nic = zero.copy(), zero.copy()
                 if p >= 0:
                     one_nv[p], one_nic[p] = f_nv, f_nic
-                c = self._coefs(kind, one_nv, one_nic, f_local)
+                c = self._coefs(kind, one_nv, one_nic, f_local, rates)
             if c[0] > 0:  # the engine entry (first in the route) survives the zero filter
-                self._eng.append((len(self.g.flows) + len(flows), k, f_nv / size, f_local / size))
+                fid = len(self.g.flows) + len(flows)
+                self._eng.append((fid, k, f_nv / size, f_local / size, role))
             flows.append((size, (route, c / size)))
         return self.g.transfer(flows, lat, deps, rank, phase, rnd)
 
@@ -210,9 +369,14 @@ class LayerBuilder:
         _, _, coef, _ = self.g.flows.arrays()
         if self._eng:
             ptr = self.g.flows.arrays()[0]
-            f, k, nv, loc = (np.asarray(x) for x in zip(*self._eng, strict=True))
-            rate = np.where(k == 0, self.rates.push, self.rates.pull)
-            coef[ptr[f.astype(np.int64)]] = nv / rate + loc / self.rates.local
+            f, k, nv, loc, role = (np.asarray(x) for x in zip(*self._eng, strict=True))
+            # rates by role index (ROLES order, then -1 = self.rates)
+            tab = [self._roles.get(r, self.rates) for r in ROLES] + [self.rates]
+            push = np.array([t.push for t in tab])[role]
+            pull = np.array([t.pull for t in tab])[role]
+            local = np.array([t.local for t in tab])[role]
+            rate = np.where(k == 0, push, pull)
+            coef[ptr[f.astype(np.int64)]] = nv / rate + loc / local
         dur = self.g.duration
         for t, tiles, inter in self._ffn:
             dur[t] = self._ffn_us(tiles, inter)

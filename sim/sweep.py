@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from sim.config import COMBINE_MODES, DISPATCH_MODES, SimConfig, Workload
-from sim.model import plan_for, simulate_many
+from sim.model import kernel_knobs, layer_kernel_profile, plan_for, simulate_many
 from sim.results import LayerResult
 
 __all__ = [
@@ -211,6 +211,7 @@ def tune_document(wl: Workload, cfg: SimConfig, result: LayerResult) -> dict:
             "mechanism": cfg.mechanism,
             "dtype": cfg.dtype,
             "simulated_pass": "forward",
+            **_comm_rates_source(cfg),
         },
         "predicted_us": round(result.layer_us, 3),
         "breakdown": {
@@ -218,6 +219,19 @@ def tune_document(wl: Workload, cfg: SimConfig, result: LayerResult) -> dict:
             "compute_idle_frac": round(result.compute_idle_frac, 4),
             "nvlink_payload_mb": round(result.payload_bytes["nvlink"] / 1e6, 3),
         },
+    }
+
+
+def _comm_rates_source(cfg: SimConfig) -> dict:
+    """Where the tuned config's comm rates came from: the probe curves (``kernel_profile``
+    null) or a kernel profile, with the knob that played each role and the profile's source."""
+    if cfg.kernel_profile is None:
+        return {"kernel_profile": None}
+    prof = layer_kernel_profile(cfg.kernel_profile)
+    return {
+        "kernel_profile": cfg.kernel_profile,
+        "kernel_profile_topology": prof.topology,
+        "kernel_knobs": kernel_knobs(cfg),
     }
 
 
