@@ -23,6 +23,7 @@ which rows travel and where they land, which is what distinguishes pull from pus
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,23 @@ def _request(
     return out
 
 
+def _push(
+    rows: torch.Tensor,
+    dest: torch.Tensor,
+    index: torch.Tensor,
+    into: torch.Tensor,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Push: row ``i`` of ``rows`` lands at ``into[index[i]]`` on rank ``dest[i]``. The sender
+    decides where each row goes (what distinguishes push from pull). Returns ``into``."""
+    payload = torch.cat([_as_bytes(rows), _as_bytes(index.to(torch.int64)[:, None])], dim=1)
+    got, _ = _exchange(payload, dest, group)
+    nb = math.prod(into.shape[1:]) * into.element_size()  # rows have into's dtype and width
+    where = got[:, nb:].contiguous().view(torch.int64).squeeze(1)
+    into[where] = got[:, :nb].contiguous().view(into.dtype).reshape(-1, *into.shape[1:])
+    return into
+
+
 def _gather_signature(t: torch.Tensor, group, what: list[str]) -> None:
     world = dist.get_world_size(group)
     sig = torch.tensor(t, dtype=torch.int64)
@@ -173,14 +191,8 @@ def _dispatch(
         recv[real] = rows
         return recv, None
     if mode == "push":
-        dst, idx = s.dst_rank.reshape(-1), s.dst_index.reshape(-1)
         tokens = torch.arange(s.num_tokens).repeat_interleave(num_topk)
-        payload = torch.cat([_as_bytes(x[tokens]), _as_bytes(idx[:, None])], dim=1)
-        got, _ = _exchange(payload, dst, group)
-        row_bytes = hidden * x.element_size()
-        rows = got[:, :row_bytes].contiguous().view(x.dtype)
-        where = got[:, row_bytes:].contiguous().view(torch.int64).squeeze(1)
-        recv[where] = rows
+        _push(x[tokens], s.dst_rank.reshape(-1), s.dst_index.reshape(-1), recv, group)
         return recv, None
     dedup = _request(s.dedup_src_rank, s.dedup_src_token, x, group)
     recv[real] = dedup[s.fanout[real]]  # local fan-out, no NVLink traffic
@@ -231,22 +243,10 @@ def _combine_to_slots(
     """Expert-side rows back to their home rank's slots ([num_tokens * num_topk, H])."""
     slots = torch.zeros(s.num_tokens * s.num_topk, y.shape[1], dtype=y.dtype)
     if dedup_rows is not None:
-        payload = torch.cat([_as_bytes(dedup_rows), _as_bytes(s.dedup_slot[:, None])], dim=1)
-        got, _ = _exchange(payload, s.dedup_src_rank, group)
-        nb = y.shape[1] * y.element_size()
-        slots[got[:, nb:].contiguous().view(torch.int64).squeeze(1)] = (
-            got[:, :nb].contiguous().view(y.dtype)
-        )
-        return slots
+        return _push(dedup_rows, s.dedup_src_rank, s.dedup_slot, slots, group)
     real = (s.src_rank >= 0).nonzero().squeeze(1)
     if mode == "push":
-        payload = torch.cat([_as_bytes(y[real]), _as_bytes(s.src_index[real, None])], dim=1)
-        got, _ = _exchange(payload, s.src_rank[real], group)
-        nb = y.shape[1] * y.element_size()
-        slots[got[:, nb:].contiguous().view(torch.int64).squeeze(1)] = (
-            got[:, :nb].contiguous().view(y.dtype)
-        )
-        return slots
+        return _push(y[real], s.src_rank[real], s.src_index[real], slots, group)
     # pull: the home rank asks each expert owner for the rows of its own (token, k).
     return _request(s.dst_rank.reshape(-1), s.dst_index.reshape(-1), y, group)
 
