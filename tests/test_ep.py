@@ -1,9 +1,4 @@
-"""Expert-parallel reference: an in-process single-rank group, and 4 gloo ranks via torchrun."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""Expert-parallel reference: a single-rank group in process, and 4 and 8 gloo ranks (torchrun)."""
 
 import pytest
 import torch
@@ -14,8 +9,7 @@ from reference.ep import ep_forward
 from reference.moe import moe_forward
 from reference.weights import MoEWeights
 from tests import tolerances as tol
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.dist.launch import torchrun
 
 
 @pytest.fixture
@@ -57,17 +51,4 @@ def test_bad_modes_and_sharding(single_rank_group):
 
 @pytest.mark.parametrize("num_ranks", [4, 8])
 def test_gloo_ranks_against_full_reference(num_ranks):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={num_ranks}",
-        str(ROOT / "tests" / "dist" / "ep_worker.py"),
-    ]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
-    for r in range(num_ranks):
-        assert f"EP-WORKER-OK rank={r}" in out, out[-4000:]
+    torchrun("ep_worker.py", num_ranks, "EP-WORKER-OK")

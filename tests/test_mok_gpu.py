@@ -3,40 +3,13 @@ checked against the reference of the whole problem, plus the timeout behaviour."
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.dist.launch import torchrun
 
 
 def _torchrun(nproc: int, *args: str) -> str:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-        NCCL_NVLS_ENABLE="0",
-        NVSHMEM_DISABLE_NVLS="1",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(ROOT / "tests" / "dist" / "mok_worker.py"),
-        *args,
-    ]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-6000:]
-    for r in range(nproc):
-        assert f"MOK-WORKER-OK rank={r}" in out, out[-6000:]
-    return out
+    return torchrun("mok_worker.py", nproc, "MOK-WORKER-OK", *args, timeout=900)
 
 
 @pytest.mark.gpu

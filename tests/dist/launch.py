@@ -1,0 +1,38 @@
+"""Launch a tests/dist worker through torchrun and check every rank's sentinel line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# NOTE: NVLink multicast stays off on shared GPU hosts; mok never needs it.
+NO_MULTICAST = {
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def torchrun(worker: str, nproc: int, sentinel: str, *args: str, timeout: int = 600) -> str:
+    """Run ``tests/dist/<worker>`` on ``nproc`` ranks; assert exit code 0 and that every rank
+    printed ``<sentinel> rank=<r>``. Returns the combined output."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **NO_MULTICAST)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(ROOT / "tests" / "dist" / worker),
+        *args,
+    ]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    for r in range(nproc):
+        assert f"{sentinel} rank={r}" in out, out[-6000:]
+    return out
