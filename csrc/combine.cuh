@@ -91,13 +91,14 @@ struct WarpTerms {
 // Home-rank reduce of every token: slots [num_tokens * num_topk, hidden] (local, or the
 // owners' y rows for pull), topk_weights in1 [num_tokens, num_topk] fp32, shared_y in2,
 // out0 [num_tokens, hidden] bf16. `mode`: 0 slots, 1 dedup slots, 2 pull from owners.
-__device__ __forceinline__ void reduce_tokens(const Ctx& c, int mode) {
+// `terms`: per-warp scratch (blocks of at most kCommWarps warps).
+__device__ __forceinline__ void reduce_tokens(const Ctx& c, int mode, WarpTerms& terms) {
   const Params& p = c.p;
-  __shared__ WarpTerms terms;
   const int K = p.num_topk, L = p.num_local_experts;
+  const int warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gwarp = blockIdx.x * kCommWarps + warp;
-  const int nwarps = gridDim.x * kCommWarps;
+  const int gwarp = blockIdx.x * warps + warp;
+  const int nwarps = gridDim.x * warps;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * 2;
   const int n16 = static_cast<int>(row_bytes / 16);
   const float* topk_w = static_cast<const float*>(p.in1);
@@ -193,7 +194,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const Params
   }
   block_signal_all(c, kSigSlotsFilled);
   if (!block_wait_all(c, kSigSlotsFilled, static_cast<uint64_t>(p.epoch) * gridDim.x)) return;
-  reduce_tokens(c, kDedup ? 1 : 0);
+  __shared__ WarpTerms terms;
+  reduce_tokens(c, kDedup ? 1 : 0, terms);
 }
 
 // in0: y [capacity, hidden] bf16 (staged into the symmetric y buffer if kFlagStage, else y
@@ -210,7 +212,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_pull_kernel(const Params
   }
   if (blockIdx.x == 0) block_signal_all(c, kSigYReady);
   if (!block_wait_all(c, kSigYReady, static_cast<uint64_t>(p.epoch))) return;
-  reduce_tokens(c, 2);
+  __shared__ WarpTerms terms;
+  reduce_tokens(c, 2, terms);
   block_signal_all(c, kSigYConsumed);
 }
 

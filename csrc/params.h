@@ -24,9 +24,24 @@ enum Signal : int {
   kSigYConsumed = 8,    // peer finished reading my expert-output buffer (per block)
   kSigPartReady = 9,    // peer's dedup partials buffer holds epoch <value> (stored, not added)
   kSigPartConsumed = 10,  // peer finished reading my partials of epoch <value> (stored)
+  // The fused layer (layer.cu) counts its own epochs, so it has its own signals.
+  kSigLayerXReady = 11,      // peer's x buffer holds this layer call's tokens (once per call)
+  kSigLayerXConsumed = 12,   // peer finished reading my x buffer (per communication block)
+  kSigLayerSlotsFree = 13,   // peer's combine slots may be pushed into (once per call)
+  kSigLayerSlotsFilled = 14, // peer finished pushing into my combine slots (per block)
 };
 
-enum WaitId : int { kWaitGridBarrier = 100 };
+// Waits on local counters (signal waits use the Signal value as their id).
+enum WaitId : int {
+  kWaitGridBarrier = 100,
+  kWaitLayerReady = 101,     // a GEMM tile waits for its minibatch's dispatched rows
+  kWaitLayerGateUp = 102,    // a down tile waits for the gate/up tiles of its row block
+  kWaitLayerRecvFree = 103,  // dispatch waits for the gate/up tiles that read its ring rows
+  kWaitLayerHFree = 104,     // a gate/up tile waits for the down tiles that read its h rows
+  kWaitLayerStaged = 105,    // communication blocks wait for each other's staging of x
+  kWaitLayerPulled = 106,    // communication blocks wait for each other's dedup rows
+  kWaitLayerPipeline = 107,  // a worker's TMA / MMA pipeline stage (a local deadlock)
+};
 
 enum ErrorCode : int {
   kErrNone = 0,
@@ -34,6 +49,7 @@ enum ErrorCode : int {
   kErrCapacity = 2,
   kErrBadExpert = 3,
   kErrDuplicateExpert = 4,
+  kErrUnsupported = 5,  // the kernel was built without a path for this GPU
 };
 
 // Fields of the host-visible error record (int64 each).
@@ -83,6 +99,7 @@ enum Flags : int {
   kFlagNoFanout = 16,      // dedup dispatch: out0 is the dedup buffer, one row per dedup row
   kFlagSkipLocal = 32,     // dedup buffer without this rank's own rows (they stay in x)
   kFlagGather = 64,        // dedup_sum: cp.async gather ring (many loads in flight per warp)
+  kFlagDedup = 128,        // fused layer: dedup pull (one NVLink row per token and rank)
 };
 
 struct Params {
@@ -141,6 +158,28 @@ struct Params {
   const void* in2;
   const void* in3;
   void* out0;
+};
+
+// Operands of the fused layer (layer.cu) beyond Params. Plain C++: mok/_ext.py mirrors it.
+// Weights are bf16, row-major: w_gate/w_up [L, I, H], w_down [L, H, I], shared_w_gate/up
+// [Is, H], shared_w_down [H, Is]. Params carries x (in0), topk_weights (in1), the shared
+// output (in2, bf16 [N, H]), out0 (the layer output [N, H] bf16) and the workspace.
+struct LayerArgs {
+  int32_t inter;            // I: expert intermediate size
+  int32_t shared_inter;     // Is: shared expert intermediate size (0: no shared expert)
+  int32_t num_comm_blocks;  // blocks [0, num_comm_blocks) dispatch; the rest run GEMM tiles
+  int32_t ring_rows;        // receive / h ring rows (a multiple of minibatch_rows)
+  const void* w_gate;
+  const void* w_up;
+  const void* w_down;
+  const void* shared_w_gate;
+  const void* shared_w_up;
+  const void* shared_w_down;
+  void* h;          // bf16 [ring_rows, I]: SwiGLU output ring (local)
+  void* shared_h;   // bf16 [N, Is]
+  void* dedup;      // [num_ranks * N, H] dedup rows (kFlagDedup)
+  uint32_t* counters;  // local tile counters, zeroed by the launcher (layer.cuh: Counters)
+  int64_t counters_len;  // uint32 words
 };
 
 }  // namespace mok

@@ -70,7 +70,7 @@ __device__ __forceinline__ void red_add_release_gpu(uint32_t* ptr, uint32_t v) {
 
 // Records the first error of this workspace and raises the abort word. Later errors (often the
 // cascade of the first: peers that time out waiting for an aborted rank) are dropped.
-__device__ __noinline__ void record_error(const Ctx& c, int code, int wait, int peer,
+static __device__ __noinline__ void record_error(const Ctx& c, int code, int wait, int peer,
                                           int64_t observed, int64_t expected, int64_t extra) {
   int32_t* m = c.meta();
   if (atomicCAS(m + kMetaErrClaim, 0, 1) == 0) {
@@ -93,7 +93,7 @@ __device__ __noinline__ void record_error(const Ctx& c, int code, int wait, int 
 }
 
 // Spins until *ptr >= target. False on timeout (recorded) or when another block aborted.
-__device__ __noinline__ bool wait_ge(const Ctx& c, const uint64_t* ptr, uint64_t target, int wait,
+static __device__ __noinline__ bool wait_ge(const Ctx& c, const uint64_t* ptr, uint64_t target, int wait,
                                      int peer) {
   uint64_t v = ld_acquire_sys(ptr);
   if (v >= target) return true;
@@ -157,7 +157,7 @@ __device__ __forceinline__ void block_store_all(const Ctx& c, int kind, uint64_t
 
 // Self-resetting grid barrier (all blocks co-resident: the launch is cooperative). False when the
 // workspace aborted or the barrier timed out.
-__device__ __noinline__ bool grid_sync(const Ctx& c) {
+static __device__ __noinline__ bool grid_sync(const Ctx& c) {
   __shared__ int ok;
   // NOTE: system scope, so that stores to peers made before the barrier are covered by the
   // system-scope signal one block raises after it.

@@ -4,20 +4,24 @@ All calls are asynchronous: no ``.item()``, no host-side counts, no shape-depend
 allocation. Sizes that depend on the routing (rows received, dedup rows) stay on the device; the
 receive buffer has the fixed capacity of the workspace (:meth:`MoKConfig.capacity_rows`).
 
-The expert FFN of :func:`moe_forward` uses ``torch._grouped_mm`` over the tile-padded expert
-regions; the fused GEMMs come with the megakernel.
+:func:`forward` runs the whole layer (dispatch, routed and shared SwiGLU experts, combine) as
+one fused kernel on Hopper; :func:`moe_forward` builds the schedule and calls it
+(``fused=True``) or composes the communication kernels with ``torch._grouped_mm`` experts.
+Wherever a config is taken, a :class:`MoKConfig`, a dict or the path of the JSON that
+``mok-sim tune --emit-config`` writes are accepted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mok import ops
+from mok import _ext, ops
 from mok.config import MoKConfig
-from mok.errors import MoKInputError
+from mok.errors import MoKInputError, MoKUnsupportedError
 from mok.workspace import Workspace, get_workspace
 
 __all__ = [
@@ -28,8 +32,20 @@ __all__ = [
     "combine",
     "dedup_partials",
     "dedup_sum",
+    "forward",
     "moe_forward",
+    "as_config",
 ]
+
+
+def as_config(config: MoKConfig | dict | str | Path | None) -> MoKConfig:
+    """A :class:`MoKConfig` from itself, a dict, a JSON string or a JSON file path (the file
+    ``mok-sim tune --emit-config`` writes), or the defaults for None."""
+    if config is None:
+        return MoKConfig()
+    if isinstance(config, MoKConfig):
+        return config
+    return MoKConfig.from_json(config)
 
 
 @dataclass
@@ -337,6 +353,102 @@ def dedup_sum(
     return out
 
 
+# Tile sizes of the fused layer (csrc/layer.cuh): 128 receive rows, 256 output columns of the
+# down projection, 128 SwiGLU columns of the gate/up projection.
+_FUSED_ROW_TILE, _FUSED_HIDDEN_TILE, _FUSED_INTER_TILE = 128, 256, 128
+
+
+def _check_fused(ws: Workspace, weights, x: torch.Tensor) -> None:
+    """Raise a clear error for everything the fused layer does not support (yet)."""
+    cap = torch.cuda.get_device_capability(ws.device)
+    if cap != (9, 0):
+        raise MoKUnsupportedError(
+            f"the fused layer has a Hopper (sm_90a) path only; found "
+            f"{torch.cuda.get_device_name(ws.device)} (sm_{cap[0]}{cap[1]}, {_ext._versions()}). "
+            "Use moe_forward(..., fused=False) (communication kernels + torch grouped GEMM)"
+        )
+    cfg, s = ws.config, ws.shapes
+    if s.dtype != torch.bfloat16:
+        raise MoKUnsupportedError(f"the fused layer runs bf16 tokens (workspace dtype {s.dtype})")
+    if cfg.dispatch_mode not in ("pull", "dedup_pull") or cfg.combine_mode != "push":
+        raise MoKUnsupportedError(
+            f"the fused layer supports dispatch_mode pull or dedup_pull with combine_mode push "
+            f"(config has {cfg.dispatch_mode!r} / {cfg.combine_mode!r}); the other modes run "
+            "through moe_forward(..., fused=False)"
+        )
+    if cfg.row_tile != _FUSED_ROW_TILE:
+        raise MoKUnsupportedError(
+            f"the fused layer needs row_tile={_FUSED_ROW_TILE} (config has {cfg.row_tile})"
+        )
+    if not 1 <= cfg.num_comm_sms < ws.num_sms:
+        raise MoKUnsupportedError(
+            f"the fused layer needs 1 <= num_comm_sms < {ws.num_sms} SMs (config has "
+            f"{cfg.num_comm_sms})"
+        )
+    L, H = ws.num_local_experts, s.hidden
+    inter = weights.w_gate.shape[1]
+    shared_inter = 0 if weights.shared_w_gate is None else weights.shared_w_gate.shape[0]
+    if H % _FUSED_HIDDEN_TILE:
+        raise MoKUnsupportedError(
+            f"the fused layer needs hidden % {_FUSED_HIDDEN_TILE} == 0 (found hidden={H})"
+        )
+    for name, n in (("intermediate", inter), ("shared intermediate", shared_inter)):
+        if n % _FUSED_INTER_TILE:
+            raise MoKUnsupportedError(
+                f"the fused layer needs {name} % {_FUSED_INTER_TILE} == 0 (found {n})"
+            )
+    want = {
+        "w_gate": (L, inter, H),
+        "w_up": (L, inter, H),
+        "w_down": (L, H, inter),
+    }
+    if shared_inter:
+        want |= {
+            "shared_w_gate": (shared_inter, H),
+            "shared_w_up": (shared_inter, H),
+            "shared_w_down": (H, shared_inter),
+        }
+    for name, shape in want.items():
+        t = getattr(weights, name)
+        _check_tensor(f"weights.{name}", t, shape, (torch.bfloat16,), ws.device)
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise MoKInputError(f"weights.{name} must be contiguous and 16-byte aligned")
+    _check_tensor("x", x, (s.num_tokens, H), (torch.bfloat16,), ws.device)
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        raise MoKInputError("x must be contiguous and 16-byte aligned")
+
+
+def forward(x: torch.Tensor, schedule: DeviceSchedule, weights) -> torch.Tensor:
+    """The fused MoE layer forward on this rank (one kernel launch; Hopper).
+
+    x: [num_tokens, hidden] bf16; ``schedule``: :func:`build_schedule` of this call's routing
+    (its workspace carries the config: communication SMs, minibatch, ring size = macrobatch,
+    dispatch mode pull / dedup_pull); ``weights``: routed w_gate / w_up [L, I, H] and w_down
+    [L, H, I], optional shared_w_gate / shared_w_up [Is, H] and shared_w_down [H, Is]
+    (:class:`reference.weights.MoEWeights` layout), all bf16. Returns [num_tokens, hidden] bf16
+    = ``bf16(shared(x) + sum_k w_k expert_k(x))`` with the sum in fixed order (fp32), so the
+    result is bitwise reproducible. Errors recorded by the kernel (timeouts, capacity) are
+    raised by the next mok call or :meth:`Workspace.check`.
+    """
+    ws = schedule.ws
+    _check_fused(ws, weights, x)
+    out = torch.empty_like(x)
+    ops.layer_forward(
+        x,
+        ws.sched,
+        schedule.topk_weights,
+        weights.w_gate,
+        weights.w_up,
+        weights.w_down,
+        weights.shared_w_gate,
+        weights.shared_w_up,
+        weights.shared_w_down,
+        out,
+        ws.id,
+    )
+    return out
+
+
 _GMM_FP32_OUT: bool | None = None
 
 
@@ -360,14 +472,17 @@ def moe_forward(
     topk_weights: torch.Tensor,  # [num_tokens, num_topk] float
     weights,  # w_gate/w_up [L, I, H], w_down [L, H, I] bf16; optional shared_w_* (MoEWeights)
     num_experts: int,
-    config: MoKConfig | None = None,
+    config: MoKConfig | dict | str | Path | None = None,
     group=None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """The MoE layer on this rank: schedule, dispatch, grouped SwiGLU experts, combine.
 
+    ``fused``: run :func:`forward` (one kernel); else the communication kernels with
+    ``torch._grouped_mm`` experts. ``config``: see :func:`as_config`.
     Returns [num_tokens, hidden] bf16 = shared(x) + sum_k w_k expert_k(x).
     """
-    config = config or MoKConfig()
+    config = as_config(config)
     if x.ndim != 2 or x.dtype != torch.bfloat16:
         raise MoKInputError(
             f"x must be [num_tokens, hidden] bf16 (found {tuple(x.shape)} {x.dtype})"
@@ -393,6 +508,8 @@ def moe_forward(
             f"{ws.num_local_experts}"
         )
     sched = build_schedule(topk_idx, topk_weights, ws)
+    if fused:
+        return forward(x, sched, weights)
     recv = dispatch(x, sched)
     offs = sched.group_ends
     w_gu = torch.cat([wg, wu], dim=1)  # [L, 2I, H]

@@ -15,7 +15,15 @@ from mok import _ext
 from mok.errors import MoKInputError
 from mok.workspace import workspace_by_id
 
-__all__ = ["build_schedule", "dispatch", "fanout", "combine", "dedup_partials", "dedup_sum"]
+__all__ = [
+    "build_schedule",
+    "dispatch",
+    "fanout",
+    "combine",
+    "dedup_partials",
+    "dedup_sum",
+    "layer_forward",
+]
 
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
 ENGINES = ("tma", "vector")
@@ -200,4 +208,64 @@ def combine(
 
 @combine.register_fake
 def _(y, sched, topk_idx, topk_weights, shared_y, out, handle, mode) -> None:
+    return None
+
+
+@torch.library.custom_op("mok::layer_forward", mutates_args=("out",))
+def layer_forward(
+    x: torch.Tensor,  # [num_tokens, hidden] bf16
+    sched: torch.Tensor,  # workspace schedule storage, int32 (built for this routing)
+    topk_weights: torch.Tensor,  # [num_tokens, num_topk] fp32
+    w_gate: torch.Tensor,  # [L, I, H] bf16
+    w_up: torch.Tensor,  # [L, I, H] bf16
+    w_down: torch.Tensor,  # [L, H, I] bf16
+    shared_w_gate: torch.Tensor | None,  # [Is, H] bf16
+    shared_w_up: torch.Tensor | None,  # [Is, H] bf16
+    shared_w_down: torch.Tensor | None,  # [H, Is] bf16
+    out: torch.Tensor,  # [num_tokens, hidden] bf16
+    handle: int,
+) -> None:
+    """The fused layer forward (csrc/layer.cuh): dispatch, routed and shared SwiGLU experts,
+    combine, in one launch over every SM of the GPU."""
+    ws = workspace_by_id(handle)
+    ws.raise_if_failed()
+    inter = w_gate.shape[1]
+    shared_inter = 0 if shared_w_gate is None else shared_w_gate.shape[0]
+    bufs = ws.layer_buffers(inter, shared_inter)
+    ws.epochs["layer"] += 1
+    p = ws.params("layer")
+    p.in0, p.in1, p.out0 = x.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
+    if ws.config.dispatch_mode == "dedup_pull":
+        p.flags |= _ext.FLAG_DEDUP
+    a = _ext.LayerArgs()
+    a.inter, a.shared_inter = inter, shared_inter
+    a.num_comm_blocks, a.ring_rows = ws.config.num_comm_sms, ws.ring_rows
+    a.w_gate, a.w_up, a.w_down = w_gate.data_ptr(), w_up.data_ptr(), w_down.data_ptr()
+    if shared_inter:
+        p.in2 = bufs["shared_y"].data_ptr()
+        p.flags |= _ext.FLAG_HAS_SHARED
+        a.shared_w_gate = shared_w_gate.data_ptr()
+        a.shared_w_up = shared_w_up.data_ptr()
+        a.shared_w_down = shared_w_down.data_ptr()
+    a.h, a.shared_h = bufs["h"].data_ptr(), bufs["shared_h"].data_ptr()
+    if ws.config.dispatch_mode == "dedup_pull":
+        a.dedup = ws.dedup_buffer.data_ptr()
+    a.counters, a.counters_len = bufs["counters"].data_ptr(), bufs["counters"].numel()
+    ws.launch_layer(p, a)
+
+
+@layer_forward.register_fake
+def _(
+    x,
+    sched,
+    topk_weights,
+    w_gate,
+    w_up,
+    w_down,
+    shared_w_gate,
+    shared_w_up,
+    shared_w_down,
+    out,
+    handle,
+) -> None:
     return None

@@ -155,7 +155,16 @@ class Workspace:
         self.error = torch.zeros(8, dtype=torch.int64).pin_memory()
         self._ext = _ext.load()
         self.error_dev = self._ext.host_device_pointer(self.error.data_ptr())
-        self.epochs = {"route": 0, "x": 0, "recv": 0, "slots": 0, "y": 0, "partials": 0}
+        self.epochs = {
+            "route": 0,
+            "x": 0,
+            "recv": 0,
+            "slots": 0,
+            "y": 0,
+            "partials": 0,
+            "layer": 0,
+        }
+        self._layer_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._dedup_buffer: torch.Tensor | None = None
         self.broken: Exception | None = None
         self.id = len(_by_handle) + 1
@@ -239,6 +248,39 @@ class Workspace:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._ext.launch(_ext.KERNELS[kernel], bytes(p), grid, stream)
 
+    def launch_layer(self, p: _ext.Params, args: _ext.LayerArgs) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._ext.launch_layer(bytes(p), bytes(args), self.num_sms, stream)
+
+    @property
+    def num_sms(self) -> int:
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    @property
+    def ring_rows(self) -> int:
+        """Rows of the fused layer's receive / h ring: the config's macrobatch_size, or every
+        minibatch of the receive buffer (no reuse) when it is 0 or larger."""
+        mb = self.config.minibatch_size
+        full = self.num_minibatches * mb
+        return min(self.config.macrobatch_size or full, full)
+
+    def layer_buffers(self, inter: int, shared_inter: int) -> dict[str, torch.Tensor]:
+        """The fused layer's local buffers for these FFN sizes (allocated once): h ring,
+        shared expert intermediate and output, tile counters."""
+        key = (inter, shared_inter)
+        bufs = self._layer_buffers.get(key)
+        if bufs is None:
+            N, H, dev = self.shapes.num_tokens, self.shapes.hidden, self.device
+            words = self._ext.layer_counters(bytes(self.params("layer")))
+            bufs = {
+                "h": torch.empty(self.ring_rows, inter, dtype=torch.bfloat16, device=dev),
+                "shared_h": torch.empty(N, max(shared_inter, 1), dtype=torch.bfloat16, device=dev),
+                "shared_y": torch.empty(N, H, dtype=torch.bfloat16, device=dev),
+                "counters": torch.zeros(words, dtype=torch.int32, device=dev),
+            }
+            self._layer_buffers[key] = bufs
+        return bufs
+
     def schedule_blocks(self) -> int:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return min(sms, _SCHEDULE_BLOCKS)
@@ -267,13 +309,11 @@ class Workspace:
             "rebuild it."
         )
         if code == _ext.ERR_TIMEOUT:
-            name = (
-                "grid barrier"
-                if wait == _ext.WAIT_GRID_BARRIER
-                else _ext.SIGNALS[wait]
-                if 0 <= wait < len(_ext.SIGNALS)
-                else f"wait {wait}"
+            name = _ext.LOCAL_WAITS.get(wait) or (
+                _ext.SIGNALS[wait] if 0 <= wait < len(_ext.SIGNALS) else f"wait {wait}"
             )
+            if wait in _ext.LOCAL_WAITS and wait != _ext.WAIT_GRID_BARRIER:
+                name += f" ({extra})"  # the minibatch or row block
             return MoKTimeoutError(
                 f"mok: wait '{name}' for peer {peer} timed out after "
                 f"{self.config.wait_timeout_ms:g} ms on {where}: counter {observed}, expected "
@@ -301,6 +341,11 @@ class Workspace:
             return MoKInputError(
                 f"mok: topk_idx of rank {peer} routes token {extra // K} (k={extra % K}) to "
                 f"{what}; detected on {where}.{tail}"
+            )
+        if code == _ext.ERR_UNSUPPORTED:
+            return MoKUnsupportedError(
+                f"mok: the kernel has no code path for this GPU ({where}); the fused layer "
+                f"needs sm_90a (Hopper).{tail}"
             )
         return MoKUnsupportedError(f"mok: kernel error code {code} on {where}: {rec}")
 

@@ -1,0 +1,642 @@
+// The fused MoE layer forward: one persistent cooperative launch per call.
+//
+// Roles (by block index):
+//   blocks [0, C)      communication: stage x into the symmetric x buffer, then pull dispatch
+//                      minibatch by minibatch into the receive ring (one warp per row), raising
+//                      ready[mb] per block;
+//   blocks [C, grid)   compute workers: GEMM tiles of 128 rows x 256 columns in one fixed global
+//                      order, tile t to worker t % W; warpgroup 0 is the TMA producer (one
+//                      thread), warpgroups 1 and 2 each run wgmma on 64 of the 128 rows.
+// Tile order: shared gate/up, shared down, then GU(0), [GU(m), DN(m-1)] for m = 1.., DN(last)
+// (GU(0), DN(0), GU(1), DN(1), ... when the ring has one minibatch slot). A gate/up tile holds
+// 128 gate and 128 up columns of one expert; its epilogue writes h = bf16(silu(g) * u). A down
+// tile's epilogue pushes each real row into the home rank's combine slot token * k + j
+// (padding rows are dropped there). Roles talk only through local counters (release/acquire,
+// GPU scope), all zeroed by the launcher:
+//   ready[mb]   +1 per communication block when its rows of minibatch mb are in the ring;
+//   gu_mb[mb]   +1 per warpgroup per gate/up tile of mb (its ring rows may be overwritten);
+//   dn_mb[mb]   +1 per warpgroup per down tile of mb (its h rows may be overwritten);
+//   gu_rb[rb]   +1 per warpgroup per gate/up tile of receive row block rb;
+//   sh_rb[rb]   same for the shared expert's row blocks;
+//   staged      +1 per communication block after its share of the x staging;
+//   pulled      +1 per communication block after its share of the dedup rows (dedup pull).
+// Dedup pull (kFlagDedup): the communication blocks first pull one row per (token, this rank)
+// from the other ranks into the dedup buffer, then fill each minibatch's ring rows locally
+// (from the dedup buffer, or from the x buffer for this rank's own tokens). All NVLink traffic
+// then precedes the first routed tile; the shared expert's tiles overlap it.
+// Every wait is bounded (sync.cuh). Dependencies point backwards in the tile order or at the
+// communication blocks, whose own waits point backwards too, so the fixed order cannot deadlock.
+// After its work every block raises the peers' slots-filled signal; then all blocks run the
+// fixed-order weighted sum of the combine (combine.cuh reduce_tokens).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "combine.cuh"
+#include "params.h"
+#include "rows.cuh"
+#include "sync.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace mok {
+
+constexpr int kLayerThreads = 384;  // producer warpgroup + two consumer warpgroups
+constexpr int kLayerWarps = kLayerThreads / 32;
+constexpr int kTileM = 128;
+constexpr int kTileN = 256;
+constexpr int kTileK = 64;
+constexpr int kStages = 4;
+constexpr int kStageA = kTileM * kTileK * 2;  // 16 KiB
+constexpr int kStageB = kTileN * kTileK * 2;  // 32 KiB
+constexpr int kStageBytes = kStageA + kStageB;
+// One consumer warpgroup's 64 x 128 bf16 output chunk: 256-byte rows whose 16-byte chunks are
+// permuted by row % 8 (the accumulator stores of 8 rows then hit 32 distinct banks).
+constexpr int kEpiStride = 256;
+constexpr int kEpiBytes = 64 * kEpiStride;
+// Dynamic shared memory: 1 KiB alignment slack, the stages, the two epilogue chunks.
+constexpr int kLayerSmem = 1024 + kStages * kStageBytes + 2 * kEpiBytes;
+
+enum LayerMap : int {
+  kMapX = 0,        // x [N, H]
+  kMapRecv,         // receive ring [ring rows, H]
+  kMapH,            // h ring [ring rows, I]
+  kMapSharedH,      // shared h [N, Is]
+  kMapGate,         // w_gate [L * I, H]
+  kMapUp,           // w_up [L * I, H]
+  kMapDown,         // w_down [L * H, I] (256-row boxes)
+  kMapSharedGate,   // [Is, H]
+  kMapSharedUp,     // [Is, H]
+  kMapSharedDown,   // [H, Is] (256-row boxes)
+  kNumMaps,
+};
+
+struct LayerKernelArgs {
+  CUtensorMap maps[kNumMaps];
+  Params p;
+  LayerArgs a;
+};
+
+enum TileKind : int { kTileSharedGU = 0, kTileSharedDN, kTileGU, kTileDN };
+
+// Word offsets of the counters (LayerArgs::counters).
+struct Counters {
+  int ready, gu_mb, dn_mb, gu_rb, sh_rb, staged, pulled, total;
+  __host__ __device__ explicit Counters(const Params& p) {
+    const int mbs = p.num_minibatches;
+    ready = 0;
+    gu_mb = ready + mbs;
+    dn_mb = gu_mb + mbs;
+    gu_rb = dn_mb + mbs;
+    sh_rb = gu_rb + (p.capacity + kTileM - 1) / kTileM;
+    staged = sh_rb + (p.num_tokens + kTileM - 1) / kTileM;
+    pulled = staged + 1;
+    total = pulled + 1;
+  }
+};
+
+// The fixed tile order, walked forward by every worker thread that needs it.
+struct TileOrder {
+  int num_rows;        // P: padded receive rows
+  int mb_rows;         // minibatch rows
+  int num_mbs;         // minibatches holding rows
+  int shared_rbs;      // shared expert row blocks
+  int n_shared_gu, n_gu, n_dn;  // column tiles per row block
+  bool interleave;     // GU(m) before DN(m-1) (needs two ring slots)
+
+  // Segments: 0 shared GU, 1 shared DN, then 2 + s for the routed sequence.
+  __device__ int num_segments() const { return 2 + 2 * num_mbs; }
+  __device__ int mb_row_blocks(int mb) const {
+    const int rows = min(mb_rows, num_rows - mb * mb_rows);
+    return rows > 0 ? rows / kTileM : 0;
+  }
+  // Kind and minibatch of segment s >= 2.
+  __device__ void routed(int s, int& kind, int& mb) const {
+    const int i = s - 2;
+    if (!interleave) {
+      kind = (i % 2) ? kTileDN : kTileGU;
+      mb = i / 2;
+      return;
+    }
+    if (i == 0) {
+      kind = kTileGU, mb = 0;
+    } else if (i == 2 * num_mbs - 1) {
+      kind = kTileDN, mb = num_mbs - 1;
+    } else {
+      kind = (i % 2) ? kTileGU : kTileDN;
+      mb = (i % 2) ? (i + 1) / 2 : i / 2 - 1;
+    }
+  }
+  __device__ int segment_tiles(int s) const {
+    if (s == 0) return shared_rbs * n_shared_gu;
+    if (s == 1) return shared_rbs * n_dn;
+    int kind, mb;
+    routed(s, kind, mb);
+    return mb_row_blocks(mb) * (kind == kTileGU ? n_gu : n_dn);
+  }
+};
+
+struct Tile {
+  int kind, mb, rb, nb;  // rb: global row block (receive rows rb * 128..) or shared row block
+};
+
+// Forward-only cursor over the tile order.
+struct TileCursor {
+  const TileOrder& o;
+  int seg = 0, seg_start = 0, seg_len;
+  __device__ explicit TileCursor(const TileOrder& order) : o(order) {
+    seg_len = o.segment_tiles(0);
+  }
+  // False when t is past the last tile.
+  __device__ bool find(int t, Tile& tile) {
+    while (t >= seg_start + seg_len) {
+      seg_start += seg_len;
+      if (++seg >= o.num_segments()) return false;
+      seg_len = o.segment_tiles(seg);
+    }
+    const int i = t - seg_start;
+    if (seg < 2) {
+      const int cols = seg == 0 ? o.n_shared_gu : o.n_dn;
+      tile = Tile{seg == 0 ? kTileSharedGU : kTileSharedDN, -1, i / cols, i % cols};
+      return true;
+    }
+    int kind, mb;
+    o.routed(seg, kind, mb);
+    const int cols = kind == kTileGU ? o.n_gu : o.n_dn;
+    tile = Tile{kind, mb, mb * (o.mb_rows / kTileM) + i / cols, i % cols};
+    return true;
+  }
+};
+
+__device__ __forceinline__ bool counter_reached(uint32_t v, uint32_t target) {
+  return v >= target;
+}
+
+// Spins until the local counter reaches `target`. False on timeout (recorded) or abort.
+static __device__ __noinline__ bool wait_count(const Ctx& c, const uint32_t* ptr, uint32_t target,
+                                        int wait, int64_t extra) {
+  uint32_t v = ld_acquire_gpu(ptr);
+  if (counter_reached(v, target)) return true;
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (true) {
+    v = ld_acquire_gpu(ptr);
+    if (counter_reached(v, target)) return true;
+    if ((++spins & 63) == 0) {
+      if (c.aborted()) return false;
+      if (globaltimer_ns() - start > c.p.timeout_ns) {
+        record_error(c, kErrTimeout, wait, c.p.rank, v, target, extra);
+        return false;
+      }
+    }
+  }
+}
+
+// Waits for phase `parity` of a pipeline barrier, bounded like every other wait: false when
+// the block's abort flag is raised, another block aborted, or the timeout expired (recorded).
+__device__ __forceinline__ bool pipe_wait(const Ctx& c, uint64_t* bar, uint32_t parity,
+                                          volatile int* abort_flag, int64_t extra) {
+  if (mbar_try_wait(bar, parity)) return true;
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (!mbar_try_wait(bar, parity)) {
+    if ((++spins & 1023) == 0) {
+      if (*abort_flag || c.aborted()) return false;
+      if (globaltimer_ns() - start > c.p.timeout_ns) {
+        record_error(c, kErrTimeout, kWaitLayerPipeline, c.p.rank, parity, 0, extra);
+        *abort_flag = 1;
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Local expert owning receive row `row` (regions padded to kTileM; binary search on S).
+__device__ __forceinline__ int expert_of_row(const Params& p, int row) {
+  const int32_t* s = p.sched + p.o_offsets + p.rank * (p.num_local_experts + 1);
+  int lo = 0, hi = p.num_local_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (s[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+// ---- communication blocks ------------------------------------------------------------------
+
+__device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
+                                           const TileOrder& o, int slots) {
+  const Params& p = c.p;
+  const int C = a.num_comm_blocks;
+  const int blk = blockIdx.x;
+  const Counters cnt(p);
+  uint32_t* counters = a.counters;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gwarp = blk * kLayerWarps + warp, nwarps = C * kLayerWarps;
+  const int n16 = static_cast<int>(p.row_bytes / 16);
+  __shared__ int ok;
+
+  // Stage x once every peer finished reading the previous call's rows.
+  if (!block_wait_all(c, kSigLayerXConsumed, static_cast<uint64_t>(p.epoch - 1) * C)) return;
+  uint8_t* xs = c.sym(p.rank, p.off_x);
+  const uint8_t* x = static_cast<const uint8_t*>(p.in0);
+  for (int t = gwarp; t < p.num_tokens; t += nwarps)
+    warp_copy_row(reinterpret_cast<int4*>(xs + t * p.row_bytes),
+                  reinterpret_cast<const int4*>(x + t * p.row_bytes), n16, lane);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    red_add_release_gpu(counters + cnt.staged, 1u);
+    ok = wait_count(c, counters + cnt.staged, C, kWaitLayerStaged, 0);
+  }
+  __syncthreads();
+  if (!ok) return;
+  if (blk == 0) block_signal_all(c, kSigLayerXReady);
+  if (!block_wait_all(c, kSigLayerXReady, static_cast<uint64_t>(p.epoch))) return;
+
+  const bool dedup = (p.flags & kFlagDedup) != 0;
+  uint8_t* dbuf = static_cast<uint8_t*>(a.dedup);
+  if (dedup) {
+    const int num_remote = num_remote_dedup(p);
+    for (int i = gwarp; i < num_remote; i += nwarps) {
+      const int row = remote_dedup_row(p, i);
+      const int s = p.sched[p.o_dedup_src_rank + row];
+      const int token = p.sched[p.o_dedup_src_token + row];
+      warp_copy_row(reinterpret_cast<int4*>(dbuf + row * p.row_bytes),
+                    reinterpret_cast<const int4*>(c.sym(s, p.off_x) + token * p.row_bytes), n16,
+                    lane);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      red_add_release_gpu(counters + cnt.pulled, 1u);
+      ok = wait_count(c, counters + cnt.pulled, C, kWaitLayerPulled, 0);
+    }
+    __syncthreads();
+    if (!ok) return;
+  }
+  const int32_t* src_rank = p.sched + p.o_src_rank;
+  const int32_t* src_index = p.sched + p.o_src_index;
+  const int32_t* fanout = p.sched + p.o_fanout;
+  uint8_t* recv = c.sym(p.rank, p.off_recv);
+  for (int mb = 0; mb < o.num_mbs; ++mb) {
+    if (mb >= slots) {
+      // The ring rows of minibatch mb - slots are free once its gate/up tiles read them.
+      if (threadIdx.x == 0) {
+        const uint32_t target = 2u * o.mb_row_blocks(mb - slots) * o.n_gu;
+        ok = wait_count(c, counters + cnt.gu_mb + mb - slots, target, kWaitLayerRecvFree, mb);
+      }
+      __syncthreads();
+      if (!ok) return;
+    }
+    const int r0 = mb * o.mb_rows, r1 = min(o.num_rows, r0 + o.mb_rows);
+    for (int row = r0 + gwarp; row < r1; row += nwarps) {
+      const int src = src_rank[row];
+      if (src < 0) continue;
+      const int4* from;
+      if (dedup) {
+        from = reinterpret_cast<const int4*>(fan_src(p, dbuf, fanout[row], true));
+      } else {
+        const int token = src_index[row] / p.num_topk;
+        from = reinterpret_cast<const int4*>(c.sym(src, p.off_x) + token * p.row_bytes);
+      }
+      const int64_t ring_row = row % a.ring_rows;
+      warp_copy_row(reinterpret_cast<int4*>(recv + ring_row * p.row_bytes), from, n16, lane);
+    }
+    // NOTE: the rows are read by the workers' TMA (async proxy): every writer fences its
+    // generic stores against the async proxy before the release.
+    fence_proxy_async_global();
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) red_add_release_gpu(counters + cnt.ready + mb, 1u);
+  }
+  block_signal_all(c, kSigLayerXConsumed);
+}
+
+// ---- compute workers -----------------------------------------------------------------------
+
+struct TileGeom {
+  const CUtensorMap* map_a;
+  const CUtensorMap* map_b0;
+  const CUtensorMap* map_b1;  // null: one 256-row box from map_b0
+  int a_row;                  // first row of the A box
+  int b_row;                  // first row of the B box(es)
+  int k_blocks;
+};
+
+__device__ __forceinline__ TileGeom tile_geom(const LayerKernelArgs& k, const Tile& t) {
+  const Params& p = k.p;
+  const LayerArgs& a = k.a;
+  TileGeom g;
+  switch (t.kind) {
+    case kTileSharedGU:
+      g = TileGeom{&k.maps[kMapX], &k.maps[kMapSharedGate], &k.maps[kMapSharedUp],
+                   t.rb * kTileM, t.nb * 128, p.hidden / kTileK};
+      break;
+    case kTileSharedDN:
+      g = TileGeom{&k.maps[kMapSharedH], &k.maps[kMapSharedDown], nullptr, t.rb * kTileM,
+                   t.nb * kTileN, a.shared_inter / kTileK};
+      break;
+    case kTileGU: {
+      const int row = t.rb * kTileM;
+      const int e = expert_of_row(p, row);
+      g = TileGeom{&k.maps[kMapRecv], &k.maps[kMapGate], &k.maps[kMapUp], row % a.ring_rows,
+                   e * a.inter + t.nb * 128, p.hidden / kTileK};
+      break;
+    }
+    default: {
+      const int row = t.rb * kTileM;
+      const int e = expert_of_row(p, row);
+      g = TileGeom{&k.maps[kMapH], &k.maps[kMapDown], nullptr, row % a.ring_rows,
+                   e * p.hidden + t.nb * kTileN, a.inter / kTileK};
+      break;
+    }
+  }
+  return g;
+}
+
+// The producer's wait before loading tile t's A operand.
+__device__ __forceinline__ bool tile_ready(const Ctx& c, const LayerArgs& a, const TileOrder& o,
+                                           int slots, const Tile& t) {
+  const Counters cnt(c.p);
+  const uint32_t* n = a.counters;
+  switch (t.kind) {
+    case kTileSharedGU:
+      return true;
+    case kTileSharedDN:
+      return wait_count(c, n + cnt.sh_rb + t.rb, 2u * o.n_shared_gu, kWaitLayerGateUp, t.rb);
+    case kTileGU:
+      if (!wait_count(c, n + cnt.ready + t.mb, a.num_comm_blocks, kWaitLayerReady, t.mb))
+        return false;
+      if (t.mb >= slots)
+        return wait_count(c, n + cnt.dn_mb + t.mb - slots,
+                          2u * o.mb_row_blocks(t.mb - slots) * o.n_dn, kWaitLayerHFree, t.mb);
+      return true;
+    default:
+      return wait_count(c, n + cnt.gu_rb + t.rb, 2u * o.n_gu, kWaitLayerGateUp, t.rb);
+  }
+}
+
+// Destination of row `r` (0..127) of tile t's output chunk `half` (columns half * 128..):
+// null drops the row.
+__device__ __forceinline__ uint8_t* tile_dst(const Ctx& c, const LayerKernelArgs& k,
+                                             const Tile& t, int r, int half) {
+  const Params& p = c.p;
+  const LayerArgs& a = k.a;
+  const int row = t.rb * kTileM + r;
+  switch (t.kind) {
+    case kTileSharedGU:
+      if (row >= p.num_tokens) return nullptr;
+      return static_cast<uint8_t*>(a.shared_h) +
+             (static_cast<int64_t>(row) * a.shared_inter + t.nb * 128) * 2;
+    case kTileSharedDN:
+      if (row >= p.num_tokens) return nullptr;
+      return static_cast<uint8_t*>(const_cast<void*>(p.in2)) +
+             (static_cast<int64_t>(row) * p.hidden + t.nb * kTileN + half * 128) * 2;
+    case kTileGU:
+      return static_cast<uint8_t*>(a.h) +
+             (static_cast<int64_t>(row % a.ring_rows) * a.inter + t.nb * 128) * 2;
+    default: {
+      const int src = p.sched[p.o_src_rank + row];
+      if (src < 0) return nullptr;
+      const int64_t slot = p.sched[p.o_src_index + row];
+      return c.sym(src, p.off_slots) + (slot * p.hidden + t.nb * kTileN + half * 128) * 2;
+    }
+  }
+}
+
+__device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelArgs& k,
+                                               const TileOrder& o, int slots, uint8_t* stages,
+                                               uint64_t* full, uint64_t* empty,
+                                               volatile int* abort_flag) {
+  const int W = gridDim.x - k.a.num_comm_blocks;
+  const int w = blockIdx.x - k.a.num_comm_blocks;
+  TileCursor cur(o);
+  Tile t;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int i = w;; i += W) {
+    if (!cur.find(i, t)) break;
+    if (!tile_ready(c, k.a, o, slots, t)) {
+      *abort_flag = 1;
+      return;
+    }
+    fence_proxy_async_global();
+    const TileGeom g = tile_geom(k, t);
+    for (int kb = 0; kb < g.k_blocks; ++kb) {
+      if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i)) {
+        *abort_flag = 1;
+        return;
+      }
+      uint8_t* sa = stages + stage * kStageBytes;
+      mbar_arrive_expect_tx(&full[stage], kStageBytes);
+      tma_load_2d(sa, g.map_a, &full[stage], kb * kTileK, g.a_row);
+      tma_load_2d(sa + kStageA, g.map_b0, &full[stage], kb * kTileK, g.b_row);
+      if (g.map_b1 != nullptr)
+        tma_load_2d(sa + kStageA + kStageA, g.map_b1, &full[stage], kb * kTileK, g.b_row);
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// Writes a warpgroup's 64 x 128 accumulator chunk as bf16 into its shared-memory chunk:
+// d, or bf16(silu(d) * u) for a gate/up tile (gate columns in d, the matching up columns in u).
+template <bool kSwiGLU>
+__device__ __forceinline__ void stage_chunk(const float (&d)[64], const float (&u)[64],
+                                            uint8_t* epi, int warp, int lane) {
+  // Row warp * 16 + lane / 4 (+ 8): its row % 8 is lane / 4 for both halves.
+  const int x = lane / 4;
+  uint8_t* row = epi + (warp * 16 + x) * kEpiStride + (lane % 4) * 4;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    uint8_t* at = row + ((j ^ x) << 4);  // columns 8j..8j+7 are 16-byte chunk j of the row
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float v0 = d[4 * j + 2 * hr], v1 = d[4 * j + 2 * hr + 1];
+      if (kSwiGLU) {
+        v0 = silu(v0) * u[4 * j + 2 * hr];
+        v1 = silu(v1) * u[4 * j + 2 * hr + 1];
+      }
+      *reinterpret_cast<uint32_t*>(at + hr * 8 * kEpiStride) = pack_bf16x2(v0, v1);
+    }
+  }
+}
+
+// Copies the staged chunk out, half a warp per 256-byte row segment.
+__device__ __forceinline__ void store_chunk(const Ctx& c, const LayerKernelArgs& k, const Tile& t,
+                                            int wg, int half, const uint8_t* epi, int warp,
+                                            int lane) {
+  named_sync(1 + wg, 128);
+  for (int r = warp * 2 + lane / 16; r < 64; r += 8) {
+    uint8_t* dst = tile_dst(c, k, t, wg * 64 + r, half);
+    const int chunk = (lane % 16) ^ (r % 8);
+    if (dst != nullptr)
+      reinterpret_cast<uint4*>(dst)[lane % 16] =
+          *reinterpret_cast<const uint4*>(epi + r * kEpiStride + chunk * 16);
+  }
+  named_sync(1 + wg, 128);
+}
+
+// Consumer warpgroup `wg` (0 or 1): rows wg * 64.. of every tile of this worker.
+__device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelArgs& k,
+                                               const TileOrder& o, int wg, uint8_t* stages,
+                                               uint8_t* epi, uint64_t* full, uint64_t* empty,
+                                               volatile int* abort_flag) {
+  const Params& p = c.p;
+  const Counters cnt(p);
+  const int W = gridDim.x - k.a.num_comm_blocks;
+  const int w = blockIdx.x - k.a.num_comm_blocks;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  TileCursor cur(o);
+  Tile t;
+  int stage = 0;
+  uint32_t phase = 0;
+  float acc0[64], acc1[64];
+  for (int i = w;; i += W) {
+    if (!cur.find(i, t)) break;
+    const TileGeom g = tile_geom(k, t);
+    for (int kb = 0; kb < g.k_blocks; ++kb) {
+      if (!pipe_wait(c, &full[stage], phase, abort_flag, i)) return;
+      const uint8_t* sa = stages + stage * kStageBytes;
+      const uint64_t da = wgmma_desc(sa + wg * 64 * 128);
+      const uint64_t db0 = wgmma_desc(sa + kStageA);
+      const uint64_t db1 = wgmma_desc(sa + kStageA + 128 * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 16; ++kk) {
+        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
+        wgmma_m64n128k16(acc0, da + 2 * kk, db0 + 2 * kk, accum);
+        wgmma_m64n128k16(acc1, da + 2 * kk, db1 + 2 * kk, accum);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      if (tid == 0) mbar_arrive(&empty[stage]);
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    // Epilogue: registers -> bf16 chunk in shared memory -> 16-byte row stores.
+    if (t.kind == kTileGU || t.kind == kTileSharedGU) {
+      stage_chunk<true>(acc0, acc1, epi, warp, lane);
+      store_chunk(c, k, t, wg, 0, epi, warp, lane);
+    } else {
+      stage_chunk<false>(acc0, acc0, epi, warp, lane);
+      store_chunk(c, k, t, wg, 0, epi, warp, lane);
+      stage_chunk<false>(acc1, acc1, epi, warp, lane);
+      store_chunk(c, k, t, wg, 1, epi, warp, lane);
+    }
+    // Publish: h rows are read by other workers' TMA (async proxy).
+    fence_proxy_async_global();
+    __threadfence();
+    named_sync(1 + wg, 128);
+    if (tid == 0) {
+      uint32_t* n = k.a.counters;
+      switch (t.kind) {
+        case kTileSharedGU:
+          red_add_release_gpu(n + cnt.sh_rb + t.rb, 1u);
+          break;
+        case kTileGU:
+          red_add_release_gpu(n + cnt.gu_rb + t.rb, 1u);
+          red_add_release_gpu(n + cnt.gu_mb + t.mb, 1u);
+          break;
+        case kTileDN:
+          red_add_release_gpu(n + cnt.dn_mb + t.mb, 1u);
+          break;
+        default:
+          break;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs& k,
+                                             const TileOrder& o, int slots, uint8_t* smem) {
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  __shared__ int abort_flag;
+  uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~1023);
+  uint8_t* epi = stages + kStages * kStageBytes;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 2);
+    }
+    abort_flag = 0;
+    mbar_init_fence();
+  }
+  __syncthreads();
+  // Registers: the producer warpgroup needs few, the consumers hold 128 fp32 accumulators each;
+  // everyone returns to the launch budget of 168 for the combine afterwards.
+  // NOTE: the increments must fit in what the decrement frees from the block's launch
+  // allocation (384 x 168): 128 x 48 + 256 x 224 <= 384 x 168, else setmaxnreg.inc never returns.
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<48>();
+    if (threadIdx.x == 0) layer_producer(c, k, o, slots, stages, full, empty, &abort_flag);
+    __syncwarp();
+    setmaxnreg_inc<168>();
+  } else {
+    setmaxnreg_inc<224>();
+    layer_consumer(c, k, o, wg - 1, stages, epi + (wg - 1) * kEpiBytes, full, empty,
+                   &abort_flag);
+    setmaxnreg_dec<168>();
+  }
+  __syncthreads();
+  return abort_flag == 0;
+}
+
+// ---- the kernel ----------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kLayerThreads, 1)
+    layer_kernel(const __grid_constant__ LayerKernelArgs k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t layer_smem[];
+  const Params& p = k.p;
+  const LayerArgs& a = k.a;
+  const Ctx c(p);
+  if (c.aborted()) return;
+  TileOrder o;
+  o.num_rows = p.sched[p.o_meta + kMetaNumRows];
+  o.mb_rows = p.minibatch_rows;
+  o.num_mbs = (o.num_rows + o.mb_rows - 1) / o.mb_rows;
+  o.shared_rbs = a.shared_inter > 0 ? (p.num_tokens + kTileM - 1) / kTileM : 0;
+  o.n_shared_gu = a.shared_inter / 128;
+  o.n_gu = a.inter / 128;
+  o.n_dn = p.hidden / kTileN;
+  const int slots = a.ring_rows / p.minibatch_rows;
+  o.interleave = slots >= 2;
+
+  if (blockIdx.x == 0) block_signal_all(c, kSigLayerSlotsFree);
+  bool ok = true;
+  if (static_cast<int>(blockIdx.x) < a.num_comm_blocks) {
+    layer_comm(c, a, o, slots);
+  } else {
+    // Pushes into a peer's slots wait until its previous call's sum has read them.
+    ok = block_wait_all(c, kSigLayerSlotsFree, static_cast<uint64_t>(p.epoch));
+    if (ok) {
+      if (threadIdx.x == 0) {
+        for (int m = 0; m < kNumMaps; ++m) tma_prefetch_map(&k.maps[m]);
+      }
+      ok = layer_worker(c, k, o, slots, layer_smem);
+    }
+  }
+  if (!ok || c.aborted()) return;
+  block_signal_all(c, kSigLayerSlotsFilled);
+  if (!block_wait_all(c, kSigLayerSlotsFilled, static_cast<uint64_t>(p.epoch) * gridDim.x))
+    return;
+  reduce_tokens(c, 0, *reinterpret_cast<WarpTerms*>(layer_smem));
+#else
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    const Ctx c(k.p);
+    record_error(c, kErrUnsupported, 0, k.p.rank, 0, 0, 0);
+  }
+#endif
+}
+
+}  // namespace mok
