@@ -100,14 +100,17 @@ class Recorder:
             row[k] = round(row[k], 1)
         self.rows.append({**row, **self.meta})
         if dist.get_rank() == 0:
-            print(
-                f"{row['model']:>14} N={row['tokens_per_rank']:>5} {row['skew']:>8} "
-                f"{row['what']:>8} {row['impl']:>6} {row['mode']:>18} {row['engine']:>6} "
-                f"{row['scope']:>10} sms={row['sms']:>3} "
-                f"{row['median_us']:>9.1f} us {row['nvlink_gbps']:>6.1f} GB/s "
-                f"({row['frac_ceiling']:.2f})",
-                flush=True,
-            )
+            print(self.describe(row), flush=True)
+
+    def describe(self, row: dict) -> str:
+        """The printed table line of a row."""
+        return (
+            f"{row['model']:>14} N={row['tokens_per_rank']:>5} {row['skew']:>8} "
+            f"{row['what']:>8} {row['impl']:>6} {row['mode']:>18} {row['engine']:>6} "
+            f"{row['scope']:>10} sms={row['sms']:>3} "
+            f"{row['median_us']:>9.1f} us {row['nvlink_gbps']:>6.1f} GB/s "
+            f"({row['frac_ceiling']:.2f})"
+        )
 
     def write(self) -> None:
         if dist.get_rank() or not self.path or not self.rows:

@@ -1,0 +1,234 @@
+"""The whole MoE layer forward: the fused layer vs the unfused alternatives, same inputs, same run.
+
+Run with ``torchrun --nproc-per-node=N -m mok.bench layer`` (N = 1 works too). Implementations:
+
+- ``nccl``:  count exchange + permute + NCCL ``all_to_all_single``, local sort by expert,
+  ``torch._grouped_mm`` SwiGLU experts, NCCL back, unpermute, weighted k-sum (+ shared expert);
+- ``mok-unfused``: mok's schedule, dispatch and combine kernels with ``torch._grouped_mm``
+  experts (:func:`mok.functional.moe_forward` with ``fused=False``);
+- ``mok-fused``: the fused layer (:func:`mok.functional.moe_forward` with ``fused=True``).
+
+Every implementation includes its routing bookkeeping (mok: the schedule build). Times are CUDA
+event medians of back-to-back calls after warm-up, max over ranks. TFLOP/s counts the real rows
+only (no padding): received rows x 6 H I + tokens x 6 H Is. NVLink bytes are the rows that cross
+NVLink per rank (dispatch + combine). DeepEP's layer baseline is not written yet (the
+communication benchmark, ``mok.bench comm``, has DeepEP).
+
+``python -m mok.bench sweep`` times the fused layer over communication SMs x minibatch x dispatch
+mode and writes the CSV the simulator is validated against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mok.bench.comm import Recorder, _routing, _sha, _timeit
+
+MODELS = ("deepseek-v3", "kimi-k2", "qwen3-30b-a3b")
+
+
+class LayerRecorder(Recorder):
+    def describe(self, row: dict) -> str:
+        return (
+            f"{row['model']:>14} N={row['tokens_per_rank']:>5} {row['skew']:>8} "
+            f"{row['impl']:>12} {row['mode']:>10} sms={row['sms']:>3} mb={row['minibatch']:>5} "
+            f"{row['median_us']:>9.1f} us {row['tflops']:>6.1f} TFLOP/s "
+            f"{row['nvlink_gbps']:>6.1f} GB/s"
+        )
+
+
+def _weights(shape, world: int, seed: int):
+    """This rank's bf16 weights, drawn on the GPU (variance 1/fan_in)."""
+    from reference.weights import MoEWeights
+
+    g = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
+    L, H, inter = shape.num_experts // world, shape.hidden, shape.intermediate
+    si = shape.shared_intermediate
+
+    def rnd(*size):
+        t = torch.randn(*size, generator=g, device="cuda", dtype=torch.bfloat16)
+        return t.mul_(size[-1] ** -0.5)
+
+    return MoEWeights(
+        rnd(L, inter, H),
+        rnd(L, inter, H),
+        rnd(L, H, inter),
+        rnd(si, H) if si else None,
+        rnd(si, H) if si else None,
+        rnd(H, si) if si else None,
+    )
+
+
+def _shared(x: torch.Tensor, w) -> torch.Tensor | None:
+    if w.shared_w_gate is None:
+        return None
+    gu = x @ torch.cat([w.shared_w_gate, w.shared_w_up]).T
+    si = w.shared_w_gate.shape[0]
+    return (F.silu(gu[:, :si].float()) * gu[:, si:].float()).to(torch.bfloat16) @ w.shared_w_down.T
+
+
+def nccl_layer(x, idx, tw, w, num_experts):
+    """The usual all_to_all layer (host reads the split sizes)."""
+    world = dist.get_world_size()
+    n, hidden = x.shape
+    topk = idx.shape[1]
+    L = num_experts // world
+    flat = idx.reshape(-1)
+    dst = flat // L
+    order = torch.argsort(dst, stable=True)
+    send_counts = torch.bincount(dst, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)
+    sc, rc = send_counts.tolist(), recv_counts.tolist()
+    rows = x.index_select(0, order // topk)
+    recv = torch.empty(sum(rc), hidden, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(recv, rows, rc, sc)
+    eid = torch.empty(sum(rc), dtype=flat.dtype, device=x.device)
+    dist.all_to_all_single(eid, (flat[order] % L).contiguous(), rc, sc)
+    by_expert = torch.argsort(eid, stable=True)
+    offs = torch.cumsum(torch.bincount(eid, minlength=L), 0).to(torch.int32)
+    a = recv.index_select(0, by_expert)
+    gu = torch._grouped_mm(a, torch.cat([w.w_gate, w.w_up], 1).transpose(1, 2), offs=offs)
+    inter = w.w_gate.shape[1]
+    h = (F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(torch.bfloat16)
+    y = torch._grouped_mm(h, w.w_down.transpose(1, 2), offs=offs)
+    back_rows = torch.empty_like(y)
+    back_rows[by_expert] = y
+    back = torch.empty(n * topk, hidden, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(back, back_rows, sc, rc)
+    slots = torch.empty_like(back)
+    slots[order] = back
+    out = (slots.view(n, topk, hidden).float() * tw.view(n, topk, 1)).sum(1)
+    sh = _shared(x, w)
+    if sh is not None:
+        out = out + sh.float()
+    return out.to(torch.bfloat16)
+
+
+def _counts(t, rank: int, world: int, num_experts: int, topk: int) -> tuple[int, int, int]:
+    """(rows this rank's experts receive, rows crossing NVLink per rank and direction for
+    per-(token, k) pull, for dedup pull)."""
+    idx = torch.from_numpy(t.topk_idx).view(world, -1, topk)
+    L = num_experts // world
+    owner = idx // L
+    received = int((owner == rank).sum())
+    remote = sum(int((owner[s] == rank).sum()) for s in range(world) if s != rank)
+    remote_dedup = sum(int((owner[s] == rank).any(1).sum()) for s in range(world) if s != rank)
+    return received, remote, remote_dedup
+
+
+def run_model(rec, model, n, skew, impls, configs, iters, warmup):
+    import mok
+    from mok import functional as mf
+    from mok.workload import get_shape
+
+    shape = get_shape(model)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    E, H, inter, si, K = (
+        shape.num_experts,
+        shape.hidden,
+        shape.intermediate,
+        shape.shared_intermediate,
+        shape.num_topk,
+    )
+    w = _weights(shape, world, seed=7)
+    idx, tw, t = _routing(n, E, K, skew, seed=n)
+    g = torch.Generator(device="cuda").manual_seed(11 + rank)
+    x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
+    received, remote, remote_dedup = _counts(t, rank, world, E, K)
+    flops = received * 6 * H * inter + n * 6 * H * si
+    base = dict(model=model, hidden=H, intermediate=inter, num_experts=E, num_topk=K, skew=skew)
+    base.update(tokens_per_rank=n)
+
+    def add(impl, mode, sms, mb, fn, nvlink_rows):
+        ts = _timeit(fn, iters, warmup)
+        rec.add(
+            **base,
+            impl=impl,
+            mode=mode,
+            sms=sms,
+            minibatch=mb,
+            median_us=ts[0],
+            p20_us=ts[1],
+            p80_us=ts[2],
+            tflops=round(flops / (ts[0] * 1e6), 1),
+            nvlink_bytes=2 * nvlink_rows * H * 2,
+        )
+
+    if "nccl" in impls:
+        add("nccl", "a2a", 0, 0, lambda: nccl_layer(x, idx, tw, w, E), remote)
+    for c in configs:
+        cfg = mok.MoKConfig(**c)
+        rows = remote_dedup if cfg.dispatch_mode == "dedup_pull" else remote
+        for impl, fused in (("mok-unfused", False), ("mok-fused", True)):
+            if impl not in impls:
+                continue
+            add(
+                impl,
+                cfg.dispatch_mode,
+                cfg.num_comm_sms,
+                cfg.minibatch_size,
+                lambda fused=fused, cfg=cfg: mf.moe_forward(x, idx, tw, w, E, cfg, fused=fused),
+                rows,
+            )
+        mok.clear_workspaces()
+
+
+def main(argv: list[str], sweep: bool = False) -> int:
+    from tqdm import tqdm
+
+    ap = argparse.ArgumentParser(prog=f"python -m mok.bench {'sweep' if sweep else 'layer'}")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default="4096")
+    ap.add_argument("--skews", default="uniform,hot:0.5")
+    ap.add_argument("--impls", default="nccl,mok-unfused,mok-fused")
+    ap.add_argument("--modes", default="dedup_pull" if not sweep else "pull,dedup_pull")
+    ap.add_argument("--sms", default="16" if not sweep else "8,16,24,32")
+    ap.add_argument("--minibatch", default="4096" if not sweep else "1024,2048,4096,8192")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--csv", default=f"mok-bench-{'sweep' if sweep else 'layer'}.csv")
+    args = ap.parse_args(argv)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "num_ranks": dist.get_world_size(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_sha": _sha(),
+    }
+    rec = LayerRecorder(args.csv, meta)
+    impls = ("mok-fused",) if sweep else tuple(args.impls.split(","))
+    configs = [
+        dict(dispatch_mode=m, combine_mode="push", num_comm_sms=s, minibatch_size=b)
+        for m, s, b in itertools.product(
+            args.modes.split(","),
+            (int(v) for v in args.sms.split(",")),
+            (int(v) for v in args.minibatch.split(",")),
+        )
+    ]
+    jobs = list(
+        itertools.product(
+            args.models.split(","), (int(v) for v in args.tokens.split(",")), args.skews.split(",")
+        )
+    )
+    for model, n, skew in tqdm(jobs, disable=dist.get_rank() != 0, desc="layer"):
+        run_model(rec, model, n, skew, impls, configs, args.iters, args.warmup)
+        torch.cuda.empty_cache()
+        rec.write()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
