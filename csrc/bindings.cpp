@@ -7,6 +7,7 @@
 
 #include "api.h"
 #include "params.h"
+#include "probe.h"
 
 namespace {
 
@@ -25,6 +26,32 @@ void launch(int64_t kind, pybind11::bytes params_bytes, int64_t grid, int64_t st
               " blocks failed: ", mok::error_string(err));
 }
 
+template <typename T>
+T unpack(const pybind11::bytes& raw_bytes, const char* name) {
+  const std::string raw = raw_bytes;
+  TORCH_CHECK(raw.size() == sizeof(T), "mok: ", name, " is ", raw.size(), " bytes in Python but ",
+              sizeof(T), " bytes in csrc/params.h; mok/_ext.py and csrc/params.h disagree");
+  T value;
+  std::memcpy(&value, raw.data(), sizeof(T));
+  return value;
+}
+
+int64_t layer_args_size() { return static_cast<int64_t>(sizeof(mok::LayerArgs)); }
+
+void launch_layer(pybind11::bytes params_bytes, pybind11::bytes args_bytes, int64_t grid,
+                  int64_t stream) {
+  const auto params = unpack<mok::Params>(params_bytes, "Params");
+  const auto args = unpack<mok::LayerArgs>(args_bytes, "LayerArgs");
+  const int err =
+      mok::launch_layer(params, args, static_cast<int>(grid), reinterpret_cast<void*>(stream));
+  TORCH_CHECK(err == 0, "mok: launching the fused layer with ", grid,
+              " blocks failed: ", mok::error_string(err));
+}
+
+int64_t layer_counters(pybind11::bytes params_bytes) {
+  return mok::layer_counters(unpack<mok::Params>(params_bytes, "Params"));
+}
+
 int64_t host_device_pointer(int64_t host_ptr) {
   int err = 0;
   const uint64_t dev = mok::host_device_pointer(reinterpret_cast<void*>(host_ptr), &err);
@@ -36,8 +63,20 @@ int64_t host_device_pointer(int64_t host_ptr) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "mok communication kernels (schedule, dispatch, combine)";
+  m.doc() = "mok kernels (schedule, dispatch, combine, fused layer)";
   m.def("params_size", &params_size);
   m.def("launch", &launch, "launch(kind, params, grid, stream)");
   m.def("host_device_pointer", &host_device_pointer);
+  m.def("layer_args_size", &layer_args_size);
+  m.def("launch_layer", &launch_layer, "launch_layer(params, layer_args, grid, stream)");
+  m.def("layer_smem_bytes", &mok::layer_smem_bytes);
+  m.def("layer_counters", &layer_counters);
+
+  // Probe microbenchmarks (csrc/probe.cu, mok/bench/probe.py): addresses and streams as ints,
+  // each returns a cudaError_t value.
+  m.def("probe_copy_vector", &mok::probe::copy_vector);
+  m.def("probe_copy_tma", &mok::probe::copy_tma);
+  m.def("probe_read_bandwidth", &mok::probe::read_bandwidth);
+  m.def("probe_pingpong", &mok::probe::pingpong);
+  m.def("probe_chase", &mok::probe::chase);
 }

@@ -18,7 +18,16 @@ from pathlib import Path
 
 from mok.errors import MoKUnsupportedError
 
-__all__ = ["load", "Params", "KERNELS", "MAX_RANKS", "MAX_TOPK", "csrc_dir", "detect_arch"]
+__all__ = [
+    "load",
+    "Params",
+    "LayerArgs",
+    "KERNELS",
+    "MAX_RANKS",
+    "MAX_TOPK",
+    "csrc_dir",
+    "detect_arch",
+]
 
 log = logging.getLogger("mok")
 
@@ -40,7 +49,7 @@ KERNELS = {
     "dedup_sum": 9,
 }
 FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED, FLAG_VECTOR, FLAG_NO_FANOUT = 1, 2, 4, 8, 16
-FLAG_SKIP_LOCAL, FLAG_GATHER = 32, 64
+FLAG_SKIP_LOCAL, FLAG_GATHER, FLAG_DEDUP = 32, 64, 128
 META = {"num_rows": 0, "num_dedup": 1, "abort": 2, "err_claim": 3, "bad_detail": 7}
 SIGNALS = [
     "route_ready",
@@ -54,9 +63,24 @@ SIGNALS = [
     "y_consumed",
     "partials_ready",
     "partials_consumed",
+    "layer_x_ready",
+    "layer_x_consumed",
+    "layer_slots_free",
+    "layer_slots_filled",
 ]
 WAIT_GRID_BARRIER = 100
-ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT = 1, 2, 3, 4
+# Waits on local counters of the fused layer (csrc/params.h WaitId).
+LOCAL_WAITS = {
+    100: "grid barrier",
+    101: "layer minibatch ready",
+    102: "layer gate/up row block done",
+    103: "layer receive ring free",
+    104: "layer h ring free",
+    105: "layer x staged",
+    106: "layer dedup rows pulled",
+    107: "layer GEMM pipeline stage",
+}
+ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT, ERR_UNSUPPORTED = 1, 2, 3, 4, 5
 
 _I32 = ctypes.c_int32
 _I64 = ctypes.c_int64
@@ -136,6 +160,33 @@ class Params(ctypes.Structure):
     ]
 
 
+class LayerArgs(ctypes.Structure):
+    """ctypes mirror of ``mok::LayerArgs`` (csrc/params.h)."""
+
+    _fields_ = [
+        ("inter", _I32),
+        ("shared_inter", _I32),
+        ("num_comm_blocks", _I32),
+        ("ring_rows", _I32),
+        *[
+            (n, _U64)
+            for n in (
+                "w_gate",
+                "w_up",
+                "w_down",
+                "shared_w_gate",
+                "shared_w_up",
+                "shared_w_down",
+                "h",
+                "shared_h",
+                "dedup",
+                "counters",
+            )
+        ],
+        ("counters_len", _I64),
+    ]
+
+
 _module = None
 
 
@@ -194,7 +245,7 @@ def load():
 
     arch = detect_arch()
     src = csrc_dir()
-    sources = [src / "bindings.cpp", src / "kernels.cu"]
+    sources = [src / "bindings.cpp", src / "kernels.cu", src / "probe.cu"]
     missing = [str(s) for s in sources if not s.exists()]
     if missing:
         raise MoKUnsupportedError(f"mok's CUDA sources are missing: {missing} (MOK_CSRC_DIR?)")
@@ -236,6 +287,11 @@ def load():
         raise MoKUnsupportedError(
             f"csrc/params.h Params is {mod.params_size()} bytes but mok/_ext.py mirrors "
             f"{ctypes.sizeof(Params)}; keep them in sync"
+        )
+    if mod.layer_args_size() != ctypes.sizeof(LayerArgs):
+        raise MoKUnsupportedError(
+            f"csrc/params.h LayerArgs is {mod.layer_args_size()} bytes but mok/_ext.py mirrors "
+            f"{ctypes.sizeof(LayerArgs)}; keep them in sync"
         )
     _module = mod
     return mod

@@ -512,10 +512,11 @@ def moe_forward(
         return forward(x, sched, weights)
     recv = dispatch(x, sched)
     offs = sched.group_ends
-    w_gu = torch.cat([wg, wu], dim=1)  # [L, 2I, H]
-    gu = _grouped_mm(recv, w_gu.transpose(1, 2), offs)  # [capacity, 2I] fp32
-    inter = wg.shape[1]
-    h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(torch.bfloat16)
+    # NOTE: gate and up as two grouped GEMMs: concatenating the weights would copy them (GBs)
+    # on every call.
+    g = _grouped_mm(recv, wg.transpose(1, 2), offs)  # [capacity, I] fp32
+    u = _grouped_mm(recv, wu.transpose(1, 2), offs)
+    h = (F.silu(g) * u).to(torch.bfloat16)
     y = _grouped_mm(h, wd.transpose(1, 2), offs).to(torch.bfloat16)  # [capacity, H]
     shared_y = None
     if getattr(weights, "shared_w_gate", None) is not None:

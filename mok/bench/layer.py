@@ -69,9 +69,8 @@ def _weights(shape, world: int, seed: int):
 def _shared(x: torch.Tensor, w) -> torch.Tensor | None:
     if w.shared_w_gate is None:
         return None
-    gu = x @ torch.cat([w.shared_w_gate, w.shared_w_up]).T
-    si = w.shared_w_gate.shape[0]
-    return (F.silu(gu[:, :si].float()) * gu[:, si:].float()).to(torch.bfloat16) @ w.shared_w_down.T
+    g, u = (x @ w.shared_w_gate.T).float(), (x @ w.shared_w_up.T).float()
+    return (F.silu(g) * u).to(torch.bfloat16) @ w.shared_w_down.T
 
 
 def nccl_layer(x, idx, tw, w, num_experts):
@@ -95,9 +94,9 @@ def nccl_layer(x, idx, tw, w, num_experts):
     by_expert = torch.argsort(eid, stable=True)
     offs = torch.cumsum(torch.bincount(eid, minlength=L), 0).to(torch.int32)
     a = recv.index_select(0, by_expert)
-    gu = torch._grouped_mm(a, torch.cat([w.w_gate, w.w_up], 1).transpose(1, 2), offs=offs)
-    inter = w.w_gate.shape[1]
-    h = (F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(torch.bfloat16)
+    g = torch._grouped_mm(a, w.w_gate.transpose(1, 2), offs=offs).float()
+    u = torch._grouped_mm(a, w.w_up.transpose(1, 2), offs=offs).float()
+    h = (F.silu(g) * u).to(torch.bfloat16)
     y = torch._grouped_mm(h, w.w_down.transpose(1, 2), offs=offs)
     back_rows = torch.empty_like(y)
     back_rows[by_expert] = y
