@@ -11,7 +11,13 @@ What is fitted:
   traffic, so ``wire = per_direction_gbps * (data + reverse bytes per payload byte)``; the median
   over all saturated (>= 16 SM) points of both mechanisms;
 * latencies (flags, remote and local loads), the bf16 GEMM rate and the HBM copy rate are taken
-  as measured.
+  as measured;
+* where the probe holds grouped-GEMM timings (``grouped_gemm_by_rows``, and the
+  ``grouped_gemm_by_sms`` sweeps whose SM limit took effect; written by ``python -m mok.bench
+  probe``), ``gemm_efficiency`` is fitted: the median over points with at least
+  ``GEMM_FIT_MIN_ROWS`` rows per expert of (time :func:`sim.gemm.gemm_us` predicts at efficiency 1)
+  / (measured time). Otherwise it stays the stated guess. A probe's ``meta.num_sms`` /
+  ``meta.l2_mb`` replace the H200 defaults.
 
 The protocol bytes per payload byte come from the one-tile NVLink counter measurement recorded in
 DESIGN.md (131,072-byte tile; push 155.6 KB data + 2.9 KB back, pull 147.5 KB data + 24.6 KB of
@@ -31,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.gemm import gemm_us
 from sim.hardware import CommCurve, GpuProfile, Protocol
 
 __all__ = [
@@ -39,6 +46,8 @@ __all__ = [
     "predict_one_direction_gbps",
     "predict_bidirectional_gbps",
     "calibration_points",
+    "grouped_gemm_points",
+    "fit_gemm_efficiency",
     "derive_profiles",
     "PROTOCOL_TILE_BYTES",
 ]
@@ -71,6 +80,30 @@ _CURVE_SOURCES = {
     "pull_tma": ("tma_bulk_by_sms", "pull_onedir_chunk16384"),
     "local_tma": ("tma_bulk_by_sms", "local_onedir_chunk16384"),
 }
+
+# Grouped-GEMM points with fewer rows per expert are dominated by per-expert overheads the
+# tile-wave model leaves out; they inform the simulator's users, not the fitted efficiency.
+GEMM_FIT_MIN_ROWS = 512
+
+# Results a probe must hold for the comm fit (a one-GPU probe lacks the peer parts).
+_REQUIRED = (
+    ("p2p_bandwidth_by_sms", "push"),
+    ("p2p_bandwidth_by_sms", "pull"),
+    ("p2p_bandwidth_by_sms", "local"),
+    ("p2p_bidirectional_by_sms", "push"),
+    ("p2p_bidirectional_by_sms", "pull"),
+    *(
+        ("tma_bulk_by_sms", f"{k}_{d}_chunk16384")
+        for k in ("push", "pull")
+        for d in ("onedir", "bidir")
+    ),
+    ("tma_bulk_by_sms", "local_onedir_chunk16384"),
+    ("signal_latency", "0<->0"),
+    ("signal_latency", "0<->1"),
+    ("remote_load_latency",),
+    ("bf16_gemm_and_copy", "bf16_tflops"),
+    ("bf16_gemm_and_copy", "d2d_copy_GBps_rw"),
+)
 
 # A point belongs to the linear (per-SM-bound) part while its per-SM rate is at least this
 # fraction of the 1-SM rate; below it the curve has saturated.
@@ -151,9 +184,80 @@ def calibration_points(probe: dict) -> list[tuple[str, str, str, float, float]]:
     return out
 
 
+def _check_probe(probe: dict) -> None:
+    r = probe.get("results", {})
+    missing = []
+    for path in _REQUIRED:
+        d = r
+        for key in path:
+            d = d.get(key) if isinstance(d, dict) else None
+        if not d:
+            missing.append(".".join(path))
+    lat = r.get("remote_load_latency", {})
+    for who in ("reader0_mem0", "reader1_mem0"):
+        if not any(k.startswith(who) for k in lat):
+            missing.append(f"remote_load_latency.{who}_*")
+    if missing:
+        why = "; ".join(f"{k}: {v}" for k, v in probe.get("skipped", {}).items())
+        raise ValueError(
+            f"the probe lacks {', '.join(missing)} (the comm fit needs a two-GPU probe: torchrun "
+            "--nproc-per-node=2 -m mok.bench probe)" + (f"; the probe skipped {why}" if why else "")
+        )
+
+
+def grouped_gemm_points(probe: dict) -> list[tuple[int, int, int, int, int, float]]:
+    """(num_experts, rows_per_expert, n, k, compute_sms, measured us) of every grouped-GEMM point
+    of the probe: the all-SM rows sweeps, and the SM sweeps whose SM limit took effect."""
+    r = probe.get("results", {})
+    out = []
+
+    def ops(entry):
+        h, i = int(entry["hidden"]), int(entry["intermediate"])
+        return (("gate_up", 2 * i, h), ("down", h, i))
+
+    for entry in r.get("grouped_gemm_by_rows", {}).values():
+        for op, n, k in ops(entry):
+            for rows, pt in entry.get(op, {}).items():
+                out.append(
+                    (int(entry["num_experts"]), int(rows), n, k, int(entry["num_sms"]), pt["us"])
+                )
+    for entry in r.get("grouped_gemm_by_sms", {}).values():
+        if not entry.get("sm_limit_effective", False):
+            continue
+        rows = int(entry["rows_per_expert"])
+        for op, n, k in ops(entry):
+            for sms, pt in entry.get(op, {}).items():
+                out.append((int(entry["num_experts"]), rows, n, k, int(sms), pt["us"]))
+    return [(e, m, n, k, sms, float(us)) for e, m, n, k, sms, us in out]
+
+
+def fit_gemm_efficiency(prof: GpuProfile, probe: dict) -> dict | None:
+    """Median (model time at efficiency 1) / (measured time) over the grouped-GEMM points with
+    >= GEMM_FIT_MIN_ROWS rows per expert, capped at 1; None when the probe has none."""
+    unit = GpuProfile(**{**prof.__dict__, "gemm_efficiency": 1.0})
+    ratios = [
+        gemm_us(unit, e * math.ceil(m / 128), n, k, sms) / us
+        for e, m, n, k, sms, us in grouped_gemm_points(probe)
+        if m >= GEMM_FIT_MIN_ROWS and us > 0
+    ]
+    if not ratios:
+        return None
+    return {
+        "gemm_efficiency": min(1.0, float(statistics.median(ratios))),
+        "gemm_efficiency_points": len(ratios),
+        "gemm_efficiency_min": float(min(ratios)),
+        "gemm_efficiency_max": float(max(ratios)),
+    }
+
+
 def fit_gpu_profile(probe: dict, name: str = "h200", **overrides) -> GpuProfile:
-    """Fit a :class:`GpuProfile` from a probe dict; ``overrides`` replace :data:`H200_DEFAULTS`."""
-    cfg = dict(H200_DEFAULTS, **overrides)
+    """Fit a :class:`GpuProfile` from a probe dict; ``overrides`` replace :data:`H200_DEFAULTS`
+    (and what the probe's ``meta`` or grouped-GEMM timings give)."""
+    _check_probe(probe)
+    meta = probe.get("meta", {})
+    cfg = dict(H200_DEFAULTS)
+    cfg.update({k: meta[k] for k in ("num_sms", "l2_mb") if meta.get(k)})
+    cfg.update(overrides)
     r = probe["results"]
     protocol = _protocols(probe)
     hbm_copy = float(r["bf16_gemm_and_copy"]["d2d_copy_GBps_rw"]) / 2.0
@@ -223,6 +327,22 @@ def fit_gpu_profile(probe: dict, name: str = "h200", **overrides) -> GpuProfile:
         ),
         fit={},
     )
+    gemm_fit = None if "gemm_efficiency" in overrides else fit_gemm_efficiency(prof, probe)
+    if gemm_fit:
+        eff = gemm_fit["gemm_efficiency"]
+        note = (
+            f"gemm_efficiency={eff:.3f}: fitted, median of {gemm_fit['gemm_efficiency_points']} "
+            f"grouped-GEMM points (>= {GEMM_FIT_MIN_ROWS} rows per expert; range "
+            f"{gemm_fit['gemm_efficiency_min']:.3f}-{gemm_fit['gemm_efficiency_max']:.3f}) of "
+            "(sim.gemm tile-wave time at efficiency 1) / (measured torch._grouped_mm time)"
+        )
+        prof = GpuProfile(
+            **{
+                **prof.__dict__,
+                "gemm_efficiency": eff,
+                "assumptions": (note, *prof.assumptions[1:]),
+            }
+        )
     resid = []
     for fam, kind, mech, n, meas in calibration_points(probe):
         f = predict_one_direction_gbps if fam == "one_direction" else predict_bidirectional_gbps
@@ -233,6 +353,7 @@ def fit_gpu_profile(probe: dict, name: str = "h200", **overrides) -> GpuProfile:
         "num_points": len(resid),
         "max_rel_error": float(max(resid)),
         "mean_rel_error": float(np.mean(resid)),
+        **(gemm_fit or {}),
     }
     return GpuProfile(**{**prof.__dict__, "fit": fit})
 
