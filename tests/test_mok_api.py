@@ -112,6 +112,9 @@ def test_custom_ops_trace_with_fake_tensors():
         torch.ops.mok.combine(y, sched, idx, w, None, out, 0, "push")
         torch.ops.mok.dedup_partials(y, sched, partials, 0)
         torch.ops.mok.dedup_sum(sched, None, out, 0)
+        wg = torch.zeros(2, 128, h).bfloat16()
+        wd = torch.zeros(2, h, 128).bfloat16()
+        torch.ops.mok.layer_forward(x, sched, w, wg, wg, wd, None, None, None, out, 0)
         return out
 
     n, h, k = 8, 64, 2
@@ -127,5 +130,20 @@ def test_custom_ops_trace_with_fake_tensors():
     )
     gm = make_fx(layer, tracing_mode="fake")(*args)
     called = {str(nd.target) for nd in gm.graph.nodes if nd.op == "call_function"}
-    for op in ("build_schedule", "dispatch", "fanout", "combine", "dedup_partials", "dedup_sum"):
+    ops = ("build_schedule", "dispatch", "fanout", "combine", "dedup_partials", "dedup_sum")
+    for op in (*ops, "layer_forward"):
         assert any(f"mok.{op}" in c for c in called), (op, called)
+
+
+def test_functional_takes_the_tuner_json(tmp_path):
+    # mok-sim tune --emit-config writes this file; mok.functional accepts it directly.
+    from mok.functional import as_config
+
+    cfg = MoKConfig(dispatch_mode="pull", num_comm_sms=12, minibatch_size=2048)
+    path = tmp_path / "mok-config.json"
+    cfg.to_json(path)
+    assert as_config(path) == cfg
+    assert as_config(str(path)) == cfg
+    assert as_config(cfg.to_dict()) == cfg
+    assert as_config(cfg) is cfg
+    assert as_config(None) == MoKConfig()
