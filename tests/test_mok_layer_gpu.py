@@ -26,6 +26,18 @@ def test_fused_layer_ep2():
 
 @pytest.mark.multigpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("nproc", [4, 8])
+def test_fused_layer_ep4_ep8(nproc):
+    import torch
+
+    found = torch.cuda.device_count()
+    if found < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs (found {found})")
+    _torchrun(nproc, "--quick")
+
+
+@pytest.mark.multigpu
+@pytest.mark.sm90
 def test_fused_layer_missing_peer_raises_timeout():
     out = _torchrun(2, "--timeout")
     assert "rank 0 raised after" in out, out[-3000:]
