@@ -292,7 +292,8 @@ def _cmd_validate(a) -> int:
     rows = read_rows(a.measured)
     prof = load_kernel_profile(a.profile)
     if a.refit:
-        prof = fit_kernel_profile(rows, prof)
+        print("refitting the kernel profile on the fit rows (a few minutes)", flush=True)
+        prof = fit_kernel_profile(rows, prof, log=lambda m: print(f"  {m}", flush=True))
         print(f"refitted kernel knobs on {prof.fit_subset}: {prof.fit}")
         if a.save_profile:
             prof.save(a.save_profile)
@@ -300,7 +301,7 @@ def _cmd_validate(a) -> int:
     records = validate_rows(rows, prof)
     summary = summarise(records)
     print(f"{a.measured}: {len(rows)} rows, kernel profile fitted on: {prof.fit_subset}")
-    print(format_report(records, summary))
+    print(format_report(records, summary, rows=a.rows))
     if a.csv:
         write_csv(records, a.csv)
         print(f"wrote {a.csv}")
@@ -374,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--profile", default="mok-comm-h200x2", help="kernel profile name or JSON")
     v.add_argument("--csv", help="write the per-row predictions here")
     v.add_argument("--plot", help="PNG scatter of predicted vs measured")
+    v.add_argument("--rows", action="store_true", help="list every row under its group")
     v.add_argument("--refit", action="store_true", help="refit the kernel knobs on this CSV")
     v.add_argument("--save-profile", help="with --refit: write the refitted profile here")
 

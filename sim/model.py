@@ -84,9 +84,9 @@ _CURVES = {
 @lru_cache(maxsize=16)
 def layer_kernel_profile(name_or_path: str) -> KernelProfile:
     """The KernelProfile behind ``SimConfig.kernel_profile`` (a name under sim/profiles or a JSON
-    path), loaded once per process. Only its in-flight factors, congestion constants and TMA
-    row-issue cost are used by the layer; its fixed per-call and host costs describe standalone
-    launches and are ignored (the megakernel is one launch)."""
+    path), loaded once per process. Only its in-flight factors, congestion constants and row
+    terms (``tma_item_us``, ``warp_lookup_rounds``) are used by the layer; its fixed per-call and
+    host costs describe standalone launches and are ignored (the megakernel is one launch)."""
     from sim.phases import load_kernel_profile  # sim.phases imports this module
 
     try:
@@ -225,7 +225,8 @@ class LayerBuilder:
 
         Same form as the standalone kernel model (:meth:`sim.phases.PhaseBuilder.
         set_phase_rates`): per-SM rate = probe per-SM rate of the kernel's engine x in-flight
-        factor ``f[knob]`` x TMA row-size scale (dispatch copy rings only) x ``1 / (1 + n /
+        factor ``f[knob]`` x row-size scale (:func:`sim.phases.layer_row_scale`: the warp
+        routine's rounds per row, or a bulk-copy ring's item-rate cap) x ``1 / (1 + n /
         sm_congestion_sms[engine])`` x the switch-hop latency factor for remote bytes; then the
         probe ceilings cap it, as for the probe rates. Assumption: the megakernel's comm SMs
         reuse the standalone kernels' copy loops, so their measured per-SM efficiency carries
@@ -237,17 +238,18 @@ class LayerBuilder:
         layer does not charge to the comm engine; a factor above 1 (push dispatch) partly
         pays for those bytes and makes the layer's role faster than the probe at low SM counts.
         """
-        from sim.phases import _CURVE_ENGINE, _ROW_COPY, _row_scale  # imports this module
+        from sim.phases import _CURVE_ENGINE, layer_row_scale  # imports this module
 
         prof = layer_kernel_profile(self.cfg.kernel_profile)
         gpu, n = self.gpu, float(self.cfg.num_comm_sms)
         engine = knob.rsplit(".", 1)[1]
         engine = _CURVE_ENGINE.get(engine, engine)
-        rs = _row_scale(prof, self.dispatch_row_bytes) if knob in _ROW_COPY else 1.0
+        push, pull, local = _CURVES[engine]
+        probe = gpu.curve(pull).per_sm_gbps
+        rs = layer_row_scale(prof, knob, self.dispatch_row_bytes, probe)
         cong = 1.0 / (1.0 + n / prof.sm_congestion_sms.get(engine, math.inf))
         per_sm = prof.factor(knob) * rs * cong
         lat_factor = self.topo.per_sm_latency_factor(gpu)
-        push, pull, local = _CURVES[engine]
 
         def rate(name: str, scale: float) -> float:
             return gpu.curve(name).scaled(per_sm=scale).gbps(n) * 1e3  # bytes per us

@@ -1,0 +1,141 @@
+"""The kernel profile of the comm-phase model: the fitted knobs of :mod:`sim.phases` as data
+(``sim/profiles/mok-*.json``, format ``mok-kernel-profile/1``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["KernelProfile", "load_kernel_profile", "KERNEL_PROFILE_FORMAT"]
+
+KERNEL_PROFILE_FORMAT = "mok-kernel-profile/1"
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """Kernel-specific knobs of the comm-phase model (units in the names)."""
+
+    topology: str = "h200x2"
+    # us per kernel call on the device, every kernel: launch as CUDA events see it, pipeline
+    # fill and drain, the final system fence + done signal; fitted
+    call_fixed_us: float = 5.0
+    # us per cross-GPU wait (x-ready / partials-ready / route-ready handshake) on top of the
+    # probed one-way flag latency: the two ranks' launches are not aligned, so the first to
+    # arrive waits for the other; fitted
+    handshake_us: float = 0.0
+    # per Python entry point of the benchmark (sim.phases.ENTRY_POINTS): us of host time per
+    # call (argument checks, Params packing, custom-op dispatch, launch, event records); calls
+    # are issued back to back, so a run measures max(device time, host time of its calls) (see
+    # sim.phases.host_bound); fitted, an entry point whose fit rows are all device-bound keeps
+    # "default"
+    host_floor_us: dict[str, float] = field(default_factory=dict)
+    # us per item of the one-thread bulk-copy ring (csrc/tma.cuh tma_copy_rows): wait for the
+    # oldest stage, issue its store, wait until the store two items back has read its stage.
+    # Every item of a block's range pays it, padding rows of the receive buffer included; fitted
+    tma_item_us: float = 0.0
+    # us per further bulk store of one ring item (fan-out: a loaded row stored n times); fitted
+    tma_store_us: float = 0.0
+    # per 16-byte warp routine ("copy" / "fan" / "sum" / "seg", csrc/rows.cuh, combine.cuh):
+    # dependent index-load rounds per row before its data rounds, in units of one data round
+    # (sim.kernel_rows.warp_row_scale); fitted
+    warp_lookup_rounds: dict[str, float] = field(default_factory=dict)
+    # us per token per rank of the schedule kernel (64 blocks walk the tokens); fitted
+    schedule_us_per_token: float = 0.0
+    # per engine ("vector" / "tma"), SMs: per-SM rate x 1 / (1 + n / this), the loaded latency
+    # growing with the issuing SMs; fitted
+    sm_congestion_sms: dict[str, float] = field(default_factory=dict)
+    # per kernel knob: its per-SM rate / the probe's at 16 KiB rows (dimensionless); fitted
+    inflight_factor: dict[str, float] = field(default_factory=dict)
+    fit_subset: str = ""  # which rows the fitted values came from
+    source: str = ""
+    assumptions: tuple[str, ...] = ()
+    fit: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for k in (
+            "call_fixed_us",
+            "handshake_us",
+            "tma_item_us",
+            "tma_store_us",
+            "schedule_us_per_token",
+        ):
+            if not getattr(self, k) >= 0:
+                raise ValueError(f"{k} must be >= 0 (found {getattr(self, k)})")
+        if any(not v >= 0 for v in self.host_floor_us.values()):
+            raise ValueError(f"host_floor_us must be >= 0 (found {self.host_floor_us})")
+        if any(not v >= 0 for v in self.warp_lookup_rounds.values()):
+            raise ValueError(f"warp_lookup_rounds must be >= 0 (found {self.warp_lookup_rounds})")
+        if any(not v > 0 for v in self.sm_congestion_sms.values()):
+            raise ValueError(f"sm_congestion_sms must be > 0 (found {self.sm_congestion_sms})")
+        bad = {k: v for k, v in self.inflight_factor.items() if not v > 0}
+        if bad:
+            raise ValueError(f"inflight_factor values must be > 0 (found {bad})")
+
+    def host_us(self, entry: str) -> float:
+        """Host time per call of Python entry point ``entry`` (sim.phases.ENTRY_POINTS)."""
+        return self.host_floor_us.get(entry, self.host_floor_us.get("default", 0.0))
+
+    def factor(self, kernel: str) -> float:
+        try:
+            return self.inflight_factor[kernel]
+        except KeyError:
+            raise ValueError(
+                f"kernel profile has no in-flight factor for {kernel!r}; refit with "
+                "`mok-sim validate --refit` (known: "
+                + ", ".join(sorted(self.inflight_factor))
+                + ")"
+            ) from None
+
+    def replace(self, **kw) -> KernelProfile:
+        d = asdict(self)
+        d.update(kw)
+        d["assumptions"] = tuple(d["assumptions"])
+        return KernelProfile(**d)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["assumptions"] = list(self.assumptions)
+        d["sm_congestion_sms"] = {
+            k: (None if math.isinf(v) else v) for k, v in d["sm_congestion_sms"].items()
+        }
+        return {"format": KERNEL_PROFILE_FORMAT, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KernelProfile:
+        d = dict(d)
+        fmt = d.pop("format", KERNEL_PROFILE_FORMAT)
+        if fmt != KERNEL_PROFILE_FORMAT:
+            raise ValueError(f"unsupported kernel profile format {fmt!r}")
+        d["sm_congestion_sms"] = {
+            k: (math.inf if v is None else float(v))
+            for k, v in d.get("sm_congestion_sms", {}).items()
+        }
+        d["inflight_factor"] = {k: float(v) for k, v in d.get("inflight_factor", {}).items()}
+        d["assumptions"] = tuple(d.get("assumptions", ()))
+        # profiles of format 1 before the fixed-cost knobs: a launch and a constant schedule
+        if "launch_us" in d:
+            d.setdefault("call_fixed_us", float(d.pop("launch_us")))
+        d.pop("schedule_us", None)
+        d.pop("tma_row_issue_us", None)  # replaced by tma_item_us (per ring item, not per byte)
+        floor = d.get("host_floor_us", {})
+        if not isinstance(floor, dict):  # one floor for every entry point (older profiles)
+            floor = {"default": floor}
+        d["host_floor_us"] = {k: float(v) for k, v in floor.items()}
+        d["warp_lookup_rounds"] = {k: float(v) for k, v in d.get("warp_lookup_rounds", {}).items()}
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+DEFAULT_KERNEL_PROFILE = "mok-comm-h200x2"
+
+
+def load_kernel_profile(name_or_path: str | Path = DEFAULT_KERNEL_PROFILE) -> KernelProfile:
+    p = Path(str(name_or_path))
+    if not p.suffix:
+        p = Path(str(resources.files("sim") / "profiles")) / f"{name_or_path}.json"
+    return KernelProfile.from_dict(json.loads(p.read_text()))
