@@ -87,6 +87,20 @@ def _sha() -> str:
         return "unknown"
 
 
+def init_dist() -> dict:
+    """Join the torchrun group (NCCL, one GPU per process); the metadata every CSV row carries."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "num_ranks": dist.get_world_size(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_sha": _sha(),
+    }
+
+
 class Recorder:
     def __init__(self, path: str | None, meta: dict):
         self.rows, self.path, self.meta = [], path, meta
@@ -382,17 +396,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--csv", default="mok-bench-comm.csv")
     args = ap.parse_args(argv)
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "num_ranks": dist.get_world_size(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "git_sha": _sha(),
-    }
-    rec = Recorder(args.csv, meta)
+    rec = Recorder(args.csv, init_dist())
     for model in args.models.split(","):
         hidden, num_experts = MODELS[model]
         for skew in args.skews.split(","):

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mok.bench.comm import Recorder, _routing, _sha, _timeit
+from mok.bench.comm import Recorder, _routing, _timeit, init_dist
 
 MODELS = ("deepseek-v3", "kimi-k2", "qwen3-30b-a3b")
 
@@ -195,17 +194,7 @@ def main(argv: list[str], sweep: bool = False) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--csv", default=f"mok-bench-{'sweep' if sweep else 'layer'}.csv")
     args = ap.parse_args(argv)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "num_ranks": dist.get_world_size(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "git_sha": _sha(),
-    }
-    rec = LayerRecorder(args.csv, meta)
+    rec = LayerRecorder(args.csv, init_dist())
     impls = ("mok-fused",) if sweep else tuple(args.impls.split(","))
     configs = [
         dict(dispatch_mode=m, combine_mode="push", num_comm_sms=s, minibatch_size=b)
