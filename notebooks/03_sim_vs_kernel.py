@@ -18,8 +18,9 @@
 # machine (`torchrun --nproc-per-node=2 -m mok.bench comm`). The simulator's comm-phase model
 # (`sim.phases`) predicts every mok row of such a sweep from the calibrated H200 profile plus a
 # few kernel knobs (`sim/profiles/mok-comm-h200x2.json`) that were fitted on a designated subset
-# of the rows (DeepSeek-V3 uniform at 4096 / 16384 tokens, and 8 / 16 communication SMs); the
-# other rows (Qwen3, hot:0.5, 512 tokens) are the validation set.
+# of the rows (the 4096-token rows); the grid's 512- and 16384-token rows are the validation set.
+# The second part does the same for the fused layer (`csrc/layer.cuh`, one persistent kernel)
+# with the fused-kernel model (`sim.fused`, `sim/profiles/mok-fused-h200x2.json`).
 #
 # This notebook scores the predictions the way `mok-sim validate` does: absolute % error,
 # Spearman rank correlation per workload group, and how much slower the simulator's chosen
@@ -28,20 +29,36 @@
 # %%
 # %matplotlib inline
 import math
+import statistics
 from pathlib import Path
 
 from IPython.display import display
 
 import sim
+from sim.fused import load_fused_profile
 from sim.phases import load_kernel_profile
-from sim.plots import validation_scatter
-from sim.validate import TARGETS, format_report, read_rows, summarise, validate_rows
+from sim.plots import layer_validation, validation_scatter
+from sim.validate import (
+    TARGETS,
+    format_report,
+    read_rows,
+    rerun_spearman,
+    summarise,
+    validate_layer_rows,
+    validate_rows,
+)
 
 # %% tags=["parameters"]
 # A measured sweep in the format `python -m mok.bench comm` writes; the default is the snapshot
 # the regression test pins (the file under mok/bench/results/ is the latest run).
 MEASURED_CSV = "sim/profiles/h200x2-comm-grid-2026-11-30.csv"
 KERNEL_PROFILE = "mok-comm-h200x2"
+# fused layer: `mok.bench layer` and `mok.bench sweep` rows (snapshots of mok/bench/results/)
+LAYER_CSVS = [
+    "sim/profiles/h200x2-layer-2026-11-30.csv",
+    "sim/profiles/h200x2-layer-sweep-2026-11-30.csv",
+]
+FUSED_PROFILE = "mok-fused-h200x2"
 
 # %%
 root = Path(sim.__file__).resolve().parents[1]
@@ -77,3 +94,70 @@ print(
 )
 print(f"Largest chosen-vs-best gap {100 * summary['gap_max']:.1f}%.")
 print(f"Targets met: {', '.join(met) or 'none'}; missed: {', '.join(missed) or 'none'}.")
+
+# %% [markdown]
+# ## Fused layer: predicted vs measured
+#
+# The fused layer's comm SMs pull-dispatch minibatch by minibatch while the other SMs run
+# 128 x 256 GEMM tiles in the kernel's fixed order (shared expert, then gate/up and down per
+# minibatch), then all SMs run the weighted sum. `sim.fused` models that: a list schedule of the
+# tiles over the compute SMs (padding rows included), each tile `k_blocks x kblock_us +
+# tile_fixed_us` with `kblock_us` the worker's own rate or its share of a chip-wide operand
+# ceiling, gate/up tiles waiting for their minibatch's dispatch, plus the schedule kernel, the
+# launch and the HBM-bound sum. Four knobs were fitted on the DeepSeek-V3 and Qwen3 uniform
+# dedup_pull rows; pull dispatch, Kimi-K2 and hot:0.5 are held out. NCCL and mok-unfused rows are
+# measured baselines, not predicted.
+
+# %%
+fused_prof = load_fused_profile(FUSED_PROFILE)
+layer_records = validate_layer_rows(
+    read_rows(*(p if Path(p).is_absolute() else root / p for p in LAYER_CSVS)), fused_prof
+)
+layer_summary = summarise(layer_records)
+print(format_report(layer_records, layer_summary))
+
+# %%
+display(layer_validation(layer_records))
+
+# %%
+# the error table: one line per fused row
+print(
+    f"{'model':<14}{'skew':<8}{'mode':<11}{'sms':>4}{'mb':>6}{'role':>11}{'measured':>10}"
+    f"{'predicted':>11}{'err':>7}{'p20-p80':>9}"
+)
+for r in layer_records:
+    if r["status"] != "ok":
+        continue
+    band = 100 * (r["p80_us"] - r["p20_us"]) / r["measured_us"]
+    print(
+        f"{r['model']:<14}{r['skew']:<8}{r['mode']:<11}{r['sms']:>4}{r['minibatch']:>6}"
+        f"{r['role']:>11}{r['measured_us']:>10.0f}{r['predicted_us']:>11.0f}"
+        f"{100 * r['err']:>6.1f}%{band:>8.1f}%"
+    )
+
+# %%
+lv, lf = layer_summary["validation"], layer_summary["fit"]
+print(
+    f"Fused layer: held-out rows median |error| {100 * lv['median_abs_err']:.1f}%, max "
+    f"{100 * lv['max_abs_err']:.1f}% ({lv['n']} rows); fit rows {100 * lf['median_abs_err']:.1f}% "
+    f"/ {100 * lf['max_abs_err']:.1f}% ({lf['n']} rows)."
+)
+for g in layer_summary["groups"]:
+    if g["configs"] < 3:
+        continue
+    by_config = {}  # repeats of a configuration (two CSVs) merged by their median, as the report
+    for r in layer_records:
+        if r["status"] == "ok" and r["model"] == g["model"] and r["skew"] == g["skew"]:
+            by_config.setdefault((r["mode"], r["sms"], r["minibatch"]), []).append(r["measured_us"])
+    meas = [statistics.median(v) for v in by_config.values()]
+    rho_noise = rerun_spearman(meas, 0.01, draws=300)[0]
+    print(
+        f"{g['model']}: Spearman {g['spearman']:.2f}, gap {100 * g['gap']:.1f}%; measured spread "
+        f"{100 * g['spread']:.1f}%, {100 * g['band_overlap']:.0f}% of config pairs overlap in "
+        f"p20-p80; two re-runs with 1% noise per config would agree at Spearman ~{rho_noise:.2f}."
+    )
+lmet = [k for k, ok in layer_summary["targets"].items() if ok]
+lmissed = [k for k, ok in layer_summary["targets"].items() if not ok]
+print(
+    f"Fused layer targets met: {', '.join(lmet) or 'none'}; missed: {', '.join(lmissed) or 'none'}."
+)

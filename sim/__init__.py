@@ -27,6 +27,9 @@ Layout (one concept per module):
   copy-ring items, warp row rounds), :mod:`sim.kernel_profile` (the fitted knobs as data,
   ``sim/profiles/mok-comm-h200x2.json``), :mod:`sim.kernel_fit` (the fit) and
   :mod:`sim.validate` (fit / validation split, errors, Spearman, chosen-vs-best gap, report).
+* The fused layer kernel against measurements (``mok-sim validate`` on layer CSVs):
+  :mod:`sim.fused` (comm blocks, the GEMM tile order as a list schedule over the compute SMs,
+  the final sum; knobs in ``sim/profiles/mok-fused-h200x2.json``) and :mod:`sim.fused_fit`.
 
 The model, per layer forward:
 

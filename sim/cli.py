@@ -8,6 +8,7 @@ mok-sim tune --ep 8 --topology hgx-h200 --kernel-profile mok-comm-h200x2   # mea
 mok-sim trace --ep 8 --topology hgx-h200 --out trace.json
 mok-sim calibrate probe.json --out h200.json
 mok-sim validate mok/bench/results/h200x2-comm.csv --csv pred.csv --plot pred.png
+mok-sim validate mok/bench/results/h200x2-layer.csv mok/bench/results/h200x2-sweep.csv
 mok-sim bench
 """
 
@@ -285,11 +286,38 @@ def _cmd_calibrate(a) -> int:
 
 
 def _cmd_validate(a) -> int:
-    from sim.phases import load_kernel_profile
     from sim.results import write_csv
-    from sim.validate import fit_kernel_profile, format_report, read_rows, summarise, validate_rows
+    from sim.validate import format_report, is_layer_csv, read_rows, summarise
 
-    rows = read_rows(a.measured)
+    tables = [read_rows(p) for p in a.measured]
+    layer = [is_layer_csv(t) for t in tables]
+    if any(layer) and not all(layer):
+        raise ValueError(
+            "mix of layer CSVs (mok.bench layer / sweep) and comm CSVs (mok.bench comm): "
+            "validate them in separate runs"
+        )
+    rows = [r for t in tables for r in t]
+    names = ", ".join(map(str, a.measured))
+    records = _validate_layer(a, rows) if all(layer) else _validate_comm(a, rows)
+    summary = summarise(records)
+    print(f"{names}: {len(rows)} rows")
+    print(format_report(records, summary, rows=a.rows))
+    if a.csv:
+        write_csv(records, a.csv)
+        print(f"wrote {a.csv}")
+    if a.plot:
+        from sim.plots import layer_validation, validation_scatter
+
+        fig = layer_validation(records) if all(layer) else validation_scatter(records)
+        fig.savefig(a.plot, dpi=110)
+        print(f"wrote {a.plot}")
+    return 0
+
+
+def _validate_comm(a, rows: list[dict]) -> list[dict]:
+    from sim.phases import load_kernel_profile
+    from sim.validate import fit_kernel_profile, validate_rows
+
     prof = load_kernel_profile(a.profile)
     if a.refit:
         print("refitting the kernel profile on the fit rows (a few minutes)", flush=True)
@@ -298,19 +326,26 @@ def _cmd_validate(a) -> int:
         if a.save_profile:
             prof.save(a.save_profile)
             print(f"wrote {a.save_profile}")
-    records = validate_rows(rows, prof)
-    summary = summarise(records)
-    print(f"{a.measured}: {len(rows)} rows, kernel profile fitted on: {prof.fit_subset}")
-    print(format_report(records, summary, rows=a.rows))
-    if a.csv:
-        write_csv(records, a.csv)
-        print(f"wrote {a.csv}")
-    if a.plot:
-        from sim.plots import validation_scatter
+    print(f"comm-kernel model, profile {a.profile} fitted on: {prof.fit_subset}")
+    return validate_rows(rows, prof)
 
-        validation_scatter(records).savefig(a.plot, dpi=110)
-        print(f"wrote {a.plot}")
-    return 0
+
+def _validate_layer(a, rows: list[dict]) -> list[dict]:
+    from sim.fused import load_fused_profile
+    from sim.fused_fit import fit_fused_profile
+    from sim.validate import validate_layer_rows
+
+    prof = load_fused_profile(a.fused_profile)
+    if a.refit:
+        print("refitting the fused-layer knobs on the fit rows (about a minute)", flush=True)
+        prof = fit_fused_profile(rows, prof, log=lambda m: print(f"  {m}", flush=True))
+        knobs = ("gemm_efficiency", "tile_fixed_us", "operand_tbps", "comm_rate_factor")
+        print("refitted: " + ", ".join(f"{k}={getattr(prof, k)}" for k in knobs), prof.fit)
+        if a.save_profile:
+            prof.save(a.save_profile)
+            print(f"wrote {a.save_profile}")
+    print(f"fused-layer model, profile {a.fused_profile} fitted on: {prof.fit_subset}")
+    return validate_layer_rows(rows, prof)
 
 
 def _cmd_bench(a) -> int:
@@ -371,12 +406,21 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--nvlink-gbps", type=float, default=None, help="datasheet, per direction")
 
     v = sub.add_parser("validate", help="predict a measured mok kernel sweep and score it")
-    v.add_argument("measured", help="CSV of mok.bench comm (mok/bench/results/*.csv)")
+    v.add_argument(
+        "measured",
+        nargs="+",
+        help="CSV(s) of mok.bench comm, or of mok.bench layer / sweep (fused layer rows)",
+    )
     v.add_argument("--profile", default="mok-comm-h200x2", help="kernel profile name or JSON")
+    v.add_argument(
+        "--fused-profile",
+        default="mok-fused-h200x2",
+        help="fused-layer profile name or JSON (layer CSVs)",
+    )
     v.add_argument("--csv", help="write the per-row predictions here")
     v.add_argument("--plot", help="PNG scatter of predicted vs measured")
     v.add_argument("--rows", action="store_true", help="list every row under its group")
-    v.add_argument("--refit", action="store_true", help="refit the kernel knobs on this CSV")
+    v.add_argument("--refit", action="store_true", help="refit the knobs on the CSVs' fit rows")
     v.add_argument("--save-profile", help="with --refit: write the refitted profile here")
 
     b = sub.add_parser("bench", help="simulator speed benchmark (same as python -m sim.bench)")

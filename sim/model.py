@@ -47,7 +47,9 @@ from sim.schedule import RoutingPlan
 from sim.topology import ENGINE, NIC_RX, NIC_TX, NVL_RX, NVL_TX, RES_PER_GPU
 
 if TYPE_CHECKING:  # pragma: no cover
+    from sim.hardware import GpuProfile
     from sim.phases import KernelProfile
+    from sim.topology import Topology
 
 __all__ = [
     "LayerBuilder",
@@ -56,6 +58,7 @@ __all__ = [
     "PASSES",
     "plan_for",
     "kernel_knobs",
+    "kernel_rates",
     "layer_kernel_profile",
     "ROLES",
 ]
@@ -96,6 +99,41 @@ def layer_kernel_profile(name_or_path: str) -> KernelProfile:
             f"kernel profile {name_or_path!r} not found ({e.strerror}); give a name under "
             "sim/profiles (e.g. mok-comm-h200x2) or a path to a mok-kernel-profile/1 JSON"
         ) from None
+
+
+def kernel_rates(
+    gpu: GpuProfile,
+    topo: Topology,
+    prof: KernelProfile,
+    knob: str,
+    num_sms: int,
+    row_bytes: float,
+    per_sm_scale: float = 1.0,
+) -> _Rates:
+    """Comm-engine rates (bytes/us) of ``num_sms`` SMs running the copy loop of the measured
+    kernel ``knob`` of ``prof`` on rows of ``row_bytes`` (see :meth:`LayerBuilder.
+    _kernel_rates`); ``per_sm_scale`` multiplies the per-SM rate before the probe ceilings (the
+    fused layer's comm blocks: fewer warps, :mod:`sim.fused`)."""
+    from sim.phases import _CURVE_ENGINE, layer_row_scale  # imports this module
+
+    n = float(num_sms)
+    engine = knob.rsplit(".", 1)[1]
+    engine = _CURVE_ENGINE.get(engine, engine)
+    push, pull, local = _CURVES[engine]
+    probe = gpu.curve(pull).per_sm_gbps
+    rs = layer_row_scale(prof, knob, row_bytes, probe)
+    cong = 1.0 / (1.0 + n / prof.sm_congestion_sms.get(engine, math.inf))
+    per_sm = prof.factor(knob) * rs * cong * per_sm_scale
+    lat_factor = topo.per_sm_latency_factor(gpu)
+
+    def rate(name: str, scale: float) -> float:
+        return gpu.curve(name).scaled(per_sm=scale).gbps(n) * 1e3  # bytes per us
+
+    return _Rates(
+        push=rate(push, per_sm * lat_factor),
+        pull=rate(pull, per_sm * lat_factor),
+        local=rate(local, per_sm),
+    )
 
 
 def _role_candidates(cfg: SimConfig) -> dict[str, tuple[str, ...]]:
@@ -238,26 +276,13 @@ class LayerBuilder:
         layer does not charge to the comm engine; a factor above 1 (push dispatch) partly
         pays for those bytes and makes the layer's role faster than the probe at low SM counts.
         """
-        from sim.phases import _CURVE_ENGINE, layer_row_scale  # imports this module
-
-        prof = layer_kernel_profile(self.cfg.kernel_profile)
-        gpu, n = self.gpu, float(self.cfg.num_comm_sms)
-        engine = knob.rsplit(".", 1)[1]
-        engine = _CURVE_ENGINE.get(engine, engine)
-        push, pull, local = _CURVES[engine]
-        probe = gpu.curve(pull).per_sm_gbps
-        rs = layer_row_scale(prof, knob, self.dispatch_row_bytes, probe)
-        cong = 1.0 / (1.0 + n / prof.sm_congestion_sms.get(engine, math.inf))
-        per_sm = prof.factor(knob) * rs * cong
-        lat_factor = self.topo.per_sm_latency_factor(gpu)
-
-        def rate(name: str, scale: float) -> float:
-            return gpu.curve(name).scaled(per_sm=scale).gbps(n) * 1e3  # bytes per us
-
-        return _Rates(
-            push=rate(push, per_sm * lat_factor),
-            pull=rate(pull, per_sm * lat_factor),
-            local=rate(local, per_sm),
+        return kernel_rates(
+            self.gpu,
+            self.topo,
+            layer_kernel_profile(self.cfg.kernel_profile),
+            knob,
+            self.cfg.num_comm_sms,
+            self.dispatch_row_bytes,
         )
 
     def _ffn_us(self, row_tiles: int, intermediate: int) -> float:

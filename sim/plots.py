@@ -23,6 +23,8 @@ __all__ = [
     "policy_comparison",
     "scaling_summary",
     "waves_scatter",
+    "validation_scatter",
+    "layer_validation",
     "PHASE_COLORS",
 ]
 
@@ -302,4 +304,68 @@ def validation_scatter(records: Sequence[dict]) -> Figure:
     ax.set_ylabel("predicted us")
     ax.set_title("mok-sim validate: predicted vs measured (dashed: +-15%)")
     ax.legend(fontsize=8)
+    return fig
+
+
+def layer_validation(records: Sequence[dict]) -> Figure:
+    """Fused-layer rows of ``sim.validate.validate_layer_rows``: per row, the prediction error
+    ``predicted / measured - 1`` (filled: validation row, hollow: fit row) against the measured
+    p20-p80 band around the median (grey bar), one panel per model; dotted lines at +-5 %.
+    With several measured CSVs, tick labels end in the CSV's letter (legend title)."""
+    ok = [r for r in records if r.get("status") == "ok"]
+    models = list(dict.fromkeys(r["model"] for r in ok)) or ["(no rows)"]
+    sources = list(dict.fromkeys(r.get("source", "") for r in ok))
+    tag = {src: f" {chr(97 + i)}" if len(sources) > 1 else "" for i, src in enumerate(sources)}
+    fig, axes = plt.subplots(
+        len(models), 1, figsize=(12, 2.7 * len(models)), squeeze=False, layout="constrained"
+    )
+    colors = {"pull": "#ff7f0e", "dedup_pull": "#1f77b4"}
+    for ax, model in zip(axes[:, 0], models, strict=True):
+        rows = sorted(
+            (r for r in ok if r["model"] == model),
+            key=lambda r: (r["skew"], r["mode"], int(r["sms"]), int(r["minibatch"]), r["source"]),
+        )
+        x = np.arange(len(rows))
+        lo = [100 * (r["p20_us"] / r["measured_us"] - 1) for r in rows]
+        hi = [100 * (r["p80_us"] / r["measured_us"] - 1) for r in rows]
+        ax.bar(x, np.subtract(hi, lo), bottom=lo, width=0.6, color="#cccccc", label="p20-p80")
+        errs = [100 * r["err"] for r in rows]
+        for mode, c in colors.items():
+            for role, face in (("validation", c), ("fit", "none")):
+                sel = [i for i, r in enumerate(rows) if r["mode"] == mode and r["role"] == role]
+                if sel:
+                    ax.scatter(
+                        x[sel],
+                        [errs[i] for i in sel],
+                        s=36,
+                        edgecolors=c,
+                        facecolors=face,
+                        zorder=3,
+                        label=f"{mode} ({role})",
+                    )
+        ax.axhline(0, color="k", lw=0.6)
+        for y in (-5, 5):
+            ax.axhline(y, color="k", lw=0.6, ls=":")
+        top = 1.15 * max([6.0] + [abs(v) for v in errs + lo + hi])
+        ax.set_ylim(-top, top)
+        ax.set_xlim(-0.5, max(len(rows), 8) - 0.5)
+        ax.set_xticks(x)
+        ax.set_xticklabels(
+            [
+                f"{r['skew'].replace('uniform', 'uni')}{tag[r['source']]}\n"
+                f"{r['sms']}/{r['minibatch']}"
+                for r in rows
+            ],
+            fontsize=7,
+        )
+        ax.set_ylabel("% vs measured")
+        ax.set_title(f"{model} (x: skew, comm SMs / minibatch)", fontsize=9)
+        ax.legend(
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.0, 1.0),
+            title="\n".join(f"{t.strip()}: {src}" for src, t in tag.items() if t) or None,
+            title_fontsize=6,
+        )
+    fig.suptitle("fused layer: predicted vs measured median (grey: measured p20-p80)", fontsize=10)
     return fig

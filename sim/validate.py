@@ -21,6 +21,16 @@ the prediction is host-bound, fit / validation role) and :func:`summarise` a sum
 Rows without a model (other libraries, unknown ``what`` / ``mode`` labels) are reported with a
 ``status`` and a reason, never scored. :func:`fit_kernel_profile` (:mod:`sim.kernel_fit`) refits
 the kernel knobs of :mod:`sim.phases` on the fit subset (:func:`is_fit_row`).
+
+Layer CSVs (``mok.bench layer`` / ``sweep``: an ``impl`` and a ``minibatch`` column, no ``what``;
+:func:`is_layer_csv`) go through :func:`validate_layer_rows` instead: every ``mok-fused`` row is
+predicted by the fused-kernel model (:mod:`sim.fused`, profile ``sim/profiles/
+mok-fused-h200x2.json``), fit rows are :func:`sim.fused_fit.is_fused_fit_row`; the ``nccl`` and
+``mok-unfused`` rows are listed as measured baselines (status ``baseline``), not predicted. Their
+records have ``what = "layer"``, so groups are (model, tokens, skew) and configurations (impl,
+mode, sms, minibatch). Every group also reports the measured spread of its configurations and
+the median p20-p80 width of its rows: a ranking within a spread no wider than the run-to-run
+noise is noise-limited.
 """
 
 from __future__ import annotations
@@ -33,17 +43,23 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.fused import FusedProfile, fused_layer
+from sim.fused_fit import is_fused_fit_row
 from sim.kernel_fit import fit_kernel_profile
 from sim.phases import KernelProfile, predict_row
 
 __all__ = [
     "read_rows",
+    "rerun_spearman",
     "validate_rows",
     "summarise",
     "spearman",
     "chosen_gap",
     "fit_kernel_profile",
     "format_report",
+    "is_layer_csv",
+    "validate_layer_rows",
+    "BASELINES",
     "GROUP_KEYS",
     "CONFIG_KEYS",
     "FIT_TOKENS",
@@ -54,7 +70,7 @@ __all__ = [
 # NOTE: `scope` (comparable unit / local step / end-to-end) keeps configurations that do
 # different work out of one ranking; it is empty in CSVs that predate it.
 GROUP_KEYS = ("model", "tokens_per_rank", "skew", "what", "scope")
-CONFIG_KEYS = ("impl", "mode", "engine", "sms")
+CONFIG_KEYS = ("impl", "mode", "engine", "sms", "minibatch")  # minibatch: layer CSVs only
 # The calibration subset: a mok row is a FIT row iff its tokens_per_rank is in FIT_TOKENS. All
 # rows of the 2-SM-count target CSV and the pinned 8/16/24/132-SM CSV are 4096-token rows, so
 # the fit uses them plus the broad grid's 4096-token rows (both models, both skews); the grid's
@@ -66,9 +82,13 @@ FIT_TOKENS = (4096,)
 TARGETS = {"median_abs_err": 0.05, "max_abs_err": 0.15, "spearman": 0.9, "gap": 0.03}
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+def read_rows(*paths: str | Path) -> list[dict]:
+    """The rows of one or more measured CSVs, each tagged with its file name (``_source``)."""
+    out = []
+    for path in paths:
+        with open(path, newline="") as f:
+            out += [{**row, "_source": Path(path).name} for row in csv.DictReader(f)]
+    return out
 
 
 def is_fit_row(row: dict) -> bool:
@@ -76,25 +96,41 @@ def is_fit_row(row: dict) -> bool:
     return int(row.get("tokens_per_rank") or 0) in FIT_TOKENS
 
 
+def _float(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _record(i: int, row: dict, **over) -> dict:
+    rec = {
+        "row": i,
+        **{k: row.get(k, "") for k in GROUP_KEYS},
+        **{k: row.get(k, "-") for k in CONFIG_KEYS},
+        "source": row.get("_source", ""),
+        "measured_us": float(row["median_us"]),
+        "p20_us": _float(row.get("p20_us")),
+        "p80_us": _float(row.get("p80_us")),
+        "predicted_us": math.nan,
+        "device_us": math.nan,
+        "host_bound": False,
+        "err": math.nan,
+        "kernel": "",
+        "role": "",
+        "status": "ok",
+        "reason": "",
+    }
+    rec.update(over)
+    return rec
+
+
 def validate_rows(rows: Iterable[dict], prof: KernelProfile) -> list[dict]:
     """One flat record per input row: the row's identity, measured and predicted us, error,
     ``role`` (fit / validation) and ``status`` (ok / skipped / unsupported + ``reason``)."""
     out = []
     for i, row in enumerate(rows):
-        rec = {
-            "row": i,
-            **{k: row.get(k, "") for k in GROUP_KEYS},
-            **{k: row.get(k, "-") for k in CONFIG_KEYS},
-            "measured_us": float(row["median_us"]),
-            "predicted_us": math.nan,
-            "device_us": math.nan,
-            "host_bound": False,
-            "err": math.nan,
-            "kernel": "",
-            "role": "",
-            "status": "ok",
-            "reason": "",
-        }
+        rec = _record(i, row)
         try:
             us, name, dev = predict_row(row, prof)
         except LookupError as e:
@@ -106,6 +142,57 @@ def validate_rows(rows: Iterable[dict], prof: KernelProfile) -> list[dict]:
             rec.update(predicted_us=us, device_us=dev, host_bound=bool(us > dev))
             rec.update(kernel=name, err=us / rec["measured_us"] - 1)
             rec["role"] = "fit" if is_fit_row(row) else "validation"
+        out.append(rec)
+    return out
+
+
+# -- layer CSVs (mok.bench layer / sweep) -------------------------------------------------------
+# impl -> why the simulator does not predict it
+BASELINES = {
+    "nccl": "NCCL all_to_all + torch._grouped_mm + host-read split sizes: no simulator model of "
+    "NCCL's all_to_all or torch's grouped GEMM",
+    "mok-unfused": "mok comm kernels + torch._grouped_mm + fp32 shared-expert matmuls: the "
+    "torch GEMMs (incl. fp32) are not modelled",
+}
+
+
+def is_layer_csv(rows: Sequence[dict]) -> bool:
+    """Whether measured rows come from ``mok.bench layer`` / ``sweep`` (an ``impl`` and a
+    ``minibatch`` column, no ``what``) rather than ``mok.bench comm``."""
+    return bool(rows) and "minibatch" in rows[0] and "impl" in rows[0] and "what" not in rows[0]
+
+
+def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:
+    """One flat record per layer row, as :func:`validate_rows`: ``mok-fused`` rows predicted by
+    :func:`sim.fused.fused_layer` (with its terms as ``*_us`` columns), other impls as status
+    ``baseline`` with the reason (:data:`BASELINES`)."""
+    out = []
+    for i, row in enumerate(rows):
+        rec = _record(i, row, what="layer", scope="", engine="-")
+        impl = row.get("impl", "")
+        if impl != "mok-fused":
+            rec["status"] = "baseline"
+            rec["reason"] = f"{impl}: " + BASELINES.get(impl, "not a mok fused-layer row")
+            out.append(rec)
+            continue
+        try:
+            res = fused_layer(
+                row["model"],
+                int(row["tokens_per_rank"]),
+                int(row.get("num_ranks") or 2),
+                row["skew"],
+                row["mode"],
+                int(row["sms"]),
+                int(row["minibatch"]),
+                prof,
+            )
+        except ValueError as e:  # unknown model / mode, EP that does not divide the experts
+            rec["status"], rec["reason"] = "unsupported", str(e)
+        else:
+            rec.update(predicted_us=res.layer_us, device_us=res.device_us)
+            rec.update(host_bound=bool(res.layer_us > res.device_us), kernel=f"fused.{row['mode']}")
+            rec.update(err=res.layer_us / rec["measured_us"] - 1, **res.terms)
+            rec["role"] = "fit" if is_fused_fit_row(row) else "validation"
         out.append(rec)
     return out
 
@@ -168,7 +255,43 @@ def _abs_stats(errs: list[float]) -> dict:
 
 def _config_label(r: dict) -> str:
     eng = r["engine"] if r["engine"] not in ("", "-") else ""
-    return f"{r['impl']}:{r['mode']}" + (f"/{eng}" if eng else "") + f"@{r['sms']}"
+    mb = r.get("minibatch", "-")
+    mb = f"/mb{mb}" if mb not in ("", "-") else ""
+    return f"{r['impl']}:{r['mode']}" + (f"/{eng}" if eng else "") + f"@{r['sms']}{mb}"
+
+
+def rerun_spearman(
+    measured: Sequence[float], rel_sigma: float, draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """(median, 10th percentile) of the Spearman correlation between two re-measurements of a
+    group whose configurations truly take ``measured`` us, each measurement off by Gaussian
+    relative noise ``rel_sigma``: the best a perfect model can expect against one run."""
+    rng = np.random.default_rng(seed)
+    t = np.asarray(measured, dtype=float)
+    rho = [
+        spearman(
+            t * (1 + rel_sigma * rng.standard_normal(t.size)),
+            t * (1 + rel_sigma * rng.standard_normal(t.size)),
+        )
+        for _ in range(draws)
+    ]
+    return float(np.median(rho)), float(np.percentile(rho, 10))
+
+
+def _band_overlap(bands: Sequence[tuple[float, float]]) -> float:
+    """Fraction of configuration pairs whose measured p20-p80 bands overlap (their order is not
+    resolved by the run); NaN with fewer than two configurations or no bands."""
+    pairs = [
+        (a, b) for i, a in enumerate(bands) for b in bands[i + 1 :] if not math.isnan(a[0] + b[0])
+    ]
+    if not pairs:
+        return math.nan
+    return sum(a[0] <= b[1] and b[0] <= a[1] for a, b in pairs) / len(pairs)
+
+
+def _p2080(r: dict) -> float:
+    """Width of a row's measured p20-p80 band relative to its median."""
+    return (r["p80_us"] - r["p20_us"]) / r["measured_us"]
 
 
 def summarise(records: Sequence[dict]) -> dict:
@@ -190,6 +313,10 @@ def summarise(records: Sequence[dict]) -> dict:
         rows = [r for rs in cfgs.values() for r in rs]
         rho = spearman(pred, meas) if len(meas) >= 3 else math.nan
         c, b, gap = chosen_gap(pred, meas, dev)
+        widths = [w for w in map(_p2080, rows) if not math.isnan(w)]
+        bands = [
+            (min(r["p20_us"] for r in rs), max(r["p80_us"] for r in rs)) for rs in cfgs.values()
+        ]
         gsum.append(
             {
                 **dict(zip(GROUP_KEYS, gk, strict=True)),
@@ -202,6 +329,10 @@ def summarise(records: Sequence[dict]) -> dict:
                 "chosen": labels[c],
                 "best": labels[b],
                 "gap": gap,
+                # measured: slowest / fastest configuration - 1, and the rows' p20-p80 widths
+                "spread": max(meas) / min(meas) - 1,
+                "p2080_median": statistics.median(widths) if widths else math.nan,
+                "band_overlap": _band_overlap(bands),
             }
         )
 
@@ -233,6 +364,7 @@ def summarise(records: Sequence[dict]) -> dict:
         },
         "groups": gsum,
         "unsupported": sorted({r["reason"] for r in records if r["status"] == "unsupported"}),
+        "baselines": sorted({r["reason"] for r in records if r["status"] == "baseline"}),
     }
     v, vg = s["validation"], s["ranking"]["validation groups"]
     s["targets"] = {
@@ -245,8 +377,8 @@ def summarise(records: Sequence[dict]) -> dict:
 
 
 # -- report -----------------------------------------------------------------------------------
-def _pct(x: float) -> str:
-    return "   n/a" if math.isnan(x) else f"{100 * x:5.1f}%"
+def _pct(x: float, digits: int = 1) -> str:
+    return "   n/a" if math.isnan(x) else f"{100 * x:5.{digits}f}%"
 
 
 def _rho(x: float) -> str:
@@ -267,16 +399,56 @@ def _row_lines(records: Sequence[dict], gk: tuple) -> list[str]:
     return lines
 
 
+def _baseline_lines(records: Sequence[dict]) -> list[str]:
+    """Measured baselines of layer CSVs, with the measured and the predicted speedup of the
+    fused layer over each: the fused rows of the group that ran the unfused baseline's config
+    (mode, sms, minibatch) in the same run (CSV; runs differ by a few %), else the group's only
+    fused config of that run."""
+    base = [r for r in records if r["status"] == "baseline"]
+    if not base:
+        return []
+    lines = ["  baselines (measured, not predicted; speedup = baseline / fused):"]
+    cfg = ("mode", "sms", "minibatch")
+    for r in base:
+        gk = tuple(r[k] for k in GROUP_KEYS)
+        group = [
+            f
+            for f in records
+            if tuple(f[k] for k in GROUP_KEYS) == gk and f["source"] == r["source"]
+        ]
+        fused = [f for f in group if f["status"] == "ok"]
+        ref = {tuple(b[k] for k in cfg) for b in group if b["impl"] == "mok-unfused"}
+        same = [f for f in fused if tuple(f[k] for k in cfg) in ref]
+        fused = same or (fused if len({_config_label(f) for f in fused}) == 1 else [])
+        text = (
+            f"    {r['model']:<14}{r['skew']:<8} {r['impl'] + ':' + r['mode']:<24}"
+            f"{r['measured_us']:>9.0f} us"
+        )
+        if fused:
+            meas = statistics.median(f["measured_us"] for f in fused)
+            pred = statistics.median(f["predicted_us"] for f in fused)
+            text += (
+                f"   fused {_config_label(fused[0])}: measured {r['measured_us'] / meas:.2f}x, "
+                f"predicted {r['measured_us'] / pred:.2f}x"
+            )
+        lines.append(text)
+    for reason in sorted({r["reason"] for r in base}):
+        lines.append(f"    {reason}")
+    return lines
+
+
 def format_report(records: Sequence[dict], summary: dict, rows: bool = False) -> str:
     """Per-group table (``rows``: with every row under its group), overall |err| by role and
     by tokens per rank, the ranking metrics and the targets."""
     s = summary
     lines = [
         "per group (cfg: configurations, host: predicted host-bound ones; |err| over all rows of "
-        "the group; chosen = smallest prediction, ties broken by predicted device time)",
+        "the group; spread: measured slowest / fastest config - 1; p20-80: median measured "
+        "p20-p80 width of its rows; ovl: config pairs whose p20-p80 bands overlap; chosen = "
+        "smallest prediction, ties broken by predicted device time)",
         f"  {'model':<14}{'tokens':>7} {'skew':<8} {'what':<9}{'scope':<11}{'role':<11}"
         f"{'cfg':>4}{'host':>5}{'med|err|':>10}{'max|err|':>10}{'spearman':>9}{'gap':>8}"
-        "  chosen / best",
+        f"{'spread':>8}{'p20-80':>8}{'ovl':>7}  chosen / best",
     ]
     for g in s["groups"]:
         gk = tuple(g[k] for k in GROUP_KEYS)
@@ -284,7 +456,8 @@ def format_report(records: Sequence[dict], summary: dict, rows: bool = False) ->
             f"  {g['model']:<14}{g['tokens_per_rank']:>7} {g['skew']:<8} {g['what']:<9}"
             f"{g['scope'] or '-':<11}{g['role']:<11}{g['configs']:>4}{g['host_bound']:>5}"
             f"{_pct(g['median_abs_err']):>10}{_pct(g['max_abs_err']):>10}"
-            f"{_rho(g['spearman']):>9}{_pct(g['gap']):>8}  {g['chosen']}"
+            f"{_rho(g['spearman']):>9}{_pct(g['gap']):>8}{_pct(g['spread']):>8}"
+            f"{_pct(g['p2080_median']):>8}{_pct(g['band_overlap'], 0):>7}  {g['chosen']}"
             + ("" if g["chosen"] == g["best"] else f" / {g['best']}")
         )
         if rows:
@@ -295,6 +468,10 @@ def format_report(records: Sequence[dict], summary: dict, rows: bool = False) ->
     parts.append(("all", ok))
     for t in sorted({int(r["tokens_per_rank"] or 0) for r in ok}):
         parts.append((f"tokens {t}", [r for r in ok if int(r["tokens_per_rank"] or 0) == t]))
+    if any(r["what"] == "layer" for r in ok):
+        for key in ("model", "skew", "mode", "sms"):
+            for v in sorted({str(r[key]) for r in ok}):
+                parts.append((f"{key} {v}", [r for r in ok if str(r[key]) == v]))
     for name, rs in parts:
         x = _abs_stats([r["err"] for r in rs])
         lines.append(
@@ -309,6 +486,7 @@ def format_report(records: Sequence[dict], summary: dict, rows: bool = False) ->
     lines.append(f"  rows by status: {s['by_status']}")
     for reason in s["unsupported"]:
         lines.append(f"  unsupported: {reason}")
+    lines += _baseline_lines(records)
     v, vg = s["validation"], s["ranking"]["validation groups"]
     t = s["targets"]
     na = {"median_abs_err": v["n"] == 0, "max_abs_err": v["n"] == 0}

@@ -1,0 +1,514 @@
+"""The fused MoE layer forward (``csrc/layer.cuh``, one persistent kernel) as a timing model.
+
+What one call of :func:`mok.functional.moe_forward` with ``fused=True`` costs on the device:
+
+1. ``schedule_us``: the schedule kernel (routing all-gather + table), the comm-kernel profile's
+   :func:`sim.phases.schedule_device_us`;
+2. ``launch_us``: the layer kernel's launch, fill and final fence as CUDA events see it, the
+   comm-kernel profile's ``call_fixed_us`` (one cooperative launch);
+3. the kernel. Blocks ``[0, C)`` (``num_comm_sms``) stage ``x`` into the symmetric buffer, wait
+   for every peer's staging (one remote flag), then pull-dispatch: ``pull`` copies each
+   minibatch's rows (remote rows from the peer's ``x``, own rows locally); ``dedup_pull`` first
+   pulls one row per (token, this rank) from the peers and then fans each minibatch out
+   locally. ``ready[m]`` follows each minibatch (a GPU-scope flag). The other ``W = num_sms -
+   C`` blocks run 128 x 256 GEMM tiles in the kernel's fixed order (shared gate/up, shared
+   down, then ``GU(0), GU(1), DN(0), GU(2), DN(1), ..., DN(last)``), tile ``t`` on worker ``t
+   % W`` (:func:`tile_order`); every expert region is padded to 128 rows and the padding rows
+   are multiplied too. A gate/up tile of minibatch m waits for ``ready[m]``, a down tile for
+   the gate/up tiles of its row block. A tile costs ``k_blocks x kblock_us + tile_fixed_us``
+   (:func:`kblock_us`: the worker's own k-loop rate, or its share of the chip-wide operand
+   ceiling when all workers stream at once); the list schedule of :func:`_run_tiles` gives
+   each worker's end;
+4. ``signal_us``: every block raises the peers' slots-filled flag and waits for all of them
+   (the slowest rank's last down tile ends the GEMM phase of every rank);
+5. ``sum_us``: the fixed-order weighted sum on all SMs, local-HBM bound: read the
+   ``num_tokens x num_topk`` slot rows (and the shared expert's row), write the output
+   (:func:`sim.gemm.reduce_us`).
+
+The device time is 1 + 2 + 3 + 4 + 5; the measured time of back-to-back calls is ``max(device,
+host)`` with ``host_us`` the comm-kernel profile's host floors of the two Python calls
+(``build_schedule``, ``forward``). The comm blocks run the standalone kernels' warp copy loop
+(``warp_copy_row``): their per-SM rate is the comm-kernel profile's (probe curve x in-flight
+factor x row rounds x SM congestion, :func:`sim.model.kernel_rates`), scaled by the fused
+kernel's 12 copy warps per SM (:data:`COMM_WARPS_PER_SM`, 16 in the standalone kernels) and the
+fitted ``comm_rate_factor``. Remote pulls are also capped by the NVLink port (payload plus
+request bytes, all ranks pulling at once). Grid-stride loops over the padded receive rows pay
+their busiest warp (:func:`sim.kernel_rows.busiest_share`).
+
+Not modelled: the down tiles' push-combine stores over NVLink (they ride in the epilogue, whose
+cost is ``tile_fixed_us``), a receive ring smaller than the receive buffer (the benchmark's
+``macrobatch_size = 0`` keeps every minibatch; ring reuse would add back-pressure waits), the
+producer's prefetch across a dependency wait, and clock or power limits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+from sim.config import SimConfig, Workload
+from sim.gemm import reduce_us
+from sim.kernel_rows import WARPS_PER_SM, busiest_share
+from sim.model import kernel_knobs, kernel_rates, layer_kernel_profile
+from sim.phases import schedule_device_us
+from sim.schedule import RoutingPlan
+
+__all__ = [
+    "FusedProfile",
+    "FusedResult",
+    "FUSED_PROFILE_FORMAT",
+    "DEFAULT_FUSED_PROFILE",
+    "load_fused_profile",
+    "fused_layer",
+    "tile_order",
+    "kblock_us",
+    "COMM_WARPS_PER_SM",
+    "TILE_M",
+    "TILE_N",
+    "TILE_K",
+    "STAGE_BYTES",
+]
+
+FUSED_PROFILE_FORMAT = "mok-fused-profile/1"
+DEFAULT_FUSED_PROFILE = "mok-fused-h200x2"
+# csrc/layer.cuh: 128 x 256 tiles, K = 64 per pipeline stage, 384 threads per block
+TILE_M, TILE_N, TILE_K = 128, 256, 64
+STAGE_BYTES = (TILE_M + TILE_N) * TILE_K * 2  # A and B boxes of one k-block (kStageBytes)
+COMM_WARPS_PER_SM = 12  # kLayerThreads = 384: one row per warp (standalone kernels: 16)
+_KIND_SHARED_GU, _KIND_SHARED_DN, _KIND_GU, _KIND_DN = range(4)
+
+
+@dataclass(frozen=True)
+class FusedProfile:
+    """Fused-kernel knobs (units in the names); the comm side and the fixed per-call costs come
+    from the comm-kernel profile ``comm_profile`` (:mod:`sim.kernel_profile`)."""
+
+    topology: str = "h200x2"
+    # comm-kernel profile (name under sim/profiles or a path): copy-loop rates, schedule kernel,
+    # launch (call_fixed_us) and host floors
+    comm_profile: str = "mok-comm-h200x2"
+    # one worker's k-loop rate (128 x 256 x 64 wgmma per k-block, wait_group 0 between
+    # k-blocks) / its share of the measured dense bf16 rate (tensor_tflops / num_sms); fitted
+    gemm_efficiency: float = 0.75
+    # us per tile outside the k-loop: SwiGLU / staging epilogue and row stores (the down tiles'
+    # pushes to the home rank), pipeline restart, counter release; fitted
+    tile_fixed_us: float = 0.0
+    # chip-wide ceiling (TB/s) on the workers' operand loads (TMA A + B boxes, 48 KiB per
+    # k-block, through L2); a k-block takes at least W x 48 KiB / this; fitted (inf: none)
+    operand_tbps: float = math.inf
+    # fused comm blocks' per-SM copy rate / the standalone kernel's at equal warps (loaded
+    # memory latency while the GEMMs stream); fitted
+    comm_rate_factor: float = 1.0
+    fit_subset: str = ""  # which rows the fitted values came from
+    source: str = ""
+    assumptions: tuple[str, ...] = ()
+    fit: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for k in ("gemm_efficiency", "operand_tbps", "comm_rate_factor"):
+            if not getattr(self, k) > 0:
+                raise ValueError(f"{k} must be > 0 (found {getattr(self, k)})")
+        if not self.tile_fixed_us >= 0:
+            raise ValueError(f"tile_fixed_us must be >= 0 (found {self.tile_fixed_us})")
+
+    def replace(self, **kw) -> FusedProfile:
+        d = asdict(self)
+        d.update(kw)
+        d["assumptions"] = tuple(d["assumptions"])
+        return FusedProfile(**d)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["assumptions"] = list(self.assumptions)
+        d["operand_tbps"] = None if math.isinf(self.operand_tbps) else self.operand_tbps
+        return {"format": FUSED_PROFILE_FORMAT, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FusedProfile:
+        d = dict(d)
+        fmt = d.pop("format", FUSED_PROFILE_FORMAT)
+        if fmt != FUSED_PROFILE_FORMAT:
+            raise ValueError(
+                f"unsupported fused profile format {fmt!r} (want {FUSED_PROFILE_FORMAT})"
+            )
+        if d.get("operand_tbps") is None:
+            d["operand_tbps"] = math.inf
+        d["assumptions"] = tuple(d.get("assumptions", ()))
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def load_fused_profile(name_or_path: str | Path = DEFAULT_FUSED_PROFILE) -> FusedProfile:
+    """A fused profile by name (``sim/profiles/<name>.json``) or path."""
+    p = Path(str(name_or_path))
+    if not p.suffix:
+        p = Path(str(resources.files("sim") / "profiles")) / f"{name_or_path}.json"
+    try:
+        return FusedProfile.from_dict(json.loads(p.read_text()))
+    except OSError as e:
+        raise ValueError(
+            f"fused profile {str(name_or_path)!r} not found ({e.strerror}); give a name under "
+            f"sim/profiles (e.g. {DEFAULT_FUSED_PROFILE}) or a path to a "
+            f"{FUSED_PROFILE_FORMAT} JSON"
+        ) from None
+
+
+# -- the GEMM tiles -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileOrder:
+    """One rank's tiles in the kernel's order (csrc/layer.cuh TileOrder), as flat arrays."""
+
+    kind: np.ndarray  # [tiles] int64: 0 shared GU, 1 shared DN, 2 GU, 3 DN
+    k_blocks: np.ndarray  # [tiles] int64: K / 64
+    wait_mb: np.ndarray  # [tiles] int64: minibatch whose ready flag a GU tile waits on, else -1
+    wait_group: np.ndarray  # [tiles] int64: row block whose GU tiles a DN tile waits on, else -1
+    group: np.ndarray  # [tiles] int64: row block a GU tile belongs to, else -1
+    num_groups: int
+    num_minibatches: int
+
+    def __len__(self) -> int:
+        return int(self.kind.size)
+
+
+def tile_order(
+    num_rows: int,
+    minibatch_rows: int,
+    num_tokens: int,
+    hidden: int,
+    intermediate: int,
+    shared_intermediate: int,
+    interleave: bool = True,
+) -> TileOrder:
+    """The fixed tile order of one rank: shared gate/up and down over ``ceil(num_tokens / 128)``
+    row blocks, then per minibatch of the ``num_rows`` padded receive rows its gate/up tiles
+    (``intermediate / 128`` per row block, K = hidden) and down tiles (``hidden / 256``, K =
+    intermediate), interleaved ``GU(0), GU(1), DN(0), GU(2), DN(1), ...`` when the ring holds two
+    or more minibatches, else ``GU(0), DN(0), GU(1), ...``. Within a segment tile i is row block
+    i // columns, column block i % columns."""
+    if num_rows % TILE_M or minibatch_rows % TILE_M:
+        raise ValueError(
+            f"num_rows={num_rows} and minibatch_rows={minibatch_rows} must be multiples of {TILE_M}"
+        )
+    n_gu, n_dn = intermediate // 128, hidden // TILE_N
+    shared_rbs = -(-num_tokens // TILE_M) if shared_intermediate else 0
+    n_sgu = shared_intermediate // 128
+    num_mbs = -(-num_rows // minibatch_rows)
+    mb_rbs = [min(minibatch_rows, num_rows - m * minibatch_rows) // TILE_M for m in range(num_mbs)]
+    mb_rb0 = np.concatenate(([0], np.cumsum(mb_rbs)))
+    segs = []  # (kind, first group, row blocks, columns, k_blocks, minibatch)
+    if shared_rbs:
+        segs.append((_KIND_SHARED_GU, 0, shared_rbs, n_sgu, hidden // TILE_K, -1))
+        segs.append((_KIND_SHARED_DN, 0, shared_rbs, n_dn, shared_intermediate // TILE_K, -1))
+
+    def gu(m):
+        return (_KIND_GU, shared_rbs + mb_rb0[m], mb_rbs[m], n_gu, hidden // TILE_K, m)
+
+    def dn(m):
+        return (_KIND_DN, shared_rbs + mb_rb0[m], mb_rbs[m], n_dn, intermediate // TILE_K, m)
+
+    if interleave:
+        routed = [gu(0)] + [s for m in range(1, num_mbs) for s in (gu(m), dn(m - 1))]
+        routed.append(dn(num_mbs - 1))
+    else:
+        routed = [s for m in range(num_mbs) for s in (gu(m), dn(m))]
+    segs += routed if num_mbs else []
+    parts = {k: [] for k in ("kind", "kb", "wait_mb", "wait_group", "group")}
+    for kind, g0, rbs, cols, kb, m in segs:
+        n = rbs * cols
+        grp = g0 + np.arange(n, dtype=np.int64) // cols
+        is_gu = kind in (_KIND_SHARED_GU, _KIND_GU)
+        parts["kind"].append(np.full(n, kind, dtype=np.int64))
+        parts["kb"].append(np.full(n, kb, dtype=np.int64))
+        parts["wait_mb"].append(np.full(n, m if kind == _KIND_GU else -1, dtype=np.int64))
+        parts["wait_group"].append(np.full(n, -1, dtype=np.int64) if is_gu else grp)
+        parts["group"].append(grp if is_gu else np.full(n, -1, dtype=np.int64))
+    cat = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in parts.items()}
+    return TileOrder(
+        cat["kind"],
+        cat["kb"],
+        cat["wait_mb"],
+        cat["wait_group"],
+        cat["group"],
+        shared_rbs + int(mb_rb0[-1]),
+        num_mbs,
+    )
+
+
+def kblock_us(
+    prof: FusedProfile, tflops: float, num_sms: int, workers: int, mean_k_blocks: float
+) -> float:
+    """us per k-block of one worker: its k-loop at ``gemm_efficiency`` of its share of the
+    dense rate (``tflops`` over ``num_sms``), or, if slower, its share of the chip-wide operand
+    ceiling. The ceiling is shared by the workers inside a k-loop (48 KiB per k-block); the
+    others run a tile's fixed part. With tiles of ``mean_k_blocks`` on average, a bound phase
+    then streams ``workers x 48 KiB`` per ``kblock_us + tile_fixed_us / mean_k_blocks``, i.e. its
+    operand bytes / ``operand_tbps`` in all."""
+    flops = 2.0 * TILE_M * TILE_N * TILE_K
+    own = flops / (tflops * 1e6 / num_sms * prof.gemm_efficiency)
+    shared = workers * STAGE_BYTES / (prof.operand_tbps * 1e6) - prof.tile_fixed_us / mean_k_blocks
+    return max(own, shared)
+
+
+@njit(cache=True)
+def _run_tiles(
+    kb, wait_mb, wait_group, group, num_groups, workers, kb_us, tile_us, ready, flag_us
+):  # pragma: no cover - numba
+    """List schedule of the tile order: tile t on worker t % workers, in order; it starts when
+    its worker is free and its dependency is met (``ready[m]`` for a GU tile of minibatch m,
+    the last GU tile of its row block + a GPU-scope flag for a DN tile). Returns (end of the
+    last tile, busy time of the worker that ends last)."""
+    free = np.zeros(workers)
+    busy = np.zeros(workers)
+    done = np.zeros(num_groups)
+    for t in range(kb.size):
+        w = t % workers
+        s = free[w]
+        if wait_mb[t] >= 0:
+            s = max(s, ready[wait_mb[t]])
+        elif wait_group[t] >= 0:
+            s = max(s, done[wait_group[t]] + flag_us)
+        d = kb[t] * kb_us + tile_us
+        free[w] = s + d
+        busy[w] += d
+        g = group[t]
+        if g >= 0 and free[w] > done[g]:
+            done[g] = free[w]
+    last = int(np.argmax(free))
+    return free[last], busy[last]
+
+
+# -- the comm blocks ----------------------------------------------------------------------------
+def _recv_layout(plan: RoutingPlan, d: int) -> np.ndarray:
+    """[padded rows] bool: which receive rows of rank d hold a token row."""
+    mask = np.zeros(int(plan.padded_rows[d]), dtype=bool)
+    mask[plan.pos[plan.dest == d]] = True
+    return mask
+
+
+@dataclass(frozen=True)
+class _Case:
+    """Everything of one (workload, mode, SMs, minibatch) that no fused knob changes."""
+
+    wl: Workload
+    mode: str
+    sms: int
+    orders: tuple[TileOrder, ...]  # per rank
+    # per rank, the comm blocks' phases in order: (remote bytes, local bytes, busiest-warp share,
+    # minibatch it completes or -1, flag latency after it in us)
+    comm: tuple[tuple[tuple[float, float, float, int, float], ...], ...]
+    knob: str
+    sum_us: float
+    schedule_us: float
+    launch_us: float
+    host_us: float
+
+
+@lru_cache(maxsize=16)
+def _plan(
+    model: str, tokens: int, num_ranks: int, topology: str, skew: str
+) -> tuple[Workload, RoutingPlan]:
+    # NOTE: mok.bench layer draws the routing with make_routing(..., seed=tokens_per_rank)
+    wl = Workload(model, tokens, num_ranks, topology, skew, seed=tokens)
+    return wl, RoutingPlan(wl.make_trace(), TILE_M)
+
+
+@lru_cache(maxsize=128)
+def _case(
+    model: str,
+    tokens: int,
+    num_ranks: int,
+    skew: str,
+    mode: str,
+    sms: int,
+    minibatch: int,
+    comm_profile: str,
+    topology: str,
+) -> _Case:
+    wl, plan = _plan(model, tokens, num_ranks, topology, skew)
+    shape, gpu, topo = wl.model_shape, wl.topo.gpu, wl.topo
+    kprof = layer_kernel_profile(comm_profile)
+    cfg = SimConfig(
+        dispatch_mode=mode,
+        num_comm_sms=sms,
+        minibatch_size=minibatch,
+        macrobatch_size=minibatch,
+        mechanism="st",
+        kernel_profile=comm_profile,
+    )
+    knob = kernel_knobs(cfg)["dispatch"]
+    rc = plan.rounds(minibatch)
+    row_bytes = float(shape.hidden * 2)
+    nw = sms * COMM_WARPS_PER_SM
+    f_local, f_remote = (
+        gpu.flag_latency_local_us,
+        gpu.flag_latency_remote_us + topo.switch_hop_latency_us,
+    )
+    # ring: the whole receive buffer (macrobatch_size = 0; capacity at MoKConfig's default
+    # capacity_factor 2), so >= 2 slots and no reuse
+    capacity = (
+        -(-(2 * tokens * shape.num_topk + plan.num_local_experts * (TILE_M - 1)) // TILE_M) * TILE_M
+    )
+    interleave = -(-capacity // minibatch) >= 2
+    orders, comm = [], []
+    for d in range(wl.ep):
+        n_rows = int(plan.padded_rows[d])
+        orders.append(
+            tile_order(
+                n_rows,
+                minibatch,
+                tokens,
+                shape.hidden,
+                shape.intermediate,
+                shape.shared_intermediate,
+                interleave,
+            )
+        )
+        layout = _recv_layout(plan, d)
+        ph = [(0.0, tokens * row_bytes, busiest_share(tokens, nw), -1, f_local + f_remote)]
+        if mode == "dedup_pull":
+            uniq = rc.uniq_first[d].sum(axis=0)
+            remote = int(uniq.sum() - uniq[d])
+            ph.append((remote * row_bytes, 0.0, busiest_share(remote, nw), -1, f_local))
+        for m in range(-(-n_rows // minibatch)):
+            rows = rc.rows[d, m]
+            seg = layout[m * minibatch : (m + 1) * minibatch]
+            share = busiest_share(seg, nw)
+            if mode == "dedup_pull":
+                ph.append((0.0, float(rows.sum()) * row_bytes, share, m, f_local))
+            else:
+                remote = float(rows.sum() - rows[d])
+                ph.append((remote * row_bytes, float(rows[d]) * row_bytes, share, m, f_local))
+        comm.append(tuple(ph))
+    rows_in = tokens * shape.num_topk + (tokens if shape.shared_intermediate else 0)
+    return _Case(
+        wl,
+        mode,
+        sms,
+        tuple(orders),
+        tuple(comm),
+        knob,
+        sum_us=reduce_us(gpu, rows_in, tokens, shape.hidden),
+        schedule_us=schedule_device_us(tokens, kprof),
+        launch_us=kprof.call_fixed_us,
+        host_us=kprof.host_us("schedule") + kprof.host_us("default"),
+    )
+
+
+@dataclass(frozen=True)
+class FusedResult:
+    """Predicted time of one fused layer call and its terms (us; the busiest rank's)."""
+
+    layer_us: float  # what back-to-back calls measure: max(device_us, host_us)
+    device_us: float  # schedule + launch + kernel
+    host_us: float  # host floors of build_schedule + forward
+    # schedule_us, launch_us, first_ready_us (minibatch 0 dispatched), gemm_busy_us (the last
+    # worker's tiles), gemm_stall_us (its waits for dispatch / gate-up tiles), signal_us, sum_us
+    terms: dict[str, float]
+
+
+def _comm_ready(case: _Case, prof: FusedProfile, d: int) -> tuple[np.ndarray, float]:
+    """(ready time of each minibatch, end of the comm blocks) on rank d, us from kernel start."""
+    wl = case.wl
+    gpu, topo = wl.topo.gpu, wl.topo
+    kprof = layer_kernel_profile(prof.comm_profile)
+    scale = COMM_WARPS_PER_SM / WARPS_PER_SM * prof.comm_rate_factor
+    r = kernel_rates(gpu, topo, kprof, case.knob, case.sms, float(wl.model_shape.hidden * 2), scale)
+    a = gpu.protocol["pull"].data_bytes_per_byte + gpu.protocol["pull"].reverse_bytes_per_byte
+    wire = gpu.nvlink_gbps_per_direction * gpu.nvlink_wire_efficiency * 1e3  # bytes per us
+    t = 0.0
+    ready = np.zeros(case.orders[d].num_minibatches)
+    for remote, local, share, m, flag in case.comm[d]:
+        engine = remote / r.pull + local / r.local
+        t += max(engine * share, remote * a / wire) + flag
+        if m >= 0:
+            ready[m] = t
+    return ready, t
+
+
+def _run(case: _Case, prof: FusedProfile) -> FusedResult:
+    gpu = case.wl.topo.gpu
+    workers = gpu.num_sms - case.sms
+    ends, exposed, busy = [], [], []
+    for d, o in enumerate(case.orders):
+        mean_kb = float(o.k_blocks.mean()) if len(o) else 1.0
+        kb_us = kblock_us(prof, gpu.tflops("bf16"), gpu.num_sms, workers, mean_kb)
+        ready, comm_end = _comm_ready(case, prof, d)
+        end, b = _run_tiles(
+            o.k_blocks,
+            o.wait_mb,
+            o.wait_group,
+            o.group,
+            max(o.num_groups, 1),
+            workers,
+            kb_us,
+            prof.tile_fixed_us,
+            ready,
+            gpu.flag_latency_local_us,
+        )
+        ends.append(max(end, comm_end))
+        busy.append(b)
+        exposed.append(float(ready[0]) if o.num_minibatches else 0.0)
+    d = int(np.argmax(ends))
+    f_remote = gpu.flag_latency_remote_us + case.wl.topo.switch_hop_latency_us
+    terms = {
+        "schedule_us": case.schedule_us,
+        "launch_us": case.launch_us,
+        "first_ready_us": exposed[d],
+        "gemm_busy_us": busy[d],
+        "gemm_stall_us": ends[d] - busy[d],
+        "signal_us": f_remote,
+        "sum_us": case.sum_us,
+    }
+    device = case.schedule_us + case.launch_us + ends[d] + f_remote + case.sum_us
+    return FusedResult(max(device, case.host_us), device, case.host_us, terms)
+
+
+def _gpu_sms(prof: FusedProfile) -> int:
+    """SMs of the GPU of the profile's topology."""
+    from sim.topology import get_topology
+
+    return get_topology(prof.topology).gpu.num_sms
+
+
+def fused_layer(
+    model: str,
+    tokens_per_rank: int,
+    num_ranks: int,
+    skew: str,
+    mode: str,
+    num_comm_sms: int,
+    minibatch: int,
+    prof: FusedProfile | None = None,
+) -> FusedResult:
+    """Predicted time of one fused layer forward (``mok.bench layer`` / ``sweep`` row)."""
+    prof = prof or load_fused_profile()
+    if mode not in ("pull", "dedup_pull"):
+        raise ValueError(
+            f"the fused layer pulls its dispatch: mode must be pull or dedup_pull (found {mode!r})"
+        )
+    num_sms = _gpu_sms(prof)
+    if not 1 <= int(num_comm_sms) < num_sms:
+        raise ValueError(
+            f"num_comm_sms={num_comm_sms} must leave GEMM workers: 1 <= num_comm_sms < {num_sms}"
+        )
+    case = _case(
+        model,
+        int(tokens_per_rank),
+        int(num_ranks),
+        skew,
+        mode,
+        int(num_comm_sms),
+        int(minibatch),
+        prof.comm_profile,
+        prof.topology,
+    )
+    return _run(case, prof)

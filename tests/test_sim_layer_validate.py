@@ -1,0 +1,230 @@
+"""mok-sim validate on the fused-layer measurements: metrics on the committed layer CSVs, the
+model's terms, the fitted profile, CLI.
+
+The metric checks recompute every prediction from the committed snapshots of
+``mok/bench/results/h200x2-layer.csv`` and ``h200x2-sweep.csv`` (under ``sim/profiles``) and the
+committed fused profile (CPU only, a few seconds) and pin today's numbers with a small margin,
+so a model change that makes them worse fails here. Fit rows: DeepSeek-V3 and Qwen3-30B-A3B,
+uniform, dedup_pull (:func:`sim.fused_fit.is_fused_fit_row`); the pull rows, Kimi-K2 and
+hot:0.5 are held out.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sim.cli import main
+from sim.fused import (
+    STAGE_BYTES,
+    FusedProfile,
+    _run_tiles,
+    fused_layer,
+    kblock_us,
+    load_fused_profile,
+    tile_order,
+)
+from sim.fused_fit import is_fused_fit_row, objective
+from sim.hardware import load_gpu
+from sim.validate import (
+    read_rows,
+    rerun_spearman,
+    summarise,
+    validate_layer_rows,
+)
+
+PROFILES = Path(__file__).resolve().parents[1] / "sim" / "profiles"
+LAYER = PROFILES / "h200x2-layer-2026-11-30.csv"
+SWEEP = PROFILES / "h200x2-layer-sweep-2026-11-30.csv"
+COMM = PROFILES / "h200x2-comm-2026-11-30.csv"
+
+
+@pytest.fixture(scope="module")
+def both():
+    rows = read_rows(LAYER, SWEEP)
+    recs = validate_layer_rows(rows, load_fused_profile())
+    return rows, recs, summarise(recs)
+
+
+def _stats(recs, **match) -> tuple[int, float, float]:
+    errs = [
+        abs(r["err"])
+        for r in recs
+        if r["status"] == "ok" and all(str(r[k]) == str(v) for k, v in match.items())
+    ]
+    return len(errs), float(np.median(errs)), max(errs)
+
+
+def _group(s, model, skew="uniform"):
+    (g,) = [g for g in s["groups"] if g["model"] == model and g["skew"] == skew]
+    return g
+
+
+def test_layer_metrics_all_and_holdout(both):
+    """Today: validation (16 rows) median 1.2 %, max 7.1 %; fit (14) 0.5 % / 4.6 %."""
+    _, recs, s = both
+    assert s["by_status"] == {"ok": 30, "baseline": 12}  # NCCL and mok-unfused: baselines
+    v, f, a = s["validation"], s["fit"], s["all"]
+    assert (v["n"], f["n"], a["n"]) == (16, 14, 30)
+    assert v["median_abs_err"] <= 0.014 and v["max_abs_err"] <= 0.075
+    assert f["median_abs_err"] <= 0.006 and f["max_abs_err"] <= 0.05
+    assert a["median_abs_err"] <= 0.013 and a["max_abs_err"] <= 0.075
+    # held out by mode, shape and skew
+    n, med, mx = _stats(recs, mode="pull")
+    assert n == 12 and med <= 0.018 and mx <= 0.075  # worst: Qwen3 pull 8 SMs mb 2048, -7.1 %
+    n, _, mx = _stats(recs, model="kimi-k2")
+    assert n == 2 and mx <= 0.05  # uniform -4.7 %, hot:0.5 +1.3 %
+    n, _, mx = _stats(recs, skew="hot:0.5")
+    assert n == 3 and mx <= 0.03
+    assert s["targets"]["median_abs_err"] and s["targets"]["max_abs_err"]
+
+
+def test_ranking_and_measured_noise(both):
+    """Qwen3's 12 configurations span 23 % and rank well; DeepSeek-V3's span 7.4 %, two thirds
+    of their p20-p80 bands overlap and the one repeated configuration differs by 4.5 % between
+    the two runs: its ranking is noise-limited (targets missed there, by design of the data)."""
+    _, recs, s = both
+    qw, ds = _group(s, "qwen3-30b-a3b"), _group(s, "deepseek-v3")
+    assert qw["configs"] == ds["configs"] == 12
+    assert qw["spearman"] >= 0.93 and qw["gap"] <= 0.005  # 0.944, 0.0 %
+    assert qw["spread"] >= 0.2 and qw["band_overlap"] <= 0.4  # 23.2 %, 33 %
+    assert ds["spread"] <= 0.08 and ds["band_overlap"] >= 0.6  # 7.4 %, 64 %
+    assert ds["spearman"] >= 0.1 and ds["gap"] <= 0.055  # 0.151, 5.0 %
+    rep = [
+        r["measured_us"]
+        for r in recs
+        if r["model"] == "deepseek-v3"
+        and r["skew"] == "uniform"
+        and r["impl"] == "mok-fused"
+        and (r["mode"], r["sms"], r["minibatch"]) == ("dedup_pull", "16", "4096")
+    ]
+    assert len(rep) == 2 and max(rep) / min(rep) - 1 == pytest.approx(0.0449, abs=1e-3)
+    # even 1 % of per-config noise caps the run-vs-run Spearman of the DeepSeek-V3 sweep
+    meas = [
+        r["measured_us"] for r in recs if r["source"] == SWEEP.name and r["model"] == ds["model"]
+    ]
+    assert rerun_spearman(meas, 0.01, draws=400)[0] < 0.7
+    assert not s["targets"]["spearman"] and not s["targets"]["gap"]
+
+
+def test_layer_csv_alone_lists_baselines(capsys):
+    assert main(["validate", str(LAYER), "--rows"]) == 0
+    out = capsys.readouterr().out
+    assert "baselines (measured, not predicted" in out and "targets" in out
+    # the fused speedups over NCCL, measured vs predicted, from the same run
+    assert "nccl:a2a" in out and "measured 1.46x" in out  # DeepSeek-V3 uniform
+    recs = validate_layer_rows(read_rows(LAYER), load_fused_profile())
+    s = summarise(recs)
+    assert s["fit"]["n"] == 2 and s["validation"]["n"] == 4
+    assert any("torch._grouped_mm" in b for b in s["baselines"])
+
+
+def test_cli_validate_layer_and_sweep(tmp_path, capsys):
+    out_csv, out_png = tmp_path / "pred.csv", tmp_path / "pred.png"
+    rc = main(["validate", str(LAYER), str(SWEEP), "--csv", str(out_csv), "--plot", str(out_png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "fused-layer model" in text and "spearman" in text and "spread" in text
+    with open(out_csv, newline="") as f:
+        got = list(csv.DictReader(f))
+    assert len(got) == 42 and {"predicted_us", "sum_us", "first_ready_us", "source"} <= set(got[0])
+    assert out_png.stat().st_size > 0
+    assert main(["validate", str(LAYER), str(COMM)]) == 2
+    assert "mix of layer CSVs" in capsys.readouterr().err
+
+
+def test_tile_order_follows_the_kernel():
+    """5 row blocks in minibatches of 2, 2, 1; shared expert over 2 row blocks; interleaved
+    GU(0), GU(1), DN(0), GU(2), DN(1), DN(2) after shared GU and shared DN."""
+    o = tile_order(640, 256, 200, hidden=512, intermediate=256, shared_intermediate=128)
+    # (kind, row blocks x columns): shared GU 2x1, shared DN 2x2, GU 2x2, 2x2, DN 2x2, GU 1x2,
+    # DN 2x2, DN 1x2
+    runs = [(0, 2), (1, 4), (2, 4), (2, 4), (3, 4), (2, 2), (3, 4), (3, 2)]
+    kinds = np.concatenate([np.full(n, k) for k, n in runs])
+    np.testing.assert_array_equal(o.kind, kinds)
+    assert o.num_minibatches == 3 and o.num_groups == 2 + 5
+    np.testing.assert_array_equal(o.k_blocks[:6], [8, 8, 2, 2, 2, 2])  # K = hidden, then Is
+    gu = o.kind == 2
+    np.testing.assert_array_equal(o.wait_mb[gu], [0] * 4 + [1] * 4 + [2] * 2)
+    np.testing.assert_array_equal(o.group[gu], [2, 2, 3, 3, 4, 4, 5, 5, 6, 6])
+    dn = o.kind == 3
+    np.testing.assert_array_equal(o.wait_group[dn], [2, 2, 3, 3, 4, 4, 5, 5, 6, 6])
+    np.testing.assert_array_equal(o.k_blocks[dn], np.full(10, 4))  # K = intermediate
+    assert np.all(o.wait_mb[~gu] == -1)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        tile_order(600, 256, 200, 512, 256, 128)
+
+
+def test_tile_schedule_and_kblock_terms():
+    """Tile t runs on worker t % W once its dependency is met; a k-block takes the worker's
+    own rate or its share of the operand ceiling, whichever is slower."""
+    gpu = load_gpu("h200")
+    prof = FusedProfile(gemm_efficiency=0.5, tile_fixed_us=2.0, operand_tbps=math.inf)
+    own = 2 * 128 * 256 * 64 / (gpu.tflops("bf16") * 1e6 / gpu.num_sms * 0.5)
+    assert kblock_us(prof, gpu.tflops("bf16"), gpu.num_sms, 116, 10.0) == pytest.approx(own)
+    capped = prof.replace(operand_tbps=1.0)
+    shared = 116 * STAGE_BYTES / 1e6 - 2.0 / 10.0
+    assert kblock_us(capped, gpu.tflops("bf16"), gpu.num_sms, 116, 10.0) == pytest.approx(shared)
+    # 2 workers; tiles: GU of minibatch 0 (ready at 5 us) x2, then a DN tile waiting for both
+    i64 = np.int64
+    kb = np.array([1, 1, 1], dtype=i64)
+    wait_mb = np.array([0, 0, -1], dtype=i64)
+    wait_group = np.array([-1, -1, 0], dtype=i64)
+    group = np.array([0, 0, -1], dtype=i64)
+    end, busy = _run_tiles(kb, wait_mb, wait_group, group, 1, 2, 3.0, 1.0, np.array([5.0]), 0.5)
+    # GU tiles 5..9 on workers 0 and 1; DN on worker 0 from 9 + 0.5 to 13.5
+    assert (end, busy) == (pytest.approx(13.5), pytest.approx(8.0))
+
+
+def test_fused_layer_sum_and_fixed_terms():
+    """The final weighted sum reads num_tokens x (top-k + shared) slot rows and writes one row
+    per token at the device-copy rate; schedule and launch come from the comm profile."""
+    prof = load_fused_profile()
+    gpu = load_gpu("h200")
+    r = fused_layer("deepseek-v3", 4096, 2, "uniform", "dedup_pull", 16, 4096, prof)
+    traffic = (4096 * 8 + 4096 + 4096) * 7168 * 2
+    assert r.terms["sum_us"] == pytest.approx(traffic / (2 * gpu.hbm_copy_gbps * 1e3))
+    assert r.terms["schedule_us"] == r.terms["launch_us"] == 32.0
+    assert r.layer_us == r.device_us > r.host_us  # device-bound, like every measured row
+    parts = ("schedule_us", "launch_us", "gemm_busy_us", "gemm_stall_us", "signal_us", "sum_us")
+    assert r.device_us == pytest.approx(sum(r.terms[k] for k in parts))
+    # DeepSeek-V3: the dedup pull hides under the shared expert at 16 SMs
+    assert r.terms["gemm_stall_us"] == 0.0 and r.terms["first_ready_us"] > 0
+    # Qwen3 has no shared expert: the first minibatch's dispatch is exposed
+    q = fused_layer("qwen3-30b-a3b", 4096, 2, "uniform", "dedup_pull", 16, 4096, prof)
+    assert q.terms["gemm_stall_us"] >= q.terms["first_ready_us"] > 0
+    with pytest.raises(ValueError, match="mode must be pull or dedup_pull"):
+        fused_layer("deepseek-v3", 4096, 2, "uniform", "push", 16, 4096, prof)
+    with pytest.raises(ValueError, match="must leave GEMM workers"):
+        fused_layer("deepseek-v3", 4096, 2, "uniform", "pull", 132, 4096, prof)
+
+
+def test_committed_profile_is_a_local_fit_minimum():
+    """The committed knobs minimise the fit objective on the fit rows against a step of each
+    knob (the full search, ``mok-sim validate --refit``, takes about a minute)."""
+    prof = load_fused_profile()
+    fit = [r for r in read_rows(LAYER, SWEEP) if is_fused_fit_row(r)]
+    assert len(fit) == 14
+    best = objective(fit, prof)
+    assert best == pytest.approx(prof.fit["objective"], abs=1e-4)
+    steps = {"gemm_efficiency": 0.01, "tile_fixed_us": 0.25, "operand_tbps": 0.05}
+    steps["comm_rate_factor"] = 0.02
+    for k, d in steps.items():
+        for sign in (-1, 1):
+            assert objective(fit, prof.replace(**{k: getattr(prof, k) + sign * d})) >= best
+
+
+def test_fused_profile_round_trip_and_errors(tmp_path):
+    prof = load_fused_profile()
+    p = tmp_path / "f.json"
+    prof.save(p)
+    assert load_fused_profile(p) == prof
+    assert all(k.split(":")[0] for k in prof.assumptions)
+    with pytest.raises(ValueError, match="gemm_efficiency must be > 0"):
+        FusedProfile(gemm_efficiency=0.0)
+    with pytest.raises(ValueError, match="not found"):
+        load_fused_profile("no-such-profile")
