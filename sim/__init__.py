@@ -29,7 +29,8 @@ Layout (one concept per module):
   :mod:`sim.validate` (fit / validation split, errors, Spearman, chosen-vs-best gap, report).
 * The fused layer kernel against measurements (``mok-sim validate`` on layer CSVs):
   :mod:`sim.fused` (comm blocks, the GEMM tile order as a list schedule over the compute SMs,
-  the final sum; knobs in ``sim/profiles/mok-fused-h200x2.json``) and :mod:`sim.fused_fit`.
+  the final sum; knobs in ``sim/profiles/mok-fused-h200x2.json``), :mod:`sim.fused_fit` and
+  :mod:`sim.fused_tune` (``mok-sim tune --fused``).
 
 The model, per layer forward:
 

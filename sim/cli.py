@@ -5,6 +5,7 @@ mok-sim compare --shape kimi-k2 --ep 64 --topology gb300-nvl72 --skew zipf:1.2
 mok-sim sweep --ep 8 --topology hgx-h200 --sms 8,16,24,32 --minibatch 2048,4096 --out s.csv
 mok-sim tune --ep 8 --topology hgx-h200 --emit-config mok-config.json
 mok-sim tune --ep 8 --topology hgx-h200 --kernel-profile mok-comm-h200x2   # measured kernels
+mok-sim tune --fused --shape qwen3-30b-a3b --emit-config fused.json          # the fused layer
 mok-sim trace --ep 8 --topology hgx-h200 --out trace.json
 mok-sim calibrate probe.json --out h200.json
 mok-sim validate mok/bench/results/h200x2-comm.csv --csv pred.csv --plot pred.png
@@ -206,6 +207,13 @@ def _cmd_sweep(a) -> int:
 
 
 def _cmd_tune(a) -> int:
+    if a.fused:
+        return _tune_fused(a)
+    a.topology, a.ep = a.topology or "hgx-h200", a.ep or 8
+    return _tune_unfused(a)
+
+
+def _tune_unfused(a, fused_unsupported: list[str] | None = None) -> int:
     from sim.model import simulate
     from sim.sweep import tune, tune_document, write_json
 
@@ -215,8 +223,13 @@ def _cmd_tune(a) -> int:
         space["num_comm_sms"] = _ints(a.sms)
     if a.minibatch:
         space["minibatch_size"] = _ints(a.minibatch)
+    if a.dispatch:
+        space["dispatch_mode"] = _strs(a.dispatch)
     cfg, rows = tune(wl, space, jobs=a.jobs, progress=not a.quiet, base=base)
     doc = tune_document(wl, cfg, simulate(wl, cfg))
+    if fused_unsupported:
+        doc["workload"]["layer"] = "unfused"
+        doc["workload"]["fused_unsupported"] = fused_unsupported
     text = json.dumps(doc, indent=1)
     print(text)
     print(
@@ -230,6 +243,55 @@ def _cmd_tune(a) -> int:
     if a.emit_config:
         write_json(doc, a.emit_config)
         print(f"wrote {a.emit_config}")
+    return 0
+
+
+def _tune_fused(a) -> int:
+    from sim.fused import load_fused_profile
+    from sim.fused_tune import format_fused_table, fused_limits, fused_tune_document, tune_fused
+    from sim.sweep import write_json
+    from sim.topology import get_topology
+
+    prof = load_fused_profile(a.fused_profile)
+    ptopo = get_topology(prof.topology)
+    # default workload: the fused profile's own machine (h200x2: EP2)
+    a.ep = a.ep or (ptopo.num_gpus if a.topology is None else 8)
+    a.topology = a.topology or prof.topology
+    wl = _workload(a)
+    why = fused_limits(wl, prof, a.dtype, a.row_tile)
+    if why:
+        print(
+            "mok-sim tune --fused: the fused layer does not apply to "
+            f"{wl.label()}:\n  - " + "\n  - ".join(why) + "\ntuning the unfused layer instead "
+            "(communication kernels + grouped GEMM: run it with moe_forward(..., fused=False))",
+            file=sys.stderr,
+        )
+        return _tune_unfused(a, fused_unsupported=why)
+    if a.topology != prof.topology or a.ep != ptopo.num_gpus:
+        print(
+            f"note: the fused profile {a.fused_profile} was fitted at EP{ptopo.num_gpus} on "
+            f"{prof.topology}; EP{a.ep} on {a.topology} extrapolates it (same GPU)",
+            file=sys.stderr,
+        )
+    space = {}
+    if a.sms:
+        space["num_comm_sms"] = _ints(a.sms)
+    if a.minibatch:
+        space["minibatch_size"] = _ints(a.minibatch)
+    if a.dispatch:
+        space["dispatch_mode"] = _strs(a.dispatch)
+    rows = tune_fused(wl, prof, space)
+    title = (
+        f"fused layer, {wl.label()} (routing seed {wl.tokens_per_rank}), profile "
+        f"{a.fused_profile}: best {min(a.top, len(rows))} of {len(rows)} configs, combine push, "
+        "row tile 128, macrobatch 0 (whole receive buffer)"
+    )
+    print(format_fused_table(rows, a.top, title))
+    doc = fused_tune_document(wl, rows[0], prof, str(a.fused_profile), len(rows))
+    print(json.dumps(doc, indent=1))
+    if a.emit_config:
+        write_json(doc, a.emit_config)
+        print(f"wrote {a.emit_config} (run it with moe_forward(..., fused=True))")
     return 0
 
 
@@ -381,14 +443,47 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--heatmap", help="PNG heatmap of comm SMs x minibatch")
     s.add_argument("--quiet", action="store_true")
 
-    t = sub.add_parser("tune", help="best config for a workload, as mok-config/1 JSON")
+    t = sub.add_parser(
+        "tune",
+        help="best config for a workload, as mok-config/1 JSON",
+        description="Search the config space of one MoE layer forward and print the best "
+        "config as mok-config/1 JSON (mok.MoKConfig.from_json loads --emit-config). Default: "
+        "the unfused layer (communication kernels + grouped GEMM, moe_forward(..., "
+        "fused=False)) with the layer model; topology hgx-h200, EP8. --fused: the fused layer "
+        "(one kernel, moe_forward(..., fused=True)) with the fused model (sim/fused.py, "
+        "--fused-profile): dispatch pull|dedup_pull x comm SMs x minibatch, combine push, row "
+        "tile 128, macrobatch 0 (the whole receive buffer, as the model was fitted); topology "
+        "and EP default to the profile's (h200x2, EP2). It prints the best --top configs. "
+        "Where the fused layer does not apply (hidden %% 256, intermediate %% 128, bf16 only, "
+        "a GPU the profile was not fitted on, EP across NVLink domains) it says why and tunes "
+        "the unfused layer instead.",
+    )
     _add_workload(t)
     _add_config(t, single=False)
+    t.set_defaults(topology=None, ep=None)  # resolved per layer: see the description
     t.add_argument("--sms", help="comm SMs to try (default 8,16,24,32,48)")
     t.add_argument("--minibatch", help="minibatch sizes to try (default 1024..8192)")
+    t.add_argument(
+        "--dispatch", help="dispatch modes to try (default: all; with --fused pull,dedup_pull)"
+    )
     t.add_argument("--emit-config", help="write the JSON here (mok.MoKConfig.from_json)")
-    t.add_argument("--jobs", type=int, default=None)
+    t.add_argument("--jobs", type=int, default=None, help="worker processes (unfused model)")
     t.add_argument("--quiet", action="store_true")
+    f = t.add_argument_group("fused layer")
+    f.add_argument(
+        "--fused",
+        action="store_true",
+        help="tune the fused layer with the fused model (routing seed = tokens, as mok.bench "
+        "layer draws it; --seed, --mechanism, --granularity and --kernel-profile apply to the "
+        "unfused model only)",
+    )
+    f.add_argument(
+        "--fused-profile",
+        metavar="NAME|PATH",
+        default="mok-fused-h200x2",
+        help="fused-layer profile name under sim/profiles or a JSON path",
+    )
+    f.add_argument("--top", type=int, default=5, help="with --fused: rows of the table")
 
     tr = sub.add_parser("trace", help="Chrome trace (Perfetto) of one run")
     _add_workload(tr)

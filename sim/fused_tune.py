@@ -1,0 +1,279 @@
+"""``mok-sim tune --fused``: the best fused-layer config for one workload, by the fused model.
+
+The fused layer (``csrc/layer.cuh``, :func:`mok.functional.moe_forward` with ``fused=True``) has
+a smaller config space than the communication kernels: dispatch ``pull`` or ``dedup_pull``, the
+push combine in the down tiles' epilogue, row tile 128. The tuner searches dispatch mode x
+communication SMs x minibatch with :func:`sim.fused.fused_layer` and ranks by predicted layer
+time. ``macrobatch_size`` is not searched: the model (like ``mok.bench layer`` / ``sweep``, the
+rows it was fitted on) keeps the whole receive buffer as the ring (``macrobatch_size = 0``), so
+that is what the emitted config asks for.
+
+:func:`fused_limits` lists what rules the fused layer (or its fitted model) out for a workload:
+the caller falls back to the unfused layer model (:func:`sim.sweep.tune`).
+:func:`pick_on_measured` replays the tuner on measured sweep groups, restricted to their grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+from sim.config import Workload
+from sim.fused import FusedProfile, fused_layer
+from sim.topology import get_topology
+
+__all__ = [
+    "FUSED_TUNE_SPACE",
+    "FUSED_ROW_TILE",
+    "fused_limits",
+    "fused_space",
+    "tune_fused",
+    "fused_mok_config",
+    "fused_tune_document",
+    "format_fused_table",
+    "pick_on_measured",
+]
+
+# NOTE: mirrors mok.functional's _FUSED_* tiles (csrc/layer.cuh: 128 receive rows, 256 down
+# columns, 128 SwiGLU columns); sim does not import mok.functional (torch).
+FUSED_ROW_TILE, FUSED_HIDDEN_TILE, FUSED_INTER_TILE = 128, 256, 128
+FUSED_DISPATCH_MODES = ("pull", "dedup_pull")
+
+FUSED_TUNE_SPACE = {
+    "dispatch_mode": FUSED_DISPATCH_MODES,
+    "num_comm_sms": (8, 16, 24, 32, 48),
+    "minibatch_size": (1024, 2048, 4096, 8192),
+}
+
+_TERMS = (
+    "schedule_us",
+    "launch_us",
+    "first_ready_us",
+    "gemm_busy_us",
+    "gemm_stall_us",
+    "signal_us",
+    "sum_us",
+)
+
+
+def _profile_for(wl: Workload, prof: FusedProfile) -> FusedProfile:
+    """``prof`` on the workload's topology (the knobs stay; only the fabric and EP change)."""
+    return prof if wl.topology == prof.topology else prof.replace(topology=wl.topology)
+
+
+def fused_limits(
+    wl: Workload, prof: FusedProfile, dtype: str = "bf16", row_tile: int = FUSED_ROW_TILE
+) -> list[str]:
+    """Why the fused layer, or the fused model fitted in ``prof``, does not apply to ``wl``
+    (empty: it applies). Mirrors ``mok.functional._check_fused`` where the simulator can."""
+    why = []
+    topo, ptopo = wl.topo, get_topology(prof.topology)
+    if topo.gpu_name != ptopo.gpu_name:
+        why.append(
+            f"the fused profile was fitted on {ptopo.gpu_name} (topology {ptopo.name}) and "
+            f"{topo.name} has {topo.gpu_name}; the fused layer has a Hopper (sm_90a) path only, "
+            "and another Hopper GPU needs a fused profile fitted on it (--fused-profile)"
+        )
+    if wl.ep > topo.gpus_per_domain:
+        why.append(
+            f"EP{wl.ep} spans {-(-wl.ep // topo.gpus_per_domain)} NVLink domains of {topo.name}; "
+            "the fused layer reaches its peers over NVLink only"
+        )
+    s = wl.model_shape
+    if s.hidden % FUSED_HIDDEN_TILE:
+        why.append(
+            f"{s.name}: the fused layer needs hidden % {FUSED_HIDDEN_TILE} == 0 "
+            f"(found hidden={s.hidden})"
+        )
+    for name, n in (
+        ("intermediate", s.intermediate),
+        ("shared intermediate", s.shared_intermediate),
+    ):
+        if n % FUSED_INTER_TILE:
+            why.append(
+                f"{s.name}: the fused layer needs {name} % {FUSED_INTER_TILE} == 0 (found {n})"
+            )
+    if dtype != "bf16":
+        why.append(f"the fused layer runs bf16 tokens (found --dtype {dtype})")
+    if row_tile != FUSED_ROW_TILE:
+        why.append(f"the fused layer needs row_tile={FUSED_ROW_TILE} (found {row_tile})")
+    return why
+
+
+def fused_space(space: dict | None, num_sms: int) -> dict:
+    """:data:`FUSED_TUNE_SPACE` updated with ``space``, checked against the fused layer's limits
+    (``1 <= num_comm_sms < num_sms``, minibatch a multiple of the 128-row tile). The default comm
+    SMs that leave no GEMM worker are dropped; given ones raise."""
+    given = dict(space or {})
+    out = dict(FUSED_TUNE_SPACE, **given)
+    bad = [m for m in out["dispatch_mode"] if m not in FUSED_DISPATCH_MODES]
+    if bad:
+        raise ValueError(
+            f"the fused layer pulls its dispatch: dispatch modes {bad} are not supported "
+            f"(supported: {', '.join(FUSED_DISPATCH_MODES)})"
+        )
+    sms = [int(n) for n in out["num_comm_sms"]]
+    if "num_comm_sms" in given:
+        bad = [n for n in sms if not 1 <= n < num_sms]
+        if bad:
+            raise ValueError(
+                f"comm SMs {bad} leave no GEMM workers: the fused layer needs "
+                f"1 <= num_comm_sms < {num_sms}"
+            )
+    out["num_comm_sms"] = tuple(n for n in sms if 1 <= n < num_sms)
+    bad = [m for m in out["minibatch_size"] if m < FUSED_ROW_TILE or m % FUSED_ROW_TILE]
+    if bad:
+        raise ValueError(
+            f"minibatch sizes {bad} are not positive multiples of the fused layer's "
+            f"{FUSED_ROW_TILE}-row tile"
+        )
+    if not all(out[k] for k in FUSED_TUNE_SPACE):
+        raise ValueError(f"empty fused search space: {out}")
+    return out
+
+
+def _key(row: dict) -> tuple:
+    # best layer time; on a tie (host-bound, or the GEMMs hide the dispatch in several
+    # configs), the lower device time, then the earlier first minibatch (more slack before a
+    # gate/up tile would wait), fewer comm SMs, the smaller minibatch, pull before dedup_pull
+    return (
+        row["layer_us"],
+        row["device_us"],
+        row["first_ready_us"],
+        row["num_comm_sms"],
+        row["minibatch_size"],
+        FUSED_DISPATCH_MODES.index(row["dispatch_mode"]),
+    )
+
+
+def _row(wl: Workload, prof: FusedProfile, mode: str, sms: int, minibatch: int) -> dict:
+    r = fused_layer(
+        wl.shape, wl.tokens_per_rank, wl.ep, wl.skew, mode, sms, minibatch, _profile_for(wl, prof)
+    )
+    return {
+        "dispatch_mode": mode,
+        "combine_mode": "push",
+        "num_comm_sms": int(sms),
+        "minibatch_size": int(minibatch),
+        "macrobatch_size": 0,
+        "layer_us": r.layer_us,
+        "device_us": r.device_us,
+        "host_us": r.host_us,
+        **{k: r.terms[k] for k in _TERMS},
+    }
+
+
+def tune_fused(wl: Workload, prof: FusedProfile, space: dict | None = None) -> list[dict]:
+    """Every config of the fused space (:func:`fused_space`) on ``wl``, predicted by the fused
+    model, best first. Raises ValueError if :func:`fused_limits` is not empty."""
+    why = fused_limits(wl, prof)
+    if why:
+        raise ValueError("the fused model does not apply: " + "; ".join(why))
+    sp = fused_space(space, wl.topo.gpu.num_sms)
+    rows = [
+        _row(wl, prof, m, n, mb)
+        for m in sp["dispatch_mode"]
+        for n in sp["num_comm_sms"]
+        for mb in sp["minibatch_size"]
+    ]
+    return sorted(rows, key=_key)
+
+
+def fused_mok_config(row: dict) -> dict:
+    """The ``mok.MoKConfig`` fields of a tuner row."""
+    return {
+        "dispatch_mode": row["dispatch_mode"],
+        "combine_mode": "push",
+        "num_comm_sms": row["num_comm_sms"],
+        # NOTE: the fused layer is forward only; the backward keeps the forward's split.
+        "num_comm_sms_bwd": row["num_comm_sms"],
+        "minibatch_size": row["minibatch_size"],
+        "macrobatch_size": row["macrobatch_size"],
+        "row_tile": FUSED_ROW_TILE,
+    }
+
+
+def fused_tune_document(
+    wl: Workload, row: dict, prof: FusedProfile, profile_name: str, searched: int
+) -> dict:
+    """The JSON that ``mok.MoKConfig.from_json`` loads (``mok-config/1``) for a fused pick."""
+    from sim.sweep import CONFIG_FORMAT
+
+    s = wl.model_shape
+    return {
+        "format": CONFIG_FORMAT,
+        "config": fused_mok_config(row),
+        "workload": {
+            # NOTE: the fused model draws the routing as mok.bench layer does: seed = tokens
+            **replace(wl, seed=wl.tokens_per_rank).to_dict(),
+            "gpu": wl.topo.gpu_name,
+            "num_experts": s.num_experts,
+            "hidden": s.hidden,
+            "intermediate": s.intermediate,
+            "shared_intermediate": s.shared_intermediate,
+            "num_topk": s.num_topk,
+            "dtype": "bf16",
+            "simulated_pass": "forward",
+            "layer": "fused",
+            "fused_profile": profile_name,
+            "fused_profile_topology": prof.topology,
+            "comm_profile": prof.comm_profile,
+            "configs_searched": searched,
+        },
+        "predicted_us": round(row["layer_us"], 3),
+        "breakdown": {k: round(row[k], 3) for k in ("device_us", "host_us", *_TERMS)},
+    }
+
+
+def format_fused_table(rows: Sequence[dict], top: int = 5, title: str = "") -> str:
+    """The ``top`` best tuner rows as a text table (first row is the reference)."""
+    head = (
+        f"{'#':>2} {'dispatch':<11}{'sms':>4}{'minibatch':>10}{'layer us':>10}{'vs best':>9}"
+        f"{'1st ready':>10}{'gemm':>9}{'stall':>8}{'sum':>7}"
+    )
+    lines = ([title] if title else []) + [head, "-" * len(head)]
+    ref = rows[0]["layer_us"]
+    for i, r in enumerate(rows[:top], 1):
+        lines.append(
+            f"{i:>2} {r['dispatch_mode']:<11}{r['num_comm_sms']:>4}{r['minibatch_size']:>10}"
+            f"{r['layer_us']:>10.1f}{100 * (r['layer_us'] / ref - 1):>+8.1f}%"
+            f"{r['first_ready_us']:>10.1f}{r['gemm_busy_us']:>9.1f}{r['gemm_stall_us']:>8.1f}"
+            f"{r['sum_us']:>7.1f}"
+        )
+    return "\n".join(lines)
+
+
+def pick_on_measured(measured: Iterable[dict], prof: FusedProfile) -> list[dict]:
+    """The tuner replayed on measured ``mok-fused`` rows (``mok.bench layer`` / ``sweep`` CSV
+    rows): per workload group, the config the fused model ranks first among the group's
+    measured configs, its measured time, and the measured best. One record per group."""
+    groups: dict[tuple, dict[tuple, float]] = {}
+    for r in measured:
+        if r.get("impl") != "mok-fused":
+            continue
+        g = (r["model"], int(r["tokens_per_rank"]), int(r.get("num_ranks") or 2), r["skew"])
+        cfg = (r["mode"], int(r["sms"]), int(r["minibatch"]))
+        groups.setdefault(g, {})[cfg] = float(r["median_us"])
+    out = []
+    for (model, tokens, ranks, skew), meas in groups.items():
+        wl = Workload(model, tokens, ranks, prof.topology, skew, seed=tokens)
+        rows = sorted((_row(wl, prof, *c) for c in meas), key=_key)
+        pick = rows[0]
+        pc = (pick["dispatch_mode"], pick["num_comm_sms"], pick["minibatch_size"])
+        best = min(meas, key=meas.get)
+        out.append(
+            {
+                "model": model,
+                "tokens_per_rank": tokens,
+                "num_ranks": ranks,
+                "skew": skew,
+                "configs": len(meas),
+                "picked": "{} {} SMs mb {}".format(*pc),
+                "picked_pred_us": pick["layer_us"],
+                "picked_measured_us": meas[pc],
+                "best": "{} {} SMs mb {}".format(*best),
+                "best_measured_us": meas[best],
+                "gap": meas[pc] / meas[best] - 1,
+            }
+        )
+    return out
