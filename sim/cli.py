@@ -213,11 +213,8 @@ def _cmd_tune(a) -> int:
     return _tune_unfused(a)
 
 
-def _tune_unfused(a, fused_unsupported: list[str] | None = None) -> int:
-    from sim.model import simulate
-    from sim.sweep import tune, tune_document, write_json
-
-    wl, base = _workload(a), _base_config(a, single=False)
+def _tune_space(a) -> dict[str, list]:
+    """The config axes the user narrowed with --sms / --minibatch / --dispatch."""
     space = {}
     if a.sms:
         space["num_comm_sms"] = _ints(a.sms)
@@ -225,6 +222,15 @@ def _tune_unfused(a, fused_unsupported: list[str] | None = None) -> int:
         space["minibatch_size"] = _ints(a.minibatch)
     if a.dispatch:
         space["dispatch_mode"] = _strs(a.dispatch)
+    return space
+
+
+def _tune_unfused(a, fused_unsupported: list[str] | None = None) -> int:
+    from sim.model import simulate
+    from sim.sweep import tune, tune_document, write_json
+
+    wl, base = _workload(a), _base_config(a, single=False)
+    space = _tune_space(a)
     cfg, rows = tune(wl, space, jobs=a.jobs, progress=not a.quiet, base=base)
     doc = tune_document(wl, cfg, simulate(wl, cfg))
     if fused_unsupported:
@@ -273,13 +279,7 @@ def _tune_fused(a) -> int:
             f"{prof.topology}; EP{a.ep} on {a.topology} extrapolates it (same GPU)",
             file=sys.stderr,
         )
-    space = {}
-    if a.sms:
-        space["num_comm_sms"] = _ints(a.sms)
-    if a.minibatch:
-        space["minibatch_size"] = _ints(a.minibatch)
-    if a.dispatch:
-        space["dispatch_mode"] = _strs(a.dispatch)
+    space = _tune_space(a)
     rows = tune_fused(wl, prof, space)
     title = (
         f"fused layer, {wl.label()} (routing seed {wl.tokens_per_rank}), profile "

@@ -512,3 +512,17 @@ def fused_layer(
         prof.topology,
     )
     return _run(case, prof)
+
+
+def fused_row(row: dict, prof: FusedProfile | None = None) -> FusedResult:
+    """:func:`fused_layer` for one row of a ``mok.bench layer`` / ``sweep`` CSV."""
+    return fused_layer(
+        row["model"],
+        int(row["tokens_per_rank"]),
+        int(row.get("num_ranks") or 2),
+        row["skew"],
+        row["mode"],
+        int(row["sms"]),
+        int(row["minibatch"]),
+        prof,
+    )

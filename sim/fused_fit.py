@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from sim.fused import FusedProfile, fused_layer
+from sim.fused import FusedProfile, fused_row
 
 __all__ = ["FUSED_FIT_MODELS", "is_fused_fit_row", "fit_fused_profile", "objective", "FIT_SUBSET"]
 
@@ -63,16 +63,7 @@ def is_fused_fit_row(row: dict) -> bool:
 
 
 def _predict(row: dict, prof: FusedProfile) -> float:
-    return fused_layer(
-        row["model"],
-        int(row["tokens_per_rank"]),
-        int(row.get("num_ranks") or 2),
-        row["skew"],
-        row["mode"],
-        int(row["sms"]),
-        int(row["minibatch"]),
-        prof,
-    ).layer_us
+    return fused_row(row, prof).layer_us
 
 
 def objective(rows: Iterable[dict], prof: FusedProfile) -> float:

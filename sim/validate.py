@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.fused import FusedProfile, fused_layer
+from sim.fused import FusedProfile, fused_row
 from sim.fused_fit import is_fused_fit_row
 from sim.kernel_fit import fit_kernel_profile
 from sim.phases import KernelProfile, predict_row
@@ -176,16 +176,7 @@ def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:
             out.append(rec)
             continue
         try:
-            res = fused_layer(
-                row["model"],
-                int(row["tokens_per_rank"]),
-                int(row.get("num_ranks") or 2),
-                row["skew"],
-                row["mode"],
-                int(row["sms"]),
-                int(row["minibatch"]),
-                prof,
-            )
+            res = fused_row(row, prof)
         except ValueError as e:  # unknown model / mode, EP that does not divide the experts
             rec["status"], rec["reason"] = "unsupported", str(e)
         else:
