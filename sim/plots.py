@@ -19,6 +19,7 @@ __all__ = [
     "gantt",
     "link_utilisation",
     "sweep_heatmap",
+    "sweep_heatmap_panels",
     "compare_bars",
     "policy_comparison",
     "scaling_summary",
@@ -137,6 +138,85 @@ def sweep_heatmap(
     title = ", ".join(f"{k}={v}" for k, v in where.items()) or "best over other fields"
     ax.set_title(title, fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def sweep_heatmap_panels(
+    rows: Sequence[dict],
+    x: str = "num_comm_sms",
+    y: str = "minibatch_size",
+    value: str = "layer_us",
+    row: str = "model",
+    col: str = "dispatch_mode",
+    measured: Sequence[dict] = (),
+    measured_value: str = "measured_us",
+    vmax_rel: float | None = None,
+) -> Figure:
+    """:func:`sweep_heatmap` panels, one per (``row``, ``col``) value pair, with one colour
+    scale per panel row (capped at ``vmax_rel`` x the row's best when given; lighter is faster).
+    Each panel's best cell is outlined in red. The cells of ``measured`` (records with the same
+    x, y, row and col fields plus ``measured_value``) are outlined in the text colour and show
+    the measured value under the predicted one (``m ...``)."""
+    prows = list(dict.fromkeys(r[row] for r in rows))
+    pcols = list(dict.fromkeys(r[col] for r in rows))
+    xs = sorted({r[x] for r in rows})
+    ys = sorted({r[y] for r in rows})
+    meas = {(m[row], m[col], m[x], m[y]): m[measured_value] for m in measured}
+    fig, axes = plt.subplots(
+        len(prows),
+        len(pcols),
+        figsize=(
+            0.6 + (1.2 + 0.9 * len(xs)) * len(pcols),
+            0.6 + (1.0 + 0.7 * len(ys)) * len(prows),
+        ),
+        squeeze=False,
+        layout="constrained",
+    )
+    for i, pr in enumerate(prows):
+        grids = []
+        for pc in pcols:
+            grid = np.full((len(ys), len(xs)), np.nan)
+            for r in rows:
+                if r[row] == pr and r[col] == pc:
+                    a, b = ys.index(r[y]), xs.index(r[x])
+                    if np.isnan(grid[a, b]) or r[value] < grid[a, b]:
+                        grid[a, b] = r[value]
+            grids.append(grid)
+        lo = np.nanmin(grids)
+        hi = np.nanmax(grids) if vmax_rel is None else min(np.nanmax(grids), vmax_rel * lo)
+        for j, (pc, grid) in enumerate(zip(pcols, grids, strict=True)):
+            ax = axes[i][j]
+            im = ax.imshow(grid, cmap="viridis_r", aspect="auto", vmin=lo, vmax=hi)
+            ax.set_xticks(range(len(xs)))
+            ax.set_xticklabels(xs)
+            ax.set_yticks(range(len(ys)))
+            ax.set_yticklabels(ys)
+            ax.set_xlabel(x)
+            ax.set_ylabel(y)
+            best = np.unravel_index(np.nanargmin(grid), grid.shape)
+            for a in range(len(ys)):
+                for b in range(len(xs)):
+                    if np.isnan(grid[a, b]):
+                        continue
+                    m = meas.get((pr, pc, xs[b], ys[a]))
+                    text = f"{grid[a, b]:.0f}" + (f"\nm {m:.0f}" if m is not None else "")
+                    # black on the light (fast) end of viridis_r, white elsewhere
+                    ink = "k" if grid[a, b] < lo + 0.35 * (hi - lo) else "w"
+                    ax.text(b, a, text, ha="center", va="center", fontsize=7, color=ink)
+                    if m is not None or (a, b) == best:
+                        ax.add_patch(
+                            matplotlib.patches.Rectangle(
+                                (b - 0.46, a - 0.46),
+                                0.92,
+                                0.92,
+                                fill=False,
+                                edgecolor="r" if (a, b) == best else ink,
+                                lw=1.5,
+                            )
+                        )
+            ax.set_title(f"{row}={pr}, {col}={pc}", fontsize=8)
+        capped = hi < np.nanmax(grids)
+        fig.colorbar(im, ax=axes[i].tolist(), label=value, extend="max" if capped else "neither")
     return fig
 
 
