@@ -250,6 +250,19 @@ def _entry(kernel: str) -> str:
     return what
 
 
+def _dedup_pull_combine(name, partials_knob, sum_knob, sum_routine, doc) -> KernelSpec:
+    """The two-launch dedup pull combine: the partials, then the transfer + sum."""
+    return KernelSpec(
+        name,
+        (
+            PhaseSpec(_partials, partials_knob, 0, routine="seg"),
+            PhaseSpec(_dedup_sum, sum_knob, 1, new_launch=True, loop="tokens", routine=sum_routine),
+        ),
+        doc,
+        ("dedup_partials", "dedup_sum"),
+    )
+
+
 def _kernels() -> dict[tuple[str, str, str], KernelSpec]:
     k: dict[tuple[str, str, str], KernelSpec] = {}
     for eng in ("vector", "tma"):
@@ -285,42 +298,24 @@ def _kernels() -> dict[tuple[str, str, str], KernelSpec]:
             f"combine.dedup_pull_sum.{eng}", _dedup_sum, loop="tokens", routine="seg"
         )
         # two launches: the partials then the transfer + sum; both knobs come from the parts
-        k[("combine", "dedup_pull", eng)] = KernelSpec(
+        k[("combine", "dedup_pull", eng)] = _dedup_pull_combine(
             f"combine.dedup_pull.{eng}",
-            (
-                PhaseSpec(_partials, f"combine.dedup_partials.{eng}", 0, routine="seg"),
-                PhaseSpec(
-                    _dedup_sum,
-                    f"combine.dedup_pull_sum.{eng}",
-                    1,
-                    new_launch=True,
-                    loop="tokens",
-                    routine="seg",
-                ),
-            ),
+            f"combine.dedup_partials.{eng}",
+            f"combine.dedup_pull_sum.{eng}",
+            "seg",
             "composite of dedup_partials + dedup_pull_sum: no knob of its own",
-            ("dedup_partials", "dedup_sum"),
         )
     # v3 cp.async gather ring of dedup_sum (16-byte copies: the vector curves, its own knob);
     # the end-to-end dedup pull combine of the grid run used it (engine label "vec+gather")
     k[("combine", "dedup_pull_sum", "gather")] = _one(
         "combine.dedup_pull_sum.gather", _dedup_sum, loop="tokens", routine="sum"
     )
-    k[("combine", "dedup_pull", "vec+gather")] = KernelSpec(
+    k[("combine", "dedup_pull", "vec+gather")] = _dedup_pull_combine(
         "combine.dedup_pull.vec+gather",
-        (
-            PhaseSpec(_partials, "combine.dedup_partials.vector", 0, routine="seg"),
-            PhaseSpec(
-                _dedup_sum,
-                "combine.dedup_pull_sum.gather",
-                1,
-                new_launch=True,
-                loop="tokens",
-                routine="sum",
-            ),
-        ),
+        "combine.dedup_partials.vector",
+        "combine.dedup_pull_sum.gather",
+        "sum",
         "composite of vector dedup_partials + gather dedup_pull_sum: no knob of its own",
-        ("dedup_partials", "dedup_sum"),
     )
     # push dispatch: one warp per token stores its row to its k receive rows (warp_fan_row)
     k[("dispatch", "push", "vector")] = _one(

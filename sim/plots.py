@@ -105,6 +105,16 @@ def link_utilisation(result: LayerResult, ranks: Sequence[int] | None = None) ->
     return fig
 
 
+def _best_grid(rows, x: str, y: str, value: str, xs: list, ys: list) -> np.ndarray:
+    """[len(ys), len(xs)]: the smallest ``value`` of the rows in each (x, y) cell, NaN if none."""
+    grid = np.full((len(ys), len(xs)), np.nan)
+    for r in rows:
+        i, j = ys.index(r[y]), xs.index(r[x])
+        if np.isnan(grid[i, j]) or r[value] < grid[i, j]:
+            grid[i, j] = r[value]
+    return grid
+
+
 def sweep_heatmap(
     rows: Sequence[dict],
     x: str = "num_comm_sms",
@@ -117,11 +127,7 @@ def sweep_heatmap(
     sel = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
     xs = sorted({r[x] for r in sel})
     ys = sorted({r[y] for r in sel})
-    grid = np.full((len(ys), len(xs)), np.nan)
-    for r in sel:
-        i, j = ys.index(r[y]), xs.index(r[x])
-        if np.isnan(grid[i, j]) or r[value] < grid[i, j]:
-            grid[i, j] = r[value]
+    grid = _best_grid(sel, x, y, value, xs, ys)
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(xs), 1.2 + 0.6 * len(ys)))
     im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
     ax.set_xticks(range(len(xs)))
@@ -175,13 +181,8 @@ def sweep_heatmap_panels(
     for i, pr in enumerate(prows):
         grids = []
         for pc in pcols:
-            grid = np.full((len(ys), len(xs)), np.nan)
-            for r in rows:
-                if r[row] == pr and r[col] == pc:
-                    a, b = ys.index(r[y]), xs.index(r[x])
-                    if np.isnan(grid[a, b]) or r[value] < grid[a, b]:
-                        grid[a, b] = r[value]
-            grids.append(grid)
+            panel = [r for r in rows if r[row] == pr and r[col] == pc]
+            grids.append(_best_grid(panel, x, y, value, xs, ys))
         lo = np.nanmin(grids)
         hi = np.nanmax(grids) if vmax_rel is None else min(np.nanmax(grids), vmax_rel * lo)
         for j, (pc, grid) in enumerate(zip(pcols, grids, strict=True)):
