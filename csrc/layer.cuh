@@ -426,16 +426,23 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
   uint32_t phase = 0;
   for (int i = w;; i += W) {
     if (!cur.find(i, t)) break;
-    if (!tile_ready(c, k.a, o, slots, t)) {
-      *abort_flag = 1;
-      return;
-    }
-    fence_proxy_async_global();
     const TileGeom g = tile_geom(k, t);
+    const bool ready = tile_ready(c, k.a, o, slots, t);
+    if (!ready) *abort_flag = 1;
+    fence_proxy_async_global();
     for (int kb = 0; kb < g.k_blocks; ++kb) {
       if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i)) {
         *abort_flag = 1;
         return;
+      }
+      if (!ready) {
+        // NOTE: the consumers' stage waits are plain spins (no branch may leave their MMA loop
+        // while a wgmma group is in flight), so after an abort the producer completes the
+        // rest of this tile's stages without data; the consumers then see the abort flag at
+        // the tile's end and stop.
+        mbar_arrive(&full[stage]);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+        continue;
       }
       uint8_t* sa = stages + stage * kStageBytes;
       mbar_arrive_expect_tx(&full[stage], kStageBytes);
@@ -445,6 +452,7 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
         tma_load_2d(sa + kStageA + kStageA, g.map_b1, &full[stage], kb * kTileK, g.b_row);
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
+    if (!ready) return;
   }
 }
 
@@ -491,6 +499,7 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
                                                const TileOrder& o, int wg, uint8_t* stages,
                                                uint8_t* epi, uint64_t* full, uint64_t* empty,
                                                volatile int* abort_flag) {
+  __shared__ int stop[2];
   const Params& p = c.p;
   const Counters cnt(p);
   const int W = gridDim.x - k.a.num_comm_blocks;
@@ -498,14 +507,14 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   TileCursor cur(o);
   Tile t;
-  int stage = 0;
+  int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
   float acc0[64], acc1[64];
   for (int i = w;; i += W) {
     if (!cur.find(i, t)) break;
     const TileGeom g = tile_geom(k, t);
     for (int kb = 0; kb < g.k_blocks; ++kb) {
-      if (!pipe_wait(c, &full[stage], phase, abort_flag, i)) return;
+      mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
       const uint8_t* sa = stages + stage * kStageBytes;
       const uint64_t da = wgmma_desc(sa + wg * 64 * 128);
       const uint64_t db0 = wgmma_desc(sa + kStageA);
@@ -518,10 +527,17 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
         wgmma_m64n128k16(acc1, da + 2 * kk, db1 + 2 * kk, accum);
       }
       wgmma_commit();
-      wgmma_wait<0>();
-      if (tid == 0) mbar_arrive(&empty[stage]);
+      // Keep this k-block's MMAs in flight; the previous k-block's are done once at most one
+      // group is pending, so its stage goes back to the producer now.
+      wgmma_wait<1>();
+      // NOTE: every consumer thread arrives (no divergent branch while MMAs are in flight, which
+      // would make ptxas serialise the wgmma instructions).
+      if (kb > 0) mbar_arrive(&empty[prev_stage]);
+      prev_stage = stage;
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
+    wgmma_wait<0>();
+    if (g.k_blocks > 0) mbar_arrive(&empty[prev_stage]);
     // Epilogue: registers -> bf16 chunk in shared memory -> 16-byte row stores.
     if (t.kind == kTileGU || t.kind == kTileSharedGU) {
       stage_chunk<true>(acc0, acc1, epi, warp, lane);
@@ -552,7 +568,11 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
         default:
           break;
       }
+      stop[wg] = *abort_flag;
     }
+    // Warpgroup-uniform abort check at the tile's end (no MMA in flight here).
+    named_sync(1 + wg, 128);
+    if (stop[wg]) return;
   }
 }
 
@@ -565,7 +585,7 @@ __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 2);
+      mbar_init(&empty[s], 2 * 128);  // every thread of both consumer warpgroups
     }
     abort_flag = 0;
     mbar_init_fence();
