@@ -97,6 +97,44 @@ struct Counters {
   }
 };
 
+// Event trace (LayerArgs::trace): one writer thread per region, so no atomics.
+enum TraceEvent : int {
+  kEvStaged = 1,        // communication block: x staged and every peer's x ready
+  kEvPulled = 2,        // communication block: dedup rows pulled (dedup pull)
+  kEvRingWait = 3,      // communication block: waiting for ring rows of minibatch (index)
+  kEvReady = 4,         // communication block: minibatch (index) dispatched
+  kEvDepWait = 10,      // producer: waiting for tile (index)'s operands
+  kEvDepDone = 11,      // producer: tile (index)'s operands ready, loads start
+  kEvTileStart = 20,    // consumer: tile (index) begins (waits for its first stage)
+  kEvFirstStage = 21,   // consumer: first stage of tile (index) full
+  kEvMainDone = 22,     // consumer: last MMA of tile (index) done
+  kEvEpiDone = 23,      // consumer: tile (index)'s outputs stored and published
+  kEvSumStart = 30,     // any block: fixed-order sum begins (every rank's slots filled)
+  kEvSumDone = 31,      // any block: fixed-order sum done
+};
+
+struct Tracer {
+  uint64_t* region = nullptr;  // [entries][2]
+  int64_t entries = 0;
+  int64_t n = 0;
+  __device__ Tracer(const LayerArgs& a, int which) {
+    if (a.trace == nullptr) return;
+    region = a.trace + (static_cast<int64_t>(blockIdx.x) * 2 + which) * a.trace_entries * 2;
+    entries = a.trace_entries;
+    n = static_cast<int64_t>(region[0]);  // continue after this thread's earlier events
+  }
+  // Packed event: type (8 bits) | tile kind (8 bits) | index (32 bits).
+  __device__ __forceinline__ void add(int type, int kind, int index) {
+    if (region == nullptr || n + 1 >= entries) return;
+    ++n;
+    region[2 * n] = globaltimer_ns();
+    region[2 * n + 1] = (static_cast<uint64_t>(type) << 56) |
+                        (static_cast<uint64_t>(kind & 0xff) << 48) |
+                        static_cast<uint32_t>(index);
+    region[0] = n;
+  }
+};
+
 // The fixed tile order, walked forward by every worker thread that needs it.
 struct TileOrder {
   int num_rows;        // P: padded receive rows
@@ -262,6 +300,8 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
   if (!ok) return;
   if (blk == 0) block_signal_all(c, kSigLayerXReady);
   if (!block_wait_all(c, kSigLayerXReady, static_cast<uint64_t>(p.epoch))) return;
+  Tracer tr(a, 0);
+  if (threadIdx.x == 0) tr.add(kEvStaged, 0, 0);
 
   const bool dedup = (p.flags & kFlagDedup) != 0;
   uint8_t* dbuf = static_cast<uint8_t*>(a.dedup);
@@ -283,6 +323,7 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
     }
     __syncthreads();
     if (!ok) return;
+    if (threadIdx.x == 0) tr.add(kEvPulled, 0, 0);
   }
   const int32_t* src_rank = p.sched + p.o_src_rank;
   const int32_t* src_index = p.sched + p.o_src_index;
@@ -292,6 +333,7 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
     if (mb >= slots) {
       // The ring rows of minibatch mb - slots are free once its gate/up tiles read them.
       if (threadIdx.x == 0) {
+        tr.add(kEvRingWait, 0, mb);
         const uint32_t target = 2u * o.mb_row_blocks(mb - slots) * o.n_gu;
         ok = wait_count(c, counters + cnt.gu_mb + mb - slots, target, kWaitLayerRecvFree, mb);
       }
@@ -317,7 +359,10 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
     fence_proxy_async_global();
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) red_add_release_gpu(counters + cnt.ready + mb, 1u);
+    if (threadIdx.x == 0) {
+      red_add_release_gpu(counters + cnt.ready + mb, 1u);
+      tr.add(kEvReady, 0, mb);
+    }
   }
   block_signal_all(c, kSigLayerXConsumed);
 }
@@ -420,6 +465,7 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
                                                volatile int* abort_flag) {
   const int W = gridDim.x - k.a.num_comm_blocks;
   const int w = blockIdx.x - k.a.num_comm_blocks;
+  Tracer tr(k.a, 0);
   TileCursor cur(o);
   Tile t;
   int stage = 0;
@@ -427,7 +473,9 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
   for (int i = w;; i += W) {
     if (!cur.find(i, t)) break;
     const TileGeom g = tile_geom(k, t);
+    tr.add(kEvDepWait, t.kind, i);
     const bool ready = tile_ready(c, k.a, o, slots, t);
+    tr.add(kEvDepDone, t.kind, i);
     if (!ready) *abort_flag = 1;
     fence_proxy_async_global();
     for (int kb = 0; kb < g.k_blocks; ++kb) {
@@ -510,9 +558,16 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
   int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
   float acc0[64], acc1[64];
+  Tracer tr(k.a, 1);
+  const bool writer = wg == 0 && tid == 0;
   for (int i = w;; i += W) {
     if (!cur.find(i, t)) break;
     const TileGeom g = tile_geom(k, t);
+    if (writer) tr.add(kEvTileStart, t.kind, i);
+    // NOTE: waiting twice for a completed phase is harmless (it cannot move on before this
+    // stage is released); the first wait sits outside the MMA loop to time it.
+    if (g.k_blocks > 0) mbar_wait(&full[stage], phase);
+    if (writer) tr.add(kEvFirstStage, t.kind, i);
     for (int kb = 0; kb < g.k_blocks; ++kb) {
       mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
       const uint8_t* sa = stages + stage * kStageBytes;
@@ -538,6 +593,7 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
     }
     wgmma_wait<0>();
     if (g.k_blocks > 0) mbar_arrive(&empty[prev_stage]);
+    if (writer) tr.add(kEvMainDone, t.kind, i);
     // Epilogue: registers -> bf16 chunk in shared memory -> 16-byte row stores.
     if (t.kind == kTileGU || t.kind == kTileSharedGU) {
       stage_chunk<true>(acc0, acc1, epi, warp, lane);
@@ -569,6 +625,7 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
           break;
       }
       stop[wg] = *abort_flag;
+      if (writer) tr.add(kEvEpiDone, t.kind, i);
     }
     // Warpgroup-uniform abort check at the tile's end (no MMA in flight here).
     named_sync(1 + wg, 128);
@@ -650,7 +707,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   block_signal_all(c, kSigLayerSlotsFilled);
   if (!block_wait_all(c, kSigLayerSlotsFilled, static_cast<uint64_t>(p.epoch) * gridDim.x))
     return;
+  Tracer tr(a, 0);
+  if (threadIdx.x == 0) tr.add(kEvSumStart, 0, 0);
   reduce_tokens(c, 0, *reinterpret_cast<WarpTerms*>(layer_smem));
+  if (threadIdx.x == 0) tr.add(kEvSumDone, 0, 0);
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) {
     const Ctx c(k.p);

@@ -171,7 +171,30 @@ def _counts(t, rank: int, world: int, num_experts: int, topk: int) -> tuple[int,
     return received, remote, remote_dedup
 
 
-def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=()):
+def _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, num_experts) -> None:
+    """One traced fused call (after the timed ones): Chrome trace per rank + printed split."""
+    from pathlib import Path
+
+    import mok
+    from mok import functional as mf
+    from mok import layer_trace
+
+    n, hidden = x.shape
+    ws = mok.get_workspace(n, hidden, idx.shape[1], num_experts, x.dtype, cfg, device=x.device)
+    buf = layer_trace.new_trace(ws)
+    mf.forward(x, mf.build_schedule(idx, tw, ws), w, trace=buf)
+    ws.check()
+    events = layer_trace.decode(buf)
+    tag = f"{model}-{skew.replace(':', '')}-{cfg.dispatch_mode}-sms{cfg.num_comm_sms}"
+    tag += f"-mb{cfg.minibatch_size}-rank{dist.get_rank()}"
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    layer_trace.to_chrome(events, Path(trace_dir) / f"{tag}.json")
+    split = layer_trace.summary(events)
+    if dist.get_rank() == 0:
+        print(f"trace {tag}: " + ", ".join(f"{k}={v:.0f}us" for k, v in split.items()), flush=True)
+
+
+def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(), trace_dir=None):
     import mok
     from mok import functional as mf
     from mok.workload import get_shape
@@ -235,6 +258,8 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=())
                 lambda fused=fused, cfg=cfg: mf.moe_forward(x, idx, tw, w, E, cfg, fused=fused),
                 rows,
             )
+        if trace_dir and "mok-fused" in impls:
+            _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, E)
         mok.clear_workspaces()
 
 
@@ -253,6 +278,7 @@ def main(argv: list[str], sweep: bool = False) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--csv", default=f"mok-bench-{'sweep' if sweep else 'layer'}.csv")
+    ap.add_argument("--trace-dir", default=None, help="also trace one fused call per config")
     args = ap.parse_args(argv)
     rec = LayerRecorder(args.csv, init_dist())
     impls = ("mok-fused",) if sweep else tuple(args.impls.split(","))
@@ -271,7 +297,9 @@ def main(argv: list[str], sweep: bool = False) -> int:
     )
     for model, n, skew in tqdm(jobs, disable=dist.get_rank() != 0, desc="layer"):
         deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
-        run_model(rec, model, n, skew, impls, configs, args.iters, args.warmup, deepep_sms)
+        run_model(
+            rec, model, n, skew, impls, configs, args.iters, args.warmup, deepep_sms, args.trace_dir
+        )
         torch.cuda.empty_cache()
         rec.write()
     dist.barrier()
