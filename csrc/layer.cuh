@@ -97,6 +97,44 @@ struct Counters {
   }
 };
 
+// Event trace (LayerArgs::trace): one writer thread per region, so no atomics.
+enum TraceEvent : int {
+  kEvStaged = 1,        // communication block: x staged and every peer's x ready
+  kEvPulled = 2,        // communication block: dedup rows pulled (dedup pull)
+  kEvRingWait = 3,      // communication block: waiting for ring rows of minibatch (index)
+  kEvReady = 4,         // communication block: minibatch (index) dispatched
+  kEvDepWait = 10,      // producer: waiting for tile (index)'s operands
+  kEvDepDone = 11,      // producer: tile (index)'s operands ready, loads start
+  kEvTileStart = 20,    // consumer: tile (index) begins (waits for its first stage)
+  kEvFirstStage = 21,   // consumer: first stage of tile (index) full
+  kEvMainDone = 22,     // consumer: last MMA of tile (index) done
+  kEvEpiDone = 23,      // consumer: tile (index)'s outputs stored and published
+  kEvSumStart = 30,     // any block: fixed-order sum begins (every rank's slots filled)
+  kEvSumDone = 31,      // any block: fixed-order sum done
+};
+
+struct Tracer {
+  uint64_t* region = nullptr;  // [entries][2]
+  int64_t entries = 0;
+  int64_t n = 0;
+  __device__ Tracer(const LayerArgs& a, int which) {
+    if (a.trace == nullptr) return;
+    region = a.trace + (static_cast<int64_t>(blockIdx.x) * 2 + which) * a.trace_entries * 2;
+    entries = a.trace_entries;
+    n = static_cast<int64_t>(region[0]);  // continue after this thread's earlier events
+  }
+  // Packed event: type (8 bits) | tile kind (8 bits) | index (32 bits).
+  __device__ __forceinline__ void add(int type, int kind, int index) {
+    if (region == nullptr || n + 1 >= entries) return;
+    ++n;
+    region[2 * n] = globaltimer_ns();
+    region[2 * n + 1] = (static_cast<uint64_t>(type) << 56) |
+                        (static_cast<uint64_t>(kind & 0xff) << 48) |
+                        static_cast<uint32_t>(index);
+    region[0] = n;
+  }
+};
+
 // The fixed tile order, walked forward by every worker thread that needs it.
 struct TileOrder {
   int num_rows;        // P: padded receive rows
@@ -262,6 +300,8 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
   if (!ok) return;
   if (blk == 0) block_signal_all(c, kSigLayerXReady);
   if (!block_wait_all(c, kSigLayerXReady, static_cast<uint64_t>(p.epoch))) return;
+  Tracer tr(a, 0);
+  if (threadIdx.x == 0) tr.add(kEvStaged, 0, 0);
 
   const bool dedup = (p.flags & kFlagDedup) != 0;
   uint8_t* dbuf = static_cast<uint8_t*>(a.dedup);
@@ -283,6 +323,7 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
     }
     __syncthreads();
     if (!ok) return;
+    if (threadIdx.x == 0) tr.add(kEvPulled, 0, 0);
   }
   const int32_t* src_rank = p.sched + p.o_src_rank;
   const int32_t* src_index = p.sched + p.o_src_index;
@@ -292,6 +333,7 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
     if (mb >= slots) {
       // The ring rows of minibatch mb - slots are free once its gate/up tiles read them.
       if (threadIdx.x == 0) {
+        tr.add(kEvRingWait, 0, mb);
         const uint32_t target = 2u * o.mb_row_blocks(mb - slots) * o.n_gu;
         ok = wait_count(c, counters + cnt.gu_mb + mb - slots, target, kWaitLayerRecvFree, mb);
       }
@@ -317,7 +359,10 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
     fence_proxy_async_global();
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) red_add_release_gpu(counters + cnt.ready + mb, 1u);
+    if (threadIdx.x == 0) {
+      red_add_release_gpu(counters + cnt.ready + mb, 1u);
+      tr.add(kEvReady, 0, mb);
+    }
   }
   block_signal_all(c, kSigLayerXConsumed);
 }
@@ -420,22 +465,32 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
                                                volatile int* abort_flag) {
   const int W = gridDim.x - k.a.num_comm_blocks;
   const int w = blockIdx.x - k.a.num_comm_blocks;
+  Tracer tr(k.a, 0);
   TileCursor cur(o);
   Tile t;
   int stage = 0;
   uint32_t phase = 0;
   for (int i = w;; i += W) {
     if (!cur.find(i, t)) break;
-    if (!tile_ready(c, k.a, o, slots, t)) {
-      *abort_flag = 1;
-      return;
-    }
-    fence_proxy_async_global();
     const TileGeom g = tile_geom(k, t);
+    tr.add(kEvDepWait, t.kind, i);
+    const bool ready = tile_ready(c, k.a, o, slots, t);
+    tr.add(kEvDepDone, t.kind, i);
+    if (!ready) *abort_flag = 1;
+    fence_proxy_async_global();
     for (int kb = 0; kb < g.k_blocks; ++kb) {
       if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i)) {
         *abort_flag = 1;
         return;
+      }
+      if (!ready) {
+        // NOTE: the consumers' stage waits are plain spins (no branch may leave their MMA loop
+        // while a wgmma group is in flight), so after an abort the producer completes the
+        // rest of this tile's stages without data; the consumers then see the abort flag at
+        // the tile's end and stop.
+        mbar_arrive(&full[stage]);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+        continue;
       }
       uint8_t* sa = stages + stage * kStageBytes;
       mbar_arrive_expect_tx(&full[stage], kStageBytes);
@@ -445,6 +500,7 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
         tma_load_2d(sa + kStageA + kStageA, g.map_b1, &full[stage], kb * kTileK, g.b_row);
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
+    if (!ready) return;
   }
 }
 
@@ -491,6 +547,7 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
                                                const TileOrder& o, int wg, uint8_t* stages,
                                                uint8_t* epi, uint64_t* full, uint64_t* empty,
                                                volatile int* abort_flag) {
+  __shared__ int stop[2];
   const Params& p = c.p;
   const Counters cnt(p);
   const int W = gridDim.x - k.a.num_comm_blocks;
@@ -498,14 +555,21 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   TileCursor cur(o);
   Tile t;
-  int stage = 0;
+  int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
   float acc0[64], acc1[64];
+  Tracer tr(k.a, 1);
+  const bool writer = wg == 0 && tid == 0;
   for (int i = w;; i += W) {
     if (!cur.find(i, t)) break;
     const TileGeom g = tile_geom(k, t);
+    if (writer) tr.add(kEvTileStart, t.kind, i);
+    // NOTE: waiting twice for a completed phase is harmless (it cannot move on before this
+    // stage is released); the first wait sits outside the MMA loop to time it.
+    if (g.k_blocks > 0) mbar_wait(&full[stage], phase);
+    if (writer) tr.add(kEvFirstStage, t.kind, i);
     for (int kb = 0; kb < g.k_blocks; ++kb) {
-      if (!pipe_wait(c, &full[stage], phase, abort_flag, i)) return;
+      mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
       const uint8_t* sa = stages + stage * kStageBytes;
       const uint64_t da = wgmma_desc(sa + wg * 64 * 128);
       const uint64_t db0 = wgmma_desc(sa + kStageA);
@@ -518,10 +582,18 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
         wgmma_m64n128k16(acc1, da + 2 * kk, db1 + 2 * kk, accum);
       }
       wgmma_commit();
-      wgmma_wait<0>();
-      if (tid == 0) mbar_arrive(&empty[stage]);
+      // Keep this k-block's MMAs in flight; the previous k-block's are done once at most one
+      // group is pending, so its stage goes back to the producer now.
+      wgmma_wait<1>();
+      // NOTE: every consumer thread arrives (no divergent branch while MMAs are in flight, which
+      // would make ptxas serialise the wgmma instructions).
+      if (kb > 0) mbar_arrive(&empty[prev_stage]);
+      prev_stage = stage;
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
+    wgmma_wait<0>();
+    if (g.k_blocks > 0) mbar_arrive(&empty[prev_stage]);
+    if (writer) tr.add(kEvMainDone, t.kind, i);
     // Epilogue: registers -> bf16 chunk in shared memory -> 16-byte row stores.
     if (t.kind == kTileGU || t.kind == kTileSharedGU) {
       stage_chunk<true>(acc0, acc1, epi, warp, lane);
@@ -552,7 +624,12 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
         default:
           break;
       }
+      stop[wg] = *abort_flag;
+      if (writer) tr.add(kEvEpiDone, t.kind, i);
     }
+    // Warpgroup-uniform abort check at the tile's end (no MMA in flight here).
+    named_sync(1 + wg, 128);
+    if (stop[wg]) return;
   }
 }
 
@@ -565,7 +642,7 @@ __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 2);
+      mbar_init(&empty[s], 2 * 128);  // every thread of both consumer warpgroups
     }
     abort_flag = 0;
     mbar_init_fence();
@@ -630,7 +707,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   block_signal_all(c, kSigLayerSlotsFilled);
   if (!block_wait_all(c, kSigLayerSlotsFilled, static_cast<uint64_t>(p.epoch) * gridDim.x))
     return;
+  Tracer tr(a, 0);
+  if (threadIdx.x == 0) tr.add(kEvSumStart, 0, 0);
   reduce_tokens(c, 0, *reinterpret_cast<WarpTerms*>(layer_smem));
+  if (threadIdx.x == 0) tr.add(kEvSumDone, 0, 0);
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) {
     const Ctx c(k.p);

@@ -180,6 +180,11 @@ struct LayerArgs {
   void* dedup;      // [num_ranks * N, H] dedup rows (kFlagDedup)
   uint32_t* counters;  // local tile counters, zeroed by the launcher (layer.cuh: Counters)
   int64_t counters_len;  // uint32 words
+  // Optional event trace (null: off): per block, two regions (0: communication or producer
+  // thread, 1: first consumer warpgroup) of trace_entries uint64 pairs each; pair 0 holds the
+  // event count, then (globaltimer ns, packed event) pairs (layer.cuh: TraceEvent).
+  uint64_t* trace;
+  int64_t trace_entries;
 };
 
 }  // namespace mok

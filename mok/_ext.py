@@ -184,6 +184,8 @@ class LayerArgs(ctypes.Structure):
             )
         ],
         ("counters_len", _I64),
+        ("trace", _U64),
+        ("trace_entries", _I64),
     ]
 
 

@@ -418,7 +418,9 @@ def _check_fused(ws: Workspace, weights, x: torch.Tensor) -> None:
         raise MoKInputError("x must be contiguous and 16-byte aligned")
 
 
-def forward(x: torch.Tensor, schedule: DeviceSchedule, weights) -> torch.Tensor:
+def forward(
+    x: torch.Tensor, schedule: DeviceSchedule, weights, trace: torch.Tensor | None = None
+) -> torch.Tensor:
     """The fused MoE layer forward on this rank (one kernel launch; Hopper).
 
     x: [num_tokens, hidden] bf16; ``schedule``: :func:`build_schedule` of this call's routing
@@ -428,7 +430,8 @@ def forward(x: torch.Tensor, schedule: DeviceSchedule, weights) -> torch.Tensor:
     (:class:`reference.weights.MoEWeights` layout), all bf16. Returns [num_tokens, hidden] bf16
     = ``bf16(shared(x) + sum_k w_k expert_k(x))`` with the sum in fixed order (fp32), so the
     result is bitwise reproducible. Errors recorded by the kernel (timeouts, capacity) are
-    raised by the next mok call or :meth:`Workspace.check`.
+    raised by the next mok call or :meth:`Workspace.check`. ``trace``: a buffer from
+    :func:`mok.layer_trace.new_trace` that the kernel fills with per-tile timestamps.
     """
     ws = schedule.ws
     _check_fused(ws, weights, x)
@@ -445,6 +448,7 @@ def forward(x: torch.Tensor, schedule: DeviceSchedule, weights) -> torch.Tensor:
         weights.shared_w_down,
         out,
         ws.id,
+        trace,
     )
     return out
 

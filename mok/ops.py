@@ -211,7 +211,7 @@ def _(y, sched, topk_idx, topk_weights, shared_y, out, handle, mode) -> None:
     return None
 
 
-@torch.library.custom_op("mok::layer_forward", mutates_args=("out",))
+@torch.library.custom_op("mok::layer_forward", mutates_args=("out", "trace"))
 def layer_forward(
     x: torch.Tensor,  # [num_tokens, hidden] bf16
     sched: torch.Tensor,  # workspace schedule storage, int32 (built for this routing)
@@ -224,6 +224,7 @@ def layer_forward(
     shared_w_down: torch.Tensor | None,  # [H, Is] bf16
     out: torch.Tensor,  # [num_tokens, hidden] bf16
     handle: int,
+    trace: torch.Tensor | None = None,  # int64 [num_sms, 2, entries, 2], zeroed (layer_trace)
 ) -> None:
     """The fused layer forward (csrc/layer.cuh): dispatch, routed and shared SwiGLU experts,
     combine, in one launch over every SM of the GPU."""
@@ -251,6 +252,8 @@ def layer_forward(
     if ws.config.dispatch_mode == "dedup_pull":
         a.dedup = ws.dedup_buffer.data_ptr()
     a.counters, a.counters_len = bufs["counters"].data_ptr(), bufs["counters"].numel()
+    if trace is not None:
+        a.trace, a.trace_entries = trace.data_ptr(), trace.shape[2]
     ws.launch_layer(p, a)
 
 
@@ -267,5 +270,6 @@ def _(
     shared_w_down,
     out,
     handle,
+    trace=None,
 ) -> None:
     return None

@@ -6,13 +6,15 @@ Run with ``torchrun --nproc-per-node=N -m mok.bench layer`` (N = 1 works too). I
   ``torch._grouped_mm`` SwiGLU experts, NCCL back, unpermute, weighted k-sum (+ shared expert);
 - ``mok-unfused``: mok's schedule, dispatch and combine kernels with ``torch._grouped_mm``
   experts (:func:`mok.functional.moe_forward` with ``fused=False``);
-- ``mok-fused``: the fused layer (:func:`mok.functional.moe_forward` with ``fused=True``).
+- ``mok-fused``: the fused layer (:func:`mok.functional.moe_forward` with ``fused=True``);
+- ``deepep``: DeepEP V1 normal dispatch, ``torch._grouped_mm`` SwiGLU experts over the received
+  (token, local expert) pairs, per-token weighted partials, DeepEP combine (+ shared expert),
+  for each ``--deepep-sms`` (optional: runs when ``deep_ep`` imports and there are >= 2 ranks).
 
 Every implementation includes its routing bookkeeping (mok: the schedule build). Times are CUDA
 event medians of back-to-back calls after warm-up, max over ranks. TFLOP/s counts the real rows
 only (no padding): received rows x 6 H I + tokens x 6 H Is. NVLink bytes are the rows that cross
-NVLink per rank (dispatch + combine). DeepEP's layer baseline is not written yet (the
-communication benchmark, ``mok.bench comm``, has DeepEP).
+NVLink per rank (dispatch + combine).
 
 ``python -m mok.bench sweep`` times the fused layer over communication SMs x minibatch x dispatch
 mode and writes the CSV the simulator is validated against.
@@ -110,6 +112,53 @@ def nccl_layer(x, idx, tw, w, num_experts):
     return out.to(torch.bfloat16)
 
 
+class DeepEPLayer:
+    """DeepEP dispatch + grouped GEMM + DeepEP combine (one Buffer per model shape)."""
+
+    def __init__(self, hidden: int, num_experts: int, sms: int):
+        import deep_ep
+
+        world = dist.get_world_size()
+        self.ep, self.num_experts = deep_ep, num_experts
+        deep_ep.Buffer.set_num_sms(sms)
+        nvl = max(
+            deep_ep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(hidden * 2, world),
+            deep_ep.Buffer.get_combine_config(world).get_nvl_buffer_size_hint(hidden * 2, world),
+        )
+        self.buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=nvl)
+
+    def __call__(self, x, idx, tw, w):
+        L = self.num_experts // dist.get_world_size()
+        idx64 = idx.to(self.ep.topk_idx_t)
+        ntr, _, nte, in_rank, _ = self.buf.get_dispatch_layout(idx64, self.num_experts)
+        recv_x, ridx, rw, _, handle, _ = self.buf.dispatch(
+            x,
+            num_tokens_per_rank=ntr,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=nte,
+            topk_idx=idx64,
+            topk_weights=tw,
+        )
+        # Received (token, k) pairs on this rank's experts (-1: another rank's expert); the
+        # modulo maps global or local expert ids to local ones.
+        loc = torch.where(ridx >= 0, ridx % L, -1)
+        tok, kk = (loc >= 0).nonzero(as_tuple=True)
+        e = loc[tok, kk]
+        order = torch.argsort(e, stable=True)
+        tok, kk, e = tok[order], kk[order], e[order]
+        offs = torch.cumsum(torch.bincount(e, minlength=L), 0).to(torch.int32)
+        a = recv_x.index_select(0, tok)
+        g = torch._grouped_mm(a, w.w_gate.transpose(1, 2), offs=offs).float()
+        u = torch._grouped_mm(a, w.w_up.transpose(1, 2), offs=offs).float()
+        h = (F.silu(g) * u).to(torch.bfloat16)
+        y = torch._grouped_mm(h, w.w_down.transpose(1, 2), offs=offs).float()
+        part = torch.zeros(recv_x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        part.index_add_(0, tok, y * rw[tok, kk].float().unsqueeze(1))
+        out, _, _ = self.buf.combine(part.to(torch.bfloat16), handle)
+        sh = _shared(x, w)
+        return out if sh is None else (out.float() + sh.float()).to(torch.bfloat16)
+
+
 def _counts(t, rank: int, world: int, num_experts: int, topk: int) -> tuple[int, int, int]:
     """(rows this rank's experts receive, rows crossing NVLink per rank and direction for
     per-(token, k) pull, for dedup pull)."""
@@ -122,7 +171,30 @@ def _counts(t, rank: int, world: int, num_experts: int, topk: int) -> tuple[int,
     return received, remote, remote_dedup
 
 
-def run_model(rec, model, n, skew, impls, configs, iters, warmup):
+def _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, num_experts) -> None:
+    """One traced fused call (after the timed ones): Chrome trace per rank + printed split."""
+    from pathlib import Path
+
+    import mok
+    from mok import functional as mf
+    from mok import layer_trace
+
+    n, hidden = x.shape
+    ws = mok.get_workspace(n, hidden, idx.shape[1], num_experts, x.dtype, cfg, device=x.device)
+    buf = layer_trace.new_trace(ws)
+    mf.forward(x, mf.build_schedule(idx, tw, ws), w, trace=buf)
+    ws.check()
+    events = layer_trace.decode(buf)
+    tag = f"{model}-{skew.replace(':', '')}-{cfg.dispatch_mode}-sms{cfg.num_comm_sms}"
+    tag += f"-mb{cfg.minibatch_size}-rank{dist.get_rank()}"
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    layer_trace.to_chrome(events, Path(trace_dir) / f"{tag}.json")
+    split = layer_trace.summary(events)
+    if dist.get_rank() == 0:
+        print(f"trace {tag}: " + ", ".join(f"{k}={v:.0f}us" for k, v in split.items()), flush=True)
+
+
+def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(), trace_dir=None):
     import mok
     from mok import functional as mf
     from mok.workload import get_shape
@@ -162,6 +234,16 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup):
 
     if "nccl" in impls:
         add("nccl", "a2a", 0, 0, lambda: nccl_layer(x, idx, tw, w, E), remote)
+    if "deepep" in impls and world >= 2:
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError as e:
+            if rank == 0:
+                print(f"DeepEP not importable ({e}); its layer baseline is skipped", flush=True)
+        else:
+            for sms in deepep_sms:
+                layer = DeepEPLayer(H, E, sms)
+                add("deepep", "normal", sms, 0, lambda f=layer: f(x, idx, tw, w), remote_dedup)
     for c in configs:
         cfg = mok.MoKConfig(**c)
         rows = remote_dedup if cfg.dispatch_mode == "dedup_pull" else remote
@@ -176,6 +258,8 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup):
                 lambda fused=fused, cfg=cfg: mf.moe_forward(x, idx, tw, w, E, cfg, fused=fused),
                 rows,
             )
+        if trace_dir and "mok-fused" in impls:
+            _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, E)
         mok.clear_workspaces()
 
 
@@ -186,13 +270,15 @@ def main(argv: list[str], sweep: bool = False) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="4096")
     ap.add_argument("--skews", default="uniform,hot:0.5")
-    ap.add_argument("--impls", default="nccl,mok-unfused,mok-fused")
+    ap.add_argument("--impls", default="nccl,deepep,mok-unfused,mok-fused")
+    ap.add_argument("--deepep-sms", default="24,64,128", help="DeepEP SMs to try (comma list)")
     ap.add_argument("--modes", default="dedup_pull" if not sweep else "pull,dedup_pull")
     ap.add_argument("--sms", default="16" if not sweep else "8,16,24,32")
     ap.add_argument("--minibatch", default="4096" if not sweep else "1024,2048,4096,8192")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--csv", default=f"mok-bench-{'sweep' if sweep else 'layer'}.csv")
+    ap.add_argument("--trace-dir", default=None, help="also trace one fused call per config")
     args = ap.parse_args(argv)
     rec = LayerRecorder(args.csv, init_dist())
     impls = ("mok-fused",) if sweep else tuple(args.impls.split(","))
@@ -210,7 +296,10 @@ def main(argv: list[str], sweep: bool = False) -> int:
         )
     )
     for model, n, skew in tqdm(jobs, disable=dist.get_rank() != 0, desc="layer"):
-        run_model(rec, model, n, skew, impls, configs, args.iters, args.warmup)
+        deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
+        run_model(
+            rec, model, n, skew, impls, configs, args.iters, args.warmup, deepep_sms, args.trace_dir
+        )
         torch.cuda.empty_cache()
         rec.write()
     dist.barrier()
