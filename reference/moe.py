@@ -151,7 +151,11 @@ def combine(
     """
     mode = check_mode(compute_dtype)
     c = carrier(mode)
-    acc = torch.zeros(slots.shape[0], slots.shape[2], dtype=c) if shared_y is None else shared_y
+    acc = (
+        torch.zeros(slots.shape[0], slots.shape[2], dtype=c, device=slots.device)
+        if shared_y is None
+        else shared_y
+    )
     acc = acc.to(c)
     w = topk_weights.to(c)
     for k in range(slots.shape[1]):
@@ -189,7 +193,7 @@ def moe_forward(
     validate_layer_inputs(x, topk_idx, topk_weights, weights)
     num_tokens, num_topk = topk_idx.shape
     c = carrier(mode)
-    slots = torch.zeros(num_tokens * num_topk, weights.hidden, dtype=c)
+    slots = torch.zeros(num_tokens * num_topk, weights.hidden, dtype=c, device=x.device)
     for e in range(weights.num_experts):
         tok, k = (topk_idx == e).nonzero(as_tuple=True)
         if tok.numel():

@@ -76,8 +76,14 @@ def shape_case(case, dev, configs, repeats):
     shape, w, x, idx, tw = problem(*case)
     sl = slice(rank * N, (rank + 1) * N)
     t0 = time.monotonic()
-    oracle = ref_moe_forward(x.double(), idx, tw.double(), w.to(torch.float64), torch.float64)
-    ref_b = ref_moe_forward(x, idx, tw, w, torch.bfloat16)
+    # The references run on the GPU (fp64 and fp32 matmuls, TF32 off): same arithmetic as on
+    # the CPU, seconds instead of minutes at the large shapes.
+    wd = MoEWeights(*(None if v is None else v.to(dev) for v in vars(w).values()))
+    xd, idxd, twd = x.to(dev), idx.to(dev), tw.to(dev)
+    oracle = ref_moe_forward(xd.double(), idxd, twd.double(), wd.to(torch.float64), torch.float64)
+    ref_b = ref_moe_forward(xd, idxd, twd, wd, torch.bfloat16)
+    oracle, ref_b = oracle.cpu(), ref_b.cpu()
+    del wd
     t_ref = time.monotonic() - t0
     lw = local_weights(w, dev)
     xs, idxs, tws = x[sl].to(dev), idx[sl].to(dev), tw[sl].to(dev)
@@ -175,6 +181,7 @@ def main() -> int:
     args = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
+    torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank = dist.get_rank()
