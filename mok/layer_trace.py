@@ -50,13 +50,12 @@ def new_trace(ws, entries: int = 4096) -> torch.Tensor:
 
 def decode(trace: torch.Tensor) -> list[Event]:
     """Events of a filled buffer, sorted by time (synchronises)."""
-    t = trace.cpu()
+    t = trace.cpu().numpy().view("uint64")
     out = []
     for b in range(t.shape[0]):
         for r in range(2):
             n = int(t[b, r, 0, 0])
-            for i in range(1, n + 1):
-                ns, code = int(t[b, r, i, 0]), int(t[b, r, i, 1]) & (2**64 - 1)
+            for ns, code in t[b, r, 1 : n + 1].tolist():
                 kind = (code >> 48) & 0xFF
                 is_tile = (code >> 56) in (10, 11, 20, 21, 22, 23)
                 out.append(

@@ -189,6 +189,7 @@ def _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, num_experts) -> None:
     tag += f"-mb{cfg.minibatch_size}-rank{dist.get_rank()}"
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     layer_trace.to_chrome(events, Path(trace_dir) / f"{tag}.json")
+    torch.save(buf.cpu(), Path(trace_dir) / f"{tag}.pt")  # raw events, for layer_trace.decode
     split = layer_trace.summary(events)
     if dist.get_rank() == 0:
         print(f"trace {tag}: " + ", ".join(f"{k}={v:.0f}us" for k, v in split.items()), flush=True)

@@ -1,0 +1,33 @@
+"""The fused layer's trace decoder on a hand-written buffer (CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from mok import layer_trace
+
+
+def _code(event: int, kind: int, index: int) -> int:
+    code = (event << 56) | (kind << 48) | index
+    return code - 2**64 if code >= 2**63 else code  # stored as int64
+
+
+def test_decode_and_summary_of_one_tile():
+    buf = torch.zeros(2, 2, 8, 2, dtype=torch.int64)
+    # Block 1, consumer region: gate/up tile 5 waits 2 us, multiplies 10 us, stores 3 us.
+    events = [(1000, 20), (3000, 21), (13000, 22), (16000, 23)]
+    for i, (ns, ev) in enumerate(events, start=1):
+        buf[1, 1, i] = torch.tensor([ns, _code(ev, 2, 5)])
+    buf[1, 1, 0, 0] = len(events)
+    # Block 0, communication region: minibatch 3 ready.
+    buf[0, 0, 1] = torch.tensor([500, _code(4, 0, 3)])
+    buf[0, 0, 0, 0] = 1
+    ev = layer_trace.decode(buf)
+    assert [e.name for e in ev] == ["ready", "tile_start", "first_stage", "main_done", "epi_done"]
+    assert ev[0].index == 3 and ev[0].kind == "" and ev[0].block == 0
+    assert all(e.kind == "gu" and e.index == 5 and e.block == 1 for e in ev[1:])
+    s = layer_trace.summary(ev)
+    assert s["consumer_wait_first_stage[gu]"] == 2.0
+    assert s["consumer_mma[gu]"] == 10.0
+    assert s["consumer_epilogue[gu]"] == 3.0
+    assert s["span"] == 15.5
