@@ -224,7 +224,10 @@ def layer_forward(
     shared_w_down: torch.Tensor | None,  # [H, Is] bf16
     out: torch.Tensor,  # [num_tokens, hidden] bf16
     handle: int,
-    trace: torch.Tensor | None = None,  # int64 [num_sms, 2, entries, 2], zeroed (layer_trace)
+    # int64 [num_sms, 2, entries, 2], zeroed (layer_trace), or None. NOTE: no default: the
+    # dispatcher drops trailing defaulted arguments, and torch 2.11's mutation bookkeeping then
+    # indexes past the end of the argument tuple (pytorch issue 176078).
+    trace: torch.Tensor | None,
 ) -> None:
     """The fused layer forward (csrc/layer.cuh): dispatch, routed and shared SwiGLU experts,
     combine, in one launch over every SM of the GPU."""
@@ -270,6 +273,6 @@ def _(
     shared_w_down,
     out,
     handle,
-    trace=None,
+    trace,
 ) -> None:
     return None

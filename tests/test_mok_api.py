@@ -114,7 +114,7 @@ def test_custom_ops_trace_with_fake_tensors():
         torch.ops.mok.dedup_sum(sched, None, out, 0)
         wg = torch.zeros(2, 128, h).bfloat16()
         wd = torch.zeros(2, h, 128).bfloat16()
-        torch.ops.mok.layer_forward(x, sched, w, wg, wg, wd, None, None, None, out, 0)
+        torch.ops.mok.layer_forward(x, sched, w, wg, wg, wd, None, None, None, out, 0, None)
         return out
 
     n, h, k = 8, 64, 2
