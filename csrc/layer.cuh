@@ -83,7 +83,7 @@ enum TileKind : int { kTileSharedGU = 0, kTileSharedDN, kTileGU, kTileDN };
 
 // Word offsets of the counters (LayerArgs::counters).
 struct Counters {
-  int ready, gu_mb, dn_mb, gu_rb, sh_rb, staged, pulled, total;
+  int ready, gu_mb, dn_mb, gu_rb, sh_rb, staged, pulled, next_tile, total;
   __host__ __device__ explicit Counters(const Params& p) {
     const int mbs = p.num_minibatches;
     ready = 0;
@@ -93,7 +93,8 @@ struct Counters {
     sh_rb = gu_rb + (p.capacity + kTileM - 1) / kTileM;
     staged = sh_rb + (p.num_tokens + kTileM - 1) / kTileM;
     pulled = staged + 1;
-    total = pulled + 1;
+    next_tile = pulled + 1;  // workers claim tiles in order from here
+    total = next_tile + 1;
   }
 };
 
@@ -109,6 +110,9 @@ enum TraceEvent : int {
   kEvFirstStage = 21,   // consumer: first stage of tile (index) full
   kEvMainDone = 22,     // consumer: last MMA of tile (index) done
   kEvEpiDone = 23,      // consumer: tile (index)'s outputs stored and published
+  kEvEpiStaged = 24,    // consumer: tile (index)'s first output chunk staged in shared memory
+  kEvEpiStored = 25,    // consumer: tile (index)'s last output chunk stored
+  kEvEpiFenced = 26,    // consumer: tile (index)'s stores fenced (before the counter release)
   kEvSumStart = 30,     // any block: fixed-order sum begins (every rank's slots filled)
   kEvSumDone = 31,      // any block: fixed-order sum done
 };
@@ -124,10 +128,14 @@ struct Tracer {
     n = static_cast<int64_t>(region[0]);  // continue after this thread's earlier events
   }
   // Packed event: type (8 bits) | tile kind (8 bits) | index (32 bits).
+  __device__ __forceinline__ uint64_t now() const { return region ? globaltimer_ns() : 0; }
   __device__ __forceinline__ void add(int type, int kind, int index) {
+    add_at(now(), type, kind, index);
+  }
+  __device__ __forceinline__ void add_at(uint64_t t, int type, int kind, int index) {
     if (region == nullptr || n + 1 >= entries) return;
     ++n;
-    region[2 * n] = globaltimer_ns();
+    region[2 * n] = t;
     region[2 * n + 1] = (static_cast<uint64_t>(type) << 56) |
                         (static_cast<uint64_t>(kind & 0xff) << 48) |
                         static_cast<uint32_t>(index);
@@ -462,16 +470,29 @@ __device__ __forceinline__ uint8_t* tile_dst(const Ctx& c, const LayerKernelArgs
 __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelArgs& k,
                                                const TileOrder& o, int slots, uint8_t* stages,
                                                uint64_t* full, uint64_t* empty,
+                                               volatile int* stage_tile,
                                                volatile int* abort_flag) {
-  const int W = gridDim.x - k.a.num_comm_blocks;
-  const int w = blockIdx.x - k.a.num_comm_blocks;
   Tracer tr(k.a, 0);
+  uint32_t* next_tile = k.a.counters + Counters(k.p).next_tile;
   TileCursor cur(o);
   Tile t;
   int stage = 0;
   uint32_t phase = 0;
-  for (int i = w;; i += W) {
-    if (!cur.find(i, t)) break;
+  for (;;) {
+    // Tiles are claimed in order, one at a time, by whichever worker is free: every tile's
+    // dependencies come earlier in the order and are claimed already, so claims cannot
+    // deadlock, and which SM computes a tile does not change its bits.
+    const int i = static_cast<int>(atom_add_relaxed_gpu(next_tile, 1u));
+    if (!cur.find(i, t)) {
+      // End of work: one stage carries the end marker to the consumers.
+      if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, -1)) {
+        *abort_flag = 1;
+        return;
+      }
+      stage_tile[stage] = -1;
+      mbar_arrive(&full[stage]);
+      return;
+    }
     const TileGeom g = tile_geom(k, t);
     tr.add(kEvDepWait, t.kind, i);
     const bool ready = tile_ready(c, k.a, o, slots, t);
@@ -483,6 +504,7 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
         *abort_flag = 1;
         return;
       }
+      if (kb == 0) stage_tile[stage] = i;  // published by the arrive below
       if (!ready) {
         // NOTE: the consumers' stage waits are plain spins (no branch may leave their MMA loop
         // while a wgmma group is in flight), so after an abort the producer completes the
@@ -531,12 +553,19 @@ __device__ __forceinline__ void stage_chunk(const float (&d)[64], const float (&
 __device__ __forceinline__ void store_chunk(const Ctx& c, const LayerKernelArgs& k, const Tile& t,
                                             int wg, int half, const uint8_t* epi, int warp,
                                             int lane) {
+  // Destinations first: the routed down tiles read them from the schedule, and these loads
+  // should overlap rather than wait one after another behind the stores.
+  uint8_t* dst[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    dst[j] = tile_dst(c, k, t, wg * 64 + warp * 2 + lane / 16 + 8 * j, half);
   named_sync(1 + wg, 128);
-  for (int r = warp * 2 + lane / 16; r < 64; r += 8) {
-    uint8_t* dst = tile_dst(c, k, t, wg * 64 + r, half);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int r = warp * 2 + lane / 16 + 8 * j;
     const int chunk = (lane % 16) ^ (r % 8);
-    if (dst != nullptr)
-      reinterpret_cast<uint4*>(dst)[lane % 16] =
+    if (dst[j] != nullptr)
+      reinterpret_cast<uint4*>(dst[j])[lane % 16] =
           *reinterpret_cast<const uint4*>(epi + r * kEpiStride + chunk * 16);
   }
   named_sync(1 + wg, 128);
@@ -546,12 +575,11 @@ __device__ __forceinline__ void store_chunk(const Ctx& c, const LayerKernelArgs&
 __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelArgs& k,
                                                const TileOrder& o, int wg, uint8_t* stages,
                                                uint8_t* epi, uint64_t* full, uint64_t* empty,
+                                               const volatile int* stage_tile,
                                                volatile int* abort_flag) {
   __shared__ int stop[2];
   const Params& p = c.p;
   const Counters cnt(p);
-  const int W = gridDim.x - k.a.num_comm_blocks;
-  const int w = blockIdx.x - k.a.num_comm_blocks;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   TileCursor cur(o);
   Tile t;
@@ -560,14 +588,19 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
   float acc0[64], acc1[64];
   Tracer tr(k.a, 1);
   const bool writer = wg == 0 && tid == 0;
-  for (int i = w;; i += W) {
-    if (!cur.find(i, t)) break;
-    const TileGeom g = tile_geom(k, t);
-    if (writer) tr.add(kEvTileStart, t.kind, i);
+  for (;;) {
+    const uint64_t t_start = writer ? tr.now() : 0;
+    // The first stage of the next tile says which tile it is (or that the work is done).
     // NOTE: waiting twice for a completed phase is harmless (it cannot move on before this
-    // stage is released); the first wait sits outside the MMA loop to time it.
-    if (g.k_blocks > 0) mbar_wait(&full[stage], phase);
-    if (writer) tr.add(kEvFirstStage, t.kind, i);
+    // stage is released).
+    mbar_wait(&full[stage], phase);
+    const int i = stage_tile[stage];
+    if (i < 0 || !cur.find(i, t)) break;
+    const TileGeom g = tile_geom(k, t);
+    if (writer) {
+      tr.add_at(t_start, kEvTileStart, t.kind, i);
+      tr.add(kEvFirstStage, t.kind, i);
+    }
     for (int kb = 0; kb < g.k_blocks; ++kb) {
       mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
       const uint8_t* sa = stages + stage * kStageBytes;
@@ -597,17 +630,25 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
     // Epilogue: registers -> bf16 chunk in shared memory -> 16-byte row stores.
     if (t.kind == kTileGU || t.kind == kTileSharedGU) {
       stage_chunk<true>(acc0, acc1, epi, warp, lane);
+      if (writer) tr.add(kEvEpiStaged, t.kind, i);
       store_chunk(c, k, t, wg, 0, epi, warp, lane);
     } else {
       stage_chunk<false>(acc0, acc0, epi, warp, lane);
+      if (writer) tr.add(kEvEpiStaged, t.kind, i);
       store_chunk(c, k, t, wg, 0, epi, warp, lane);
       stage_chunk<false>(acc1, acc1, epi, warp, lane);
       store_chunk(c, k, t, wg, 1, epi, warp, lane);
     }
-    // Publish: h rows are read by other workers' TMA (async proxy).
-    fence_proxy_async_global();
-    __threadfence();
+    if (writer) tr.add(kEvEpiStored, t.kind, i);
+    // Publish. Gate/up rows (h) are read by other workers' TMA (async proxy): each writer
+    // fences its stores into the async proxy, and one release after the warpgroup's barrier
+    // covers the whole warpgroup's stores (cumulativity). Down rows need no fence here: the
+    // counter only says this tile's h rows were read (their TMA loads completed), and the
+    // pushed rows are fenced at system scope by every thread before the final barrier.
+    const bool gate_up = t.kind == kTileGU || t.kind == kTileSharedGU;
+    if (gate_up) fence_proxy_async_global();
     named_sync(1 + wg, 128);
+    if (writer) tr.add(kEvEpiFenced, t.kind, i);
     if (tid == 0) {
       uint32_t* n = k.a.counters;
       switch (t.kind) {
@@ -616,10 +657,10 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
           break;
         case kTileGU:
           red_add_release_gpu(n + cnt.gu_rb + t.rb, 1u);
-          red_add_release_gpu(n + cnt.gu_mb + t.mb, 1u);
+          red_add_relaxed_gpu(n + cnt.gu_mb + t.mb, 1u);
           break;
         case kTileDN:
-          red_add_release_gpu(n + cnt.dn_mb + t.mb, 1u);
+          red_add_relaxed_gpu(n + cnt.dn_mb + t.mb, 1u);
           break;
         default:
           break;
@@ -637,6 +678,7 @@ __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs
                                              const TileOrder& o, int slots, uint8_t* smem) {
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   __shared__ int abort_flag;
+  __shared__ int stage_tile[kStages];  // tile index of the stage holding a tile's first k-block
   uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~1023);
   uint8_t* epi = stages + kStages * kStageBytes;
   if (threadIdx.x == 0) {
@@ -655,13 +697,14 @@ __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<48>();
-    if (threadIdx.x == 0) layer_producer(c, k, o, slots, stages, full, empty, &abort_flag);
+    if (threadIdx.x == 0)
+      layer_producer(c, k, o, slots, stages, full, empty, stage_tile, &abort_flag);
     __syncwarp();
     setmaxnreg_inc<168>();
   } else {
     setmaxnreg_inc<224>();
     layer_consumer(c, k, o, wg - 1, stages, epi + (wg - 1) * kEpiBytes, full, empty,
-                   &abort_flag);
+                   stage_tile, &abort_flag);
     setmaxnreg_dec<168>();
   }
   __syncthreads();

@@ -27,6 +27,9 @@ EVENTS = {
     21: "first_stage",
     22: "main_done",
     23: "epi_done",
+    24: "epi_staged",
+    25: "epi_stored",
+    26: "epi_fenced",
     30: "sum_start",
     31: "sum_done",
 }
@@ -57,7 +60,7 @@ def decode(trace: torch.Tensor) -> list[Event]:
             n = int(t[b, r, 0, 0])
             for ns, code in t[b, r, 1 : n + 1].tolist():
                 kind = (code >> 48) & 0xFF
-                is_tile = (code >> 56) in (10, 11, 20, 21, 22, 23)
+                is_tile = (code >> 56) in (10, 11, 20, 21, 22, 23, 24, 25, 26)
                 out.append(
                     Event(
                         b,
@@ -93,6 +96,9 @@ def summary(events: list[Event]) -> dict[str, float]:
         "consumer_wait_first_stage": ("tile_start", "first_stage"),
         "consumer_mma": ("first_stage", "main_done"),
         "consumer_epilogue": ("main_done", "epi_done"),
+        "consumer_epilogue_stage": ("main_done", "epi_staged"),
+        "consumer_epilogue_store": ("epi_staged", "epi_stored"),
+        "consumer_epilogue_fence": ("epi_stored", "epi_fenced"),
         "producer_dependency_wait": ("dep_wait", "dep_done"),
     }.items():
         for s, e in _spans(events, a, b):

@@ -110,7 +110,8 @@ def shape_case(case, dev, configs, repeats):
     cfg = mok.MoKConfig(dispatch_mode="pull", num_comm_sms=16)
     ref_path = mf.moe_forward(xs, idxs, tws, lw, E, cfg).cpu()
     tol.assert_bf16_rule(ref_path, ref_b[sl], oracle[sl])
-    print(f"rank {rank}: {tag} ok ({len(configs)} configs, ref {t_ref:.1f}s)", flush=True)
+    t_all = time.monotonic() - t0
+    print(f"rank {rank}: {tag} ok ({len(configs)} configs, ref {t_ref:.1f}s of {t_all:.1f}s)")
     mok.clear_workspaces()
 
 
