@@ -275,7 +275,8 @@ __device__ __forceinline__ int expert_of_row(const Params& p, int row) {
   return lo;
 }
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+// Fast reciprocal division: no slow-path branch per element (g -> -inf gives -0, as silu does).
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 // ---- communication blocks ------------------------------------------------------------------
 
@@ -693,10 +694,10 @@ __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs
   // Registers: the producer warpgroup needs few, the consumers hold 128 fp32 accumulators each;
   // everyone returns to the launch budget of 168 for the combine afterwards.
   // NOTE: the increments must fit in what the decrement frees from the block's launch
-  // allocation (384 x 168): 128 x 48 + 256 x 224 <= 384 x 168, else setmaxnreg.inc never returns.
+  // allocation (384 x 168): 128 x 56 + 256 x 224 <= 384 x 168, else setmaxnreg.inc never returns.
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
-    setmaxnreg_dec<48>();
+    setmaxnreg_dec<56>();
     if (threadIdx.x == 0)
       layer_producer(c, k, o, slots, stages, full, empty, stage_tile, &abort_flag);
     __syncwarp();

@@ -112,6 +112,10 @@ def nccl_layer(x, idx, tw, w, num_experts):
     return out.to(torch.bfloat16)
 
 
+# DeepEP V1's intranode dispatch asserts num_experts / num_ranks <= its 128 threads per block.
+DEEPEP_MAX_LOCAL_EXPERTS = 128
+
+
 class DeepEPLayer:
     """DeepEP dispatch + grouped GEMM + DeepEP combine (one Buffer per model shape)."""
 
@@ -242,6 +246,14 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
             if rank == 0:
                 print(f"DeepEP not importable ({e}); its layer baseline is skipped", flush=True)
         else:
+            if E // world > DEEPEP_MAX_LOCAL_EXPERTS:
+                if rank == 0:
+                    print(
+                        f"DeepEP's intranode dispatch supports at most {DEEPEP_MAX_LOCAL_EXPERTS}"
+                        f" experts per rank; {model} has {E // world} at EP{world}: skipped",
+                        flush=True,
+                    )
+                deepep_sms = ()
             for sms in deepep_sms:
                 layer = DeepEPLayer(H, E, sms)
                 add("deepep", "normal", sms, 0, lambda f=layer: f(x, idx, tw, w), remote_dedup)

@@ -29,6 +29,7 @@ from reference.weights import MoEWeights
 from tests import tolerances as tol
 
 SEED = 2718
+T0 = time.monotonic()
 
 # (hidden, intermediate, experts, top-k, tokens per rank, shared intermediate, routing)
 SHAPES = [
@@ -111,7 +112,8 @@ def shape_case(case, dev, configs, repeats):
     ref_path = mf.moe_forward(xs, idxs, tws, lw, E, cfg).cpu()
     tol.assert_bf16_rule(ref_path, ref_b[sl], oracle[sl])
     t_all = time.monotonic() - t0
-    print(f"rank {rank}: {tag} ok ({len(configs)} configs, ref {t_ref:.1f}s of {t_all:.1f}s)")
+    print(f"rank {rank}: {tag} ok ({len(configs)} configs, ref {t_ref:.1f}s of {t_all:.1f}s)",
+          flush=True)
     mok.clear_workspaces()
 
 
@@ -186,6 +188,7 @@ def main() -> int:
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank = dist.get_rank()
+    print(f"rank {rank}: initialised {time.monotonic() - T0:.1f}s after start", flush=True)
     if args.timeout:
         timeout_case(dev)
     else:
@@ -194,7 +197,7 @@ def main() -> int:
         error_cases(dev)
         print(f"rank {rank}: errors ok", flush=True)
     dist.barrier()
-    print(f"MOK-LAYER-OK rank={rank}", flush=True)
+    print(f"MOK-LAYER-OK rank={rank} ({time.monotonic() - T0:.1f}s since start)", flush=True)
     dist.destroy_process_group()
     return 0
 
