@@ -12,8 +12,9 @@ What one call of :func:`mok.functional.moe_forward` with ``fused=True`` costs on
    pulls one row per (token, this rank) from the peers and then fans each minibatch out
    locally. ``ready[m]`` follows each minibatch (a GPU-scope flag). The other ``W = num_sms -
    C`` blocks run 128 x 256 GEMM tiles in the kernel's fixed order (shared gate/up, shared
-   down, then ``GU(0), GU(1), DN(0), GU(2), DN(1), ..., DN(last)``), tile ``t`` on worker ``t
-   % W`` (:func:`tile_order`); every expert region is padded to 128 rows and the padding rows
+   down, then ``GU(0), GU(1), DN(0), GU(2), DN(1), ..., DN(last)``), each tile in order on
+   the worker that frees first (the kernel's workers claim tiles in order from one counter;
+   :func:`tile_order`); every expert region is padded to 128 rows and the padding rows
    are multiplied too. A gate/up tile of minibatch m waits for ``ready[m]``, a down tile for
    the gate/up tiles of its row block. A tile costs ``k_blocks x kblock_us + tile_fixed_us``
    (:func:`kblock_us`: the worker's own k-loop rate, or its share of the chip-wide operand
@@ -262,15 +263,15 @@ def kblock_us(
 def _run_tiles(
     kb, wait_mb, wait_group, group, num_groups, workers, kb_us, tile_us, ready, flag_us
 ):  # pragma: no cover - numba
-    """List schedule of the tile order: tile t on worker t % workers, in order; it starts when
-    its worker is free and its dependency is met (``ready[m]`` for a GU tile of minibatch m,
+    """List schedule of the tile order: each tile in order on the worker that frees first
+    (the kernel's in-order claims); it starts when that worker is free and its dependency is met (``ready[m]`` for a GU tile of minibatch m,
     the last GU tile of its row block + a GPU-scope flag for a DN tile). Returns (end of the
     last tile, busy time of the worker that ends last)."""
     free = np.zeros(workers)
     busy = np.zeros(workers)
     done = np.zeros(num_groups)
     for t in range(kb.size):
-        w = t % workers
+        w = int(np.argmin(free))
         s = free[w]
         if wait_mb[t] >= 0:
             s = max(s, ready[wait_mb[t]])
