@@ -73,14 +73,17 @@ class MoEWeights:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> MoEWeights:
-        """Weights with variance ~1/fan_in so activations stay O(1) through the layer."""
-        g = torch.Generator().manual_seed(seed)
+        """Weights with variance ~1/fan_in so activations stay O(1) through the layer.
+
+        Drawn on ``device`` from a generator of that device type: the same values for a given
+        seed on every device of the type (CPU draws differ from CUDA draws)."""
+        g = torch.Generator(device=device).manual_seed(seed)
         e, h, i, si = shape.num_experts, shape.hidden, shape.intermediate, shape.shared_intermediate
 
         def rnd(*size: int) -> torch.Tensor:
             fan_in = size[-1]
-            t = torch.randn(*size, generator=g, dtype=torch.float64) / fan_in**0.5
-            return t.to(dtype=dtype, device=device)
+            t = torch.randn(*size, generator=g, dtype=torch.float64, device=device) / fan_in**0.5
+            return t.to(dtype=dtype)
 
         return cls(
             w_gate=rnd(e, i, h),

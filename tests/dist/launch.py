@@ -32,6 +32,13 @@ def torchrun(worker: str, nproc: int, sentinel: str, *args: str, timeout: int = 
     ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
+    if os.environ.get("MOK_TEST_LOG_DIR"):  # keep every worker's output (GPU machine runs)
+        log = (
+            Path(os.environ["MOK_TEST_LOG_DIR"])
+            / f"{Path(worker).stem}-ep{nproc}{''.join(args)}.log"
+        )
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(out)
     assert p.returncode == 0, out[-6000:]
     for r in range(nproc):
         assert f"{sentinel} rank={r}" in out, out[-6000:]

@@ -55,10 +55,12 @@ def check(cond: bool, what: str) -> None:
         raise AssertionError(f"rank {dist.get_rank()}: {what}")
 
 
-def problem(hidden, inter, E, K, N, shared, skew):
+def problem(hidden, inter, E, K, N, shared, skew, dev):
     world = dist.get_world_size()
     shape = ModelShape("layer-test", E, hidden, inter, K, shared_intermediate=shared)
-    w = MoEWeights.random(shape, seed=SEED + hidden + E, dtype=torch.float32).to(torch.bfloat16)
+    # Drawn on the GPU: the same weights on every rank, without minutes of CPU randn.
+    w = MoEWeights.random(shape, seed=SEED + hidden + E, dtype=torch.float32, device=dev)
+    w = w.to(torch.bfloat16)
     t = make_routing(N, E, K, world, skew, seed=SEED + K + N)
     g = torch.Generator().manual_seed(SEED + N)
     x = torch.randn(world * N, hidden, generator=g).to(torch.bfloat16)
@@ -74,9 +76,9 @@ def shape_case(case, dev, configs, repeats):
     rank, world = dist.get_rank(), dist.get_world_size()
     hidden, inter, E, K, N, shared, skew = case
     tag = f"[H={hidden} I={inter} E={E} K={K} N={N} Is={shared} {skew}]"
-    shape, w, x, idx, tw = problem(*case)
-    sl = slice(rank * N, (rank + 1) * N)
     t0 = time.monotonic()
+    shape, w, x, idx, tw = problem(*case, dev)
+    sl = slice(rank * N, (rank + 1) * N)
     # The references run on the GPU (fp64 and fp32 matmuls, TF32 off): same arithmetic as on
     # the CPU, seconds instead of minutes at the large shapes.
     wd = MoEWeights(*(None if v is None else v.to(dev) for v in vars(w).values()))
@@ -85,7 +87,7 @@ def shape_case(case, dev, configs, repeats):
     ref_b = ref_moe_forward(xd, idxd, twd, wd, torch.bfloat16)
     oracle, ref_b = oracle.cpu(), ref_b.cpu()
     del wd
-    t_ref = time.monotonic() - t0
+    t_ref = time.monotonic() - t0  # problem and references
     lw = local_weights(w, dev)
     xs, idxs, tws = x[sl].to(dev), idx[sl].to(dev), tw[sl].to(dev)
     first = None
@@ -112,8 +114,10 @@ def shape_case(case, dev, configs, repeats):
     ref_path = mf.moe_forward(xs, idxs, tws, lw, E, cfg).cpu()
     tol.assert_bf16_rule(ref_path, ref_b[sl], oracle[sl])
     t_all = time.monotonic() - t0
-    print(f"rank {rank}: {tag} ok ({len(configs)} configs, ref {t_ref:.1f}s of {t_all:.1f}s)",
-          flush=True)
+    print(
+        f"rank {rank}: {tag} ok ({len(configs)} configs, ref {t_ref:.1f}s of {t_all:.1f}s)",
+        flush=True,
+    )
     mok.clear_workspaces()
 
 
@@ -140,8 +144,11 @@ def error_cases(dev):
     ws = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg, device=dev)
     s = mf.build_schedule(idx, tw, ws)
     expect(lambda: mf.forward(x.float(), s, w), mok.MoKInputError, "x must be bfloat16")
-    bad = MoEWeights(w.w_gate[:, :700].contiguous(), w.w_up[:, :700].contiguous(),
-                     w.w_down[:, :, :700].contiguous())
+    bad = MoEWeights(
+        w.w_gate[:, :700].contiguous(),
+        w.w_up[:, :700].contiguous(),
+        w.w_down[:, :, :700].contiguous(),
+    )
     expect(lambda: mf.forward(x, s, bad), mok.MoKUnsupportedError, "intermediate % 128 == 0")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     cfg = mok.MoKConfig(dispatch_mode="pull", num_comm_sms=sms)
