@@ -292,8 +292,8 @@ for m in fused_measured:
 # hidden / 256` down tiles (`sim.fused.tile_order`); its waves are the smaller count over the
 # compute SMs. Per comm SMs: the model's best minibatch, its waves (`w`), and how much slower the
 # best minibatch with at least `MIN_WAVES` waves is. The model's list schedule has no barrier
-# between minibatches (tile t runs on worker t % W as soon as its input is ready), so the next
-# minibatch's tiles can fill a partial wave.
+# between minibatches (each tile, in order, runs on the worker that frees first, as soon as its
+# input is ready), so the next minibatch's tiles can fill a partial wave.
 
 # %%
 fused_gpu_sms = get_topology(fused_prof.topology).gpu.num_sms

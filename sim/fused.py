@@ -264,9 +264,10 @@ def _run_tiles(
     kb, wait_mb, wait_group, group, num_groups, workers, kb_us, tile_us, ready, flag_us
 ):  # pragma: no cover - numba
     """List schedule of the tile order: each tile in order on the worker that frees first
-    (the kernel's in-order claims); it starts when that worker is free and its dependency is met (``ready[m]`` for a GU tile of minibatch m,
-    the last GU tile of its row block + a GPU-scope flag for a DN tile). Returns (end of the
-    last tile, busy time of the worker that ends last)."""
+    (the kernel's in-order claims); it starts when that worker is free and its dependency is
+    met (``ready[m]`` for a GU tile of minibatch m, the last GU tile of its row block + a
+    GPU-scope flag for a DN tile). Returns (end of the last tile, busy time of the worker that
+    ends last)."""
     free = np.zeros(workers)
     busy = np.zeros(workers)
     done = np.zeros(num_groups)

@@ -108,7 +108,9 @@ def test_tuner_on_the_fused_sweep():
     assert set(recs) == {"deepseek-v3", "qwen3-30b-a3b"}
     ds, qw = recs["deepseek-v3"], recs["qwen3-30b-a3b"]
     assert ds["configs"] == qw["configs"] == 12
-    assert (ds["picked"], ds["picked_measured_us"]) == ("pull 16 SMs mb 2048", 9432.9)
-    assert (ds["best"], ds["best_measured_us"]) == ("pull 8 SMs mb 2048", 8984.8)
-    assert ds["gap"] == pytest.approx(0.0499, abs=5e-4)
+    # DeepSeek-V3: the model over-predicts the 8-comm-SM configs, so it misses the fastest
+    assert (ds["picked"], ds["picked_measured_us"]) == ("pull 16 SMs mb 2048", 8191.0)
+    assert (ds["best"], ds["best_measured_us"]) == ("pull 8 SMs mb 2048", 7313.1)
+    assert ds["gap"] == pytest.approx(0.1200, abs=5e-4)
     assert qw["picked"] == qw["best"] == "pull 16 SMs mb 2048" and qw["gap"] == 0.0
+    assert qw["best_measured_us"] == 1020.7

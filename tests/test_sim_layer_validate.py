@@ -65,35 +65,40 @@ def _group(s, model, skew="uniform"):
 
 
 def test_layer_metrics_all_and_holdout(both):
-    """Today: validation (16 rows) median 1.2 %, max 7.1 %; fit (14) 0.5 % / 4.6 %."""
+    """Today: validation (16 rows) median 1.5 %, max 13.3 %; fit (14) 0.7 % / 6.2 %."""
     _, recs, s = both
-    assert s["by_status"] == {"ok": 30, "baseline": 12}  # NCCL and mok-unfused: baselines
+    # NCCL, DeepEP (24/64/128 SMs; none for Kimi-K2) and mok-unfused: baselines
+    assert s["by_status"] == {"ok": 30, "baseline": 24}
     v, f, a = s["validation"], s["fit"], s["all"]
     assert (v["n"], f["n"], a["n"]) == (16, 14, 30)
-    assert v["median_abs_err"] <= 0.014 and v["max_abs_err"] <= 0.075
-    assert f["median_abs_err"] <= 0.006 and f["max_abs_err"] <= 0.05
-    assert a["median_abs_err"] <= 0.013 and a["max_abs_err"] <= 0.075
+    assert v["median_abs_err"] <= 0.016 and v["max_abs_err"] <= 0.14
+    assert f["median_abs_err"] <= 0.0075 and f["max_abs_err"] <= 0.065
+    assert a["median_abs_err"] <= 0.013 and a["max_abs_err"] <= 0.14
     # held out by mode, shape and skew
     n, med, mx = _stats(recs, mode="pull")
-    assert n == 12 and med <= 0.018 and mx <= 0.075  # worst: Qwen3 pull 8 SMs mb 2048, -7.1 %
+    assert n == 12 and med <= 0.018 and mx <= 0.14  # worst: DeepSeek-V3 pull 8 SMs mb 2048, +13.3 %
     n, _, mx = _stats(recs, model="kimi-k2")
-    assert n == 2 and mx <= 0.05  # uniform -4.7 %, hot:0.5 +1.3 %
+    assert n == 2 and mx <= 0.025  # uniform -2.3 %, hot:0.5 -0.3 %
     n, _, mx = _stats(recs, skew="hot:0.5")
-    assert n == 3 and mx <= 0.03
+    assert n == 3 and mx <= 0.015  # worst: Qwen3 -1.3 %
     assert s["targets"]["median_abs_err"] and s["targets"]["max_abs_err"]
 
 
-def test_ranking_and_measured_noise(both):
-    """Qwen3's 12 configurations span 23 % and rank well; DeepSeek-V3's span 7.4 %, two thirds
-    of their p20-p80 bands overlap and the one repeated configuration differs by 4.5 % between
-    the two runs: its ranking is noise-limited (targets missed there, by design of the data)."""
+def test_ranking_qwen3_and_deepseek_miss(both):
+    """Qwen3's 12 configurations span 39 % and rank well (0.958, gap 0 %). DeepSeek-V3's span
+    21.6 %, the repeated configuration agrees within 0.8 % between the two runs and noise of 1 %
+    per config would still leave re-runs agreeing at ~0.88: the model's 0.50 and 12 % gap are a
+    modelling gap, not noise. It over-predicts all four 8-comm-SM configurations (+3 % to +13 %;
+    the measured fastest is pull, 8 SMs, mb 2048) and no 16/32-SM one by more than 3 %."""
     _, recs, s = both
     qw, ds = _group(s, "qwen3-30b-a3b"), _group(s, "deepseek-v3")
     assert qw["configs"] == ds["configs"] == 12
-    assert qw["spearman"] >= 0.93 and qw["gap"] <= 0.005  # 0.944, 0.0 %
-    assert qw["spread"] >= 0.2 and qw["band_overlap"] <= 0.4  # 23.2 %, 33 %
-    assert ds["spread"] <= 0.08 and ds["band_overlap"] >= 0.6  # 7.4 %, 64 %
-    assert ds["spearman"] >= 0.1 and ds["gap"] <= 0.055  # 0.151, 5.0 %
+    assert qw["spearman"] >= 0.95 and qw["gap"] <= 0.005  # 0.958, 0.0 %
+    assert qw["spread"] >= 0.38 and qw["band_overlap"] <= 0.03  # 39.1 %, 2 %
+    assert ds["spread"] >= 0.21  # 21.6 %
+    assert ds["band_overlap"] == pytest.approx(0.606, abs=0.01)  # 40 of 66 pairs
+    assert (ds["chosen"], ds["best"]) == ("mok-fused:pull@16/mb2048", "mok-fused:pull@8/mb2048")
+    assert 0.45 <= ds["spearman"] < 0.9 and 0.03 < ds["gap"] <= 0.125  # 0.500, 12.0 %: missed
     rep = [
         r["measured_us"]
         for r in recs
@@ -102,12 +107,27 @@ def test_ranking_and_measured_noise(both):
         and r["impl"] == "mok-fused"
         and (r["mode"], r["sms"], r["minibatch"]) == ("dedup_pull", "16", "4096")
     ]
-    assert len(rep) == 2 and max(rep) / min(rep) - 1 == pytest.approx(0.0449, abs=1e-3)
-    # even 1 % of per-config noise caps the run-vs-run Spearman of the DeepSeek-V3 sweep
+    assert len(rep) == 2 and max(rep) / min(rep) - 1 == pytest.approx(0.0084, abs=1e-3)
+    # 1 % of per-config noise would still let two runs of this sweep rank alike
     meas = [
         r["measured_us"] for r in recs if r["source"] == SWEEP.name and r["model"] == ds["model"]
     ]
-    assert rerun_spearman(meas, 0.01, draws=400)[0] < 0.7
+    assert rerun_spearman(meas, 0.01, draws=400)[0] > 0.85  # 0.88
+    # the gap: every 8-comm-SM config over-predicted, the 16/32-SM ones within 3 %
+    ds_ok = [
+        r
+        for r in recs
+        if r["status"] == "ok" and r["model"] == "deepseek-v3" and r["skew"] == "uniform"
+    ]
+    at8 = [r["err"] for r in ds_ok if r["sms"] == "8"]
+    rest = [abs(r["err"]) for r in ds_ok if r["sms"] != "8"]
+    assert len(at8) == 4 and min(at8) >= 0.03 and max(at8) <= 0.14  # +3.2 % .. +13.3 %
+    assert len(rest) == 9 and max(rest) <= 0.03  # 2.7 %
+    # at 8 SMs the model exposes part of the dispatch (285 us); even without it, its GEMM time
+    # alone is above the measured 7313 us
+    r = fused_layer("deepseek-v3", 4096, 2, "uniform", "pull", 8, 2048, load_fused_profile())
+    assert r.terms["gemm_stall_us"] == pytest.approx(285, abs=10)
+    assert r.layer_us - r.terms["gemm_stall_us"] > 1.08 * 7313.1  # +9.4 %
     assert not s["targets"]["spearman"] and not s["targets"]["gap"]
 
 
@@ -115,11 +135,16 @@ def test_layer_csv_alone_lists_baselines(capsys):
     assert main(["validate", str(LAYER), "--rows"]) == 0
     out = capsys.readouterr().out
     assert "baselines (measured, not predicted" in out and "targets" in out
-    # the fused speedups over NCCL, measured vs predicted, from the same run
-    assert "nccl:a2a" in out and "measured 1.46x" in out  # DeepSeek-V3 uniform
+    # the fused speedups over each baseline, measured vs predicted, from the same run
+    lines = out.splitlines()
+    (ds_nccl,) = [ln for ln in lines if ln.split()[:3] == ["deepseek-v3", "uniform", "nccl:a2a"]]
+    assert "measured 1.75x, predicted 1.75x" in ds_nccl
+    deepep = [ln.split()[0] for ln in lines if "deepep:normal" in ln]
+    assert sorted(set(deepep)) == ["deepseek-v3", "qwen3-30b-a3b"] and len(deepep) == 12
     recs = validate_layer_rows(read_rows(LAYER), load_fused_profile())
     s = summarise(recs)
     assert s["fit"]["n"] == 2 and s["validation"]["n"] == 4
+    assert s["validation"]["median_abs_err"] <= 0.01 and s["validation"]["max_abs_err"] <= 0.025
     assert any("torch._grouped_mm" in b for b in s["baselines"])
 
 
@@ -131,7 +156,7 @@ def test_cli_validate_layer_and_sweep(tmp_path, capsys):
     assert "fused-layer model" in text and "spearman" in text and "spread" in text
     with open(out_csv, newline="") as f:
         got = list(csv.DictReader(f))
-    assert len(got) == 42 and {"predicted_us", "sum_us", "first_ready_us", "source"} <= set(got[0])
+    assert len(got) == 54 and {"predicted_us", "sum_us", "first_ready_us", "source"} <= set(got[0])
     assert out_png.stat().st_size > 0
     assert main(["validate", str(LAYER), str(COMM)]) == 2
     assert "mix of layer CSVs" in capsys.readouterr().err
@@ -160,8 +185,9 @@ def test_tile_order_follows_the_kernel():
 
 
 def test_tile_schedule_and_kblock_terms():
-    """Tile t runs on worker t % W once its dependency is met; a k-block takes the worker's
-    own rate or its share of the operand ceiling, whichever is slower."""
+    """Each tile, in order, runs on the worker that frees first (the kernel's in-order claims
+    from one counter) once its dependency is met; a k-block takes the worker's own rate or its
+    share of the operand ceiling, whichever is slower."""
     gpu = load_gpu("h200")
     prof = FusedProfile(gemm_efficiency=0.5, tile_fixed_us=2.0, operand_tbps=math.inf)
     own = 2 * 128 * 256 * 64 / (gpu.tflops("bf16") * 1e6 / gpu.num_sms * 0.5)
@@ -178,6 +204,14 @@ def test_tile_schedule_and_kblock_terms():
     end, busy = _run_tiles(kb, wait_mb, wait_group, group, 1, 2, 3.0, 1.0, np.array([5.0]), 0.5)
     # GU tiles 5..9 on workers 0 and 1; DN on worker 0 from 9 + 0.5 to 13.5
     assert (end, busy) == (pytest.approx(13.5), pytest.approx(8.0))
+    # 3 GU tiles of 3, 1, 1 k-blocks: tile 2 goes to worker 1 (free at 9), not to worker 0
+    # (t % W, free at 15): it ends at 13 and worker 0's 5..15 ends the phase
+    kb = np.array([3, 1, 1], dtype=i64)
+    wait_mb = np.array([0, 0, 0], dtype=i64)
+    wait_group = np.array([-1, -1, -1], dtype=i64)
+    group = np.array([0, 0, 0], dtype=i64)
+    end, busy = _run_tiles(kb, wait_mb, wait_group, group, 1, 2, 3.0, 1.0, np.array([5.0]), 0.5)
+    assert (end, busy) == (pytest.approx(15.0), pytest.approx(10.0))
 
 
 def test_fused_layer_sum_and_fixed_terms():
