@@ -234,3 +234,30 @@ def test_bench_entry_point_lists_probe(capsys):
         bench_main.main(["probe", "--help"])
     assert e.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+MOK_PROBE = COMMITTED.with_name("h200x2-mok-probe-2026-11-30.json")
+
+
+def test_mok_probe_on_two_h200_calibrates_to_the_committed_profiles(tmp_path):
+    """The two-GPU run of ``python -m mok.bench probe`` (2026-11-30) gives the committed
+    ``h200-mok-probe`` profile, and that profile agrees with ``h200`` (fitted from the
+    independent 2026-11-29 measurements on the same machine): NVLink ceilings at the knee
+    within 2 %,
+    per-SM copy rates within 15 % (TMA: 3-14 % higher in the mok probe), flag latency within
+    5 %, the bf16 tensor rate within 1 %."""
+    out = tmp_path / "p.json"
+    cmd = ["calibrate", str(MOK_PROBE), "--name", "h200-mok-probe", "--out", str(out)]
+    assert sim_main(cmd) == 0
+    got = GpuProfile.from_dict(json.loads(out.read_text()))
+    committed = COMMITTED.with_name("h200-mok-probe.json")
+    assert json.loads(out.read_text()) == json.loads(committed.read_text())
+    ref = GpuProfile.from_dict(json.loads(COMMITTED.with_name("h200.json").read_text()))
+    assert got.comm_curves.keys() == ref.comm_curves.keys()
+    for name, c in ref.comm_curves.items():
+        g = got.comm_curves[name]
+        assert g.per_sm_gbps == pytest.approx(c.per_sm_gbps, rel=0.15), name
+        if name.startswith(("push", "pull")):  # (the 11-29 TMA points stop at 32 SMs)
+            assert g.ceiling_knee_gbps == pytest.approx(c.ceiling_knee_gbps, rel=0.02), name
+    assert got.flag_latency_remote_us == pytest.approx(ref.flag_latency_remote_us, rel=0.05)
+    assert got.tensor_tflops["bf16"] == pytest.approx(ref.tensor_tflops["bf16"], rel=0.01)
