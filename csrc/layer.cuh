@@ -3,25 +3,19 @@
 // Roles (by block index):
 //   blocks [0, C)      communication: stage x into the symmetric x buffer, then pull dispatch
 //                      minibatch by minibatch into the receive ring (one warp per row), raising
-//                      ready[mb] per block; between dispatches, and after the last, they push
-//                      the down tiles' output rows of earlier minibatches to their home ranks;
+//                      ready[mb] per block;
 //   blocks [C, grid)   compute workers: GEMM tiles of 128 rows x 256 columns in one fixed global
-//                      order, each worker claiming the next tile from one counter; warpgroup 0
-//                      is the TMA producer (one thread), warpgroups 1 and 2 each run wgmma on 64
-//                      of the 128 rows.
+//                      order, tile t to worker t % W; warpgroup 0 is the TMA producer (one
+//                      thread), warpgroups 1 and 2 each run wgmma on 64 of the 128 rows.
 // Tile order: shared gate/up, shared down, then GU(0), [GU(m), DN(m-1)] for m = 1.., DN(last)
 // (GU(0), DN(0), GU(1), DN(1), ... when the ring has one minibatch slot). A gate/up tile holds
 // 128 gate and 128 up columns of one expert; its epilogue writes h = bf16(silu(g) * u). A down
-// tile's epilogue writes its rows back into the receive ring rows they came from (their x is
-// no longer needed); the communication blocks then push each real row into the home rank's
-// combine slot token * k + j (padding rows are dropped there), so the workers never wait on
-// NVLink stores. Roles talk only through local counters (release/acquire, GPU scope), all
-// zeroed by the launcher:
+// tile's epilogue pushes each real row into the home rank's combine slot token * k + j
+// (padding rows are dropped there). Roles talk only through local counters (release/acquire,
+// GPU scope), all zeroed by the launcher:
 //   ready[mb]   +1 per communication block when its rows of minibatch mb are in the ring;
-//   pushed[mb]  +1 per communication block when its rows of minibatch mb are pushed (the ring
-//               rows may be overwritten);
+//   gu_mb[mb]   +1 per warpgroup per gate/up tile of mb (its ring rows may be overwritten);
 //   dn_mb[mb]   +1 per warpgroup per down tile of mb (its h rows may be overwritten);
-//   dn_rb[rb]   +1 per warpgroup per down tile of receive row block rb (its rows may be pushed);
 //   gu_rb[rb]   +1 per warpgroup per gate/up tile of receive row block rb;
 //   sh_rb[rb]   same for the shared expert's row blocks;
 //   staged      +1 per communication block after its share of the x staging;
@@ -89,15 +83,14 @@ enum TileKind : int { kTileSharedGU = 0, kTileSharedDN, kTileGU, kTileDN };
 
 // Word offsets of the counters (LayerArgs::counters).
 struct Counters {
-  int ready, pushed, dn_mb, gu_rb, dn_rb, sh_rb, staged, pulled, next_tile, total;
+  int ready, gu_mb, dn_mb, gu_rb, sh_rb, staged, pulled, next_tile, total;
   __host__ __device__ explicit Counters(const Params& p) {
     const int mbs = p.num_minibatches;
     ready = 0;
-    pushed = ready + mbs;
-    dn_mb = pushed + mbs;
+    gu_mb = ready + mbs;
+    dn_mb = gu_mb + mbs;
     gu_rb = dn_mb + mbs;
-    dn_rb = gu_rb + (p.capacity + kTileM - 1) / kTileM;
-    sh_rb = dn_rb + (p.capacity + kTileM - 1) / kTileM;
+    sh_rb = gu_rb + (p.capacity + kTileM - 1) / kTileM;
     staged = sh_rb + (p.num_tokens + kTileM - 1) / kTileM;
     pulled = staged + 1;
     next_tile = pulled + 1;  // workers claim tiles in order from here
@@ -111,8 +104,6 @@ enum TraceEvent : int {
   kEvPulled = 2,        // communication block: dedup rows pulled (dedup pull)
   kEvRingWait = 3,      // communication block: waiting for ring rows of minibatch (index)
   kEvReady = 4,         // communication block: minibatch (index) dispatched
-  kEvPushStart = 5,     // communication block: starts pushing minibatch (index)'s down rows
-  kEvPushed = 6,        // communication block: minibatch (index)'s down rows pushed
   kEvDepWait = 10,      // producer: waiting for tile (index)'s operands
   kEvDepDone = 11,      // producer: tile (index)'s operands ready, loads start
   kEvTileStart = 20,    // consumer: tile (index) begins (waits for its first stage)
@@ -289,49 +280,6 @@ __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __e
 
 // ---- communication blocks ------------------------------------------------------------------
 
-// Combine task of one communication block: pushes the down outputs of minibatch m's row
-// blocks rb = blk, blk + C, ... (from the receive ring rows the down tiles overwrote) into the
-// home ranks' combine slots, each row block once all its down tiles are done, then counts the
-// minibatch pushed (its ring rows are free). False on timeout or abort.
-__device__ __forceinline__ bool layer_push(const Ctx& c, const LayerArgs& a, const TileOrder& o,
-                                           int m, Tracer& tr) {
-  const Params& p = c.p;
-  const Counters cnt(p);
-  uint32_t* counters = a.counters;
-  const int C = a.num_comm_blocks;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n16 = static_cast<int>(p.row_bytes / 16);
-  const int32_t* src_rank = p.sched + p.o_src_rank;
-  const int32_t* src_index = p.sched + p.o_src_index;
-  const uint8_t* recv = c.sym(p.rank, p.off_recv);
-  __shared__ int ok;
-  if (threadIdx.x == 0) tr.add(kEvPushStart, 0, m);
-  const int rb0 = m * (o.mb_rows / kTileM), rbs = o.mb_row_blocks(m);
-  for (int rb = rb0 + static_cast<int>(blockIdx.x); rb < rb0 + rbs; rb += C) {
-    __syncthreads();  // every thread has read the previous `ok`
-    if (threadIdx.x == 0)
-      ok = wait_count(c, counters + cnt.dn_rb + rb, 2u * o.n_dn, kWaitLayerDown, rb);
-    __syncthreads();
-    if (!ok) return false;
-    (void)ld_acquire_gpu(counters + cnt.dn_rb + rb);  // every reader acquires for itself
-    for (int row = rb * kTileM + warp; row < (rb + 1) * kTileM; row += kLayerWarps) {
-      const int src = src_rank[row];
-      if (src < 0) continue;  // padding
-      const int64_t slot = src_index[row];
-      warp_copy_row(reinterpret_cast<int4*>(c.sym(src, p.off_slots) + slot * p.row_bytes),
-                    reinterpret_cast<const int4*>(recv + (row % a.ring_rows) * p.row_bytes),
-                    n16, lane);
-    }
-  }
-  // The rows' loads are done (their values went out as stores): the ring rows may be reused.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    red_add_release_gpu(counters + cnt.pushed + m, 1u);
-    tr.add(kEvPushed, 0, m);
-  }
-  return true;
-}
-
 __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
                                            const TileOrder& o, int slots) {
   const Params& p = c.p;
@@ -390,15 +338,13 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
   const int32_t* src_index = p.sched + p.o_src_index;
   const int32_t* fanout = p.sched + p.o_fanout;
   uint8_t* recv = c.sym(p.rank, p.off_recv);
-  // Pushes into a peer's slots wait until its previous call's sum has read them.
-  if (!block_wait_all(c, kSigLayerSlotsFree, static_cast<uint64_t>(p.epoch))) return;
   for (int mb = 0; mb < o.num_mbs; ++mb) {
     if (mb >= slots) {
-      // The ring rows of minibatch mb - slots are free once every block pushed them out.
-      if (!layer_push(c, a, o, mb - slots, tr)) return;
+      // The ring rows of minibatch mb - slots are free once its gate/up tiles read them.
       if (threadIdx.x == 0) {
         tr.add(kEvRingWait, 0, mb);
-        ok = wait_count(c, counters + cnt.pushed + mb - slots, C, kWaitLayerRecvFree, mb);
+        const uint32_t target = 2u * o.mb_row_blocks(mb - slots) * o.n_gu;
+        ok = wait_count(c, counters + cnt.gu_mb + mb - slots, target, kWaitLayerRecvFree, mb);
       }
       __syncthreads();
       if (!ok) return;
@@ -428,8 +374,6 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
     }
   }
   block_signal_all(c, kSigLayerXConsumed);
-  for (int m = max(0, o.num_mbs - slots); m < o.num_mbs; ++m)
-    if (!layer_push(c, a, o, m, tr)) return;
 }
 
 // ---- compute workers -----------------------------------------------------------------------
@@ -515,9 +459,12 @@ __device__ __forceinline__ uint8_t* tile_dst(const Ctx& c, const LayerKernelArgs
     case kTileGU:
       return static_cast<uint8_t*>(a.h) +
              (static_cast<int64_t>(row % a.ring_rows) * a.inter + t.nb * 128) * 2;
-    default:  // back into the receive ring row (pushed home by the communication blocks)
-      return c.sym(p.rank, p.off_recv) +
-             (static_cast<int64_t>(row % a.ring_rows) * p.hidden + t.nb * kTileN + half * 128) * 2;
+    default: {
+      const int src = p.sched[p.o_src_rank + row];
+      if (src < 0) return nullptr;
+      const int64_t slot = p.sched[p.o_src_index + row];
+      return c.sym(src, p.off_slots) + (slot * p.hidden + t.nb * kTileN + half * 128) * 2;
+    }
   }
 }
 
@@ -696,9 +643,9 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
     if (writer) tr.add(kEvEpiStored, t.kind, i);
     // Publish. Gate/up rows (h) are read by other workers' TMA (async proxy): each writer
     // fences its stores into the async proxy, and one release after the warpgroup's barrier
-    // covers the whole warpgroup's stores (cumulativity). Down rows are read by the
-    // communication blocks' generic loads after dn_rb; dn_mb only says this tile's h rows were
-    // read (their TMA loads completed).
+    // covers the whole warpgroup's stores (cumulativity). Down rows need no fence here: the
+    // counter only says this tile's h rows were read (their TMA loads completed), and the
+    // pushed rows are fenced at system scope by every thread before the final barrier.
     const bool gate_up = t.kind == kTileGU || t.kind == kTileSharedGU;
     if (gate_up) fence_proxy_async_global();
     named_sync(1 + wg, 128);
@@ -711,9 +658,9 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
           break;
         case kTileGU:
           red_add_release_gpu(n + cnt.gu_rb + t.rb, 1u);
+          red_add_relaxed_gpu(n + cnt.gu_mb + t.mb, 1u);
           break;
         case kTileDN:
-          red_add_release_gpu(n + cnt.dn_rb + t.rb, 1u);
           red_add_relaxed_gpu(n + cnt.dn_mb + t.mb, 1u);
           break;
         default:
@@ -791,12 +738,14 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   if (static_cast<int>(blockIdx.x) < a.num_comm_blocks) {
     layer_comm(c, a, o, slots);
   } else {
-    // NOTE: workers write nothing a peer reads (the communication blocks push the down rows),
-    // so they start without waiting for the peers' previous sums.
-    if (threadIdx.x == 0) {
-      for (int m = 0; m < kNumMaps; ++m) tma_prefetch_map(&k.maps[m]);
+    // Pushes into a peer's slots wait until its previous call's sum has read them.
+    ok = block_wait_all(c, kSigLayerSlotsFree, static_cast<uint64_t>(p.epoch));
+    if (ok) {
+      if (threadIdx.x == 0) {
+        for (int m = 0; m < kNumMaps; ++m) tma_prefetch_map(&k.maps[m]);
+      }
+      ok = layer_worker(c, k, o, slots, layer_smem);
     }
-    ok = layer_worker(c, k, o, slots, layer_smem);
   }
   if (!ok || c.aborted()) return;
   block_signal_all(c, kSigLayerSlotsFilled);

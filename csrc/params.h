@@ -36,12 +36,11 @@ enum WaitId : int {
   kWaitGridBarrier = 100,
   kWaitLayerReady = 101,     // a GEMM tile waits for its minibatch's dispatched rows
   kWaitLayerGateUp = 102,    // a down tile waits for the gate/up tiles of its row block
-  kWaitLayerRecvFree = 103,  // dispatch waits for the pushes that free its ring rows
+  kWaitLayerRecvFree = 103,  // dispatch waits for the gate/up tiles that read its ring rows
   kWaitLayerHFree = 104,     // a gate/up tile waits for the down tiles that read its h rows
   kWaitLayerStaged = 105,    // communication blocks wait for each other's staging of x
   kWaitLayerPulled = 106,    // communication blocks wait for each other's dedup rows
   kWaitLayerPipeline = 107,  // a worker's TMA / MMA pipeline stage (a local deadlock)
-  kWaitLayerDown = 108,      // a communication block waits for a row block's down tiles
 };
 
 enum ErrorCode : int {

@@ -79,7 +79,6 @@ LOCAL_WAITS = {
     105: "layer x staged",
     106: "layer dedup rows pulled",
     107: "layer GEMM pipeline stage",
-    108: "layer down row block done",
 }
 ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT, ERR_UNSUPPORTED = 1, 2, 3, 4, 5
 

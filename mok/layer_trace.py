@@ -21,8 +21,6 @@ EVENTS = {
     2: "pulled",
     3: "ring_wait",
     4: "ready",
-    5: "push_start",
-    6: "pushed",
     10: "dep_wait",
     11: "dep_done",
     20: "tile_start",
@@ -137,16 +135,7 @@ def to_chrome(events: list[Event], path: str | Path) -> None:
                 }
             )
     for e in events:
-        if e.name in (
-            "staged",
-            "pulled",
-            "ring_wait",
-            "ready",
-            "push_start",
-            "pushed",
-            "sum_start",
-            "sum_done",
-        ):
+        if e.name in ("staged", "pulled", "ring_wait", "ready", "sum_start", "sum_done"):
             rows.append(
                 {
                     "name": e.name,
