@@ -90,7 +90,8 @@ def _spans(events: list[Event], start: str, end: str) -> list[tuple[Event, Event
 def summary(events: list[Event]) -> dict[str, float]:
     """Time splits in us, summed over workers: consumers waiting for a tile's first stage, in
     the MMA loop, in the epilogue (per tile kind), producers waiting for operands; plus the
-    layer's span and the final sum's span."""
+    layer's span, the final sum's span, and ``worker_end_spread``: how far apart the workers'
+    last tiles ended (load balance at the end of the GEMM phase)."""
     out: dict[str, float] = {}
     for name, (a, b) in {
         "consumer_wait_first_stage": ("tile_start", "first_stage"),
@@ -106,6 +107,12 @@ def summary(events: list[Event]) -> dict[str, float]:
             out[key] = out.get(key, 0.0) + (e.t_ns - s.t_ns) / 1e3
     if events:
         out["span"] = (events[-1].t_ns - events[0].t_ns) / 1e3
+        ends: dict[int, int] = {}
+        for e in events:
+            if e.name == "epi_done":
+                ends[e.block] = max(ends.get(e.block, 0), e.t_ns)
+        if ends:
+            out["worker_end_spread"] = (max(ends.values()) - min(ends.values())) / 1e3
         sums = [e.t_ns for e in events if e.name in ("sum_start", "sum_done")]
         if sums:
             out["final_sum_span"] = (max(sums) - min(sums)) / 1e3

@@ -31,3 +31,12 @@ def test_decode_and_summary_of_one_tile():
     assert s["consumer_mma[gu]"] == 10.0
     assert s["consumer_epilogue[gu]"] == 3.0
     assert s["span"] == 15.5
+    assert s["worker_end_spread"] == 0.0  # one worker
+
+
+def test_worker_end_spread():
+    buf = torch.zeros(3, 2, 4, 2, dtype=torch.int64)
+    for block, end in ((1, 9000), (2, 12500)):
+        buf[block, 1, 1] = torch.tensor([end, _code(23, 3, block)])  # last epilogue done
+        buf[block, 1, 0, 0] = 1
+    assert layer_trace.summary(layer_trace.decode(buf))["worker_end_spread"] == 3.5
