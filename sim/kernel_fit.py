@@ -43,6 +43,7 @@ __all__ = ["fit_kernel_profile", "SEARCH", "SWEEPS"]
 SEARCH: dict[str, tuple[float, ...]] = {
     "tma_item_us": tuple(np.round(np.arange(0.30, 0.701, 0.02), 3)),
     "tma_store_us": tuple(np.round(np.arange(0.0, 0.161, 0.02), 3)),
+    "tma_pad_us": tuple(np.round(np.arange(0.0, 0.601, 0.02), 3)),
     "warp_lookup_rounds.copy": (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0),
     "warp_lookup_rounds.fan": (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0),
     "warp_lookup_rounds.sum": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
@@ -78,7 +79,7 @@ def _depends_on(key: tuple[str, str, str]) -> tuple[str, ...]:
     for ph in KERNELS[key].phases:
         eng = kernel_engine(ph.knob)
         if eng == "tma" and ph.routine in ("copy", "fan"):
-            out += ["tma_item_us", "tma_store_us"]
+            out += ["tma_item_us", "tma_store_us"] + (["tma_pad_us"] if ph.loop == "recv" else [])
         elif eng == "vector":
             out.append(f"warp_lookup_rounds.{ph.routine}")
     return tuple(dict.fromkeys(out))

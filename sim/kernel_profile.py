@@ -34,10 +34,15 @@ class KernelProfile:
     host_floor_us: dict[str, float] = field(default_factory=dict)
     # us per item of the one-thread bulk-copy ring (csrc/tma.cuh tma_copy_rows): wait for the
     # oldest stage, issue its store, wait until the store two items back has read its stage.
-    # Every item of a block's range pays it, padding rows of the receive buffer included; fitted
+    # Every row item of a block's range pays it (padding items: tma_pad_us); fitted
     tma_item_us: float = 0.0
     # us per further bulk store of one ring item (fan-out: a loaded row stored n times); fitted
     tma_store_us: float = 0.0
+    # us per padding item of a ring that walks the padded receive buffer (pull dispatch): no
+    # load and no store, but the wait / commit / store-lag bookkeeping of an item. Padding runs
+    # (the tail of every expert region) stall the ring's byte flow, so they add to the phase
+    # instead of overlapping it (sim.kernel_rows.ring_split); fitted
+    tma_pad_us: float = 0.0
     # per 16-byte warp routine ("copy" / "fan" / "sum" / "seg", csrc/rows.cuh, combine.cuh):
     # dependent index-load rounds per row before its data rounds, in units of one data round
     # (sim.kernel_rows.warp_row_scale); fitted
@@ -60,6 +65,7 @@ class KernelProfile:
             "handshake_us",
             "tma_item_us",
             "tma_store_us",
+            "tma_pad_us",
             "schedule_us_per_token",
         ):
             if not getattr(self, k) >= 0:

@@ -22,6 +22,7 @@ __all__ = [
     "loop_rows",
     "busiest_share",
     "ring_items",
+    "ring_split",
     "ring_stores",
     "warp_row_scale",
 ]
@@ -111,11 +112,23 @@ def busiest_share(rows: np.ndarray | int, workers: int) -> float:
 
 def ring_items(rows: np.ndarray | int, blocks: int) -> int:
     """Items of the busiest block of a copy ring: item i goes to block i mod ``blocks``, and a
-    padding row of the receive layout is an item too. NOTE: at 4096 tokens and more, padding
-    items cost the same as rows within the fit's resolution; at 512 tokens (75 % padding for
-    DeepSeek-V3) the ring runs ~20 % faster per item than this charges."""
+    padding row of the receive layout is an item too."""
     size = rows.size if isinstance(rows, np.ndarray) else int(rows)
     return -(-size // blocks)
+
+
+def ring_split(rows: np.ndarray | int, blocks: int) -> tuple[int, int]:
+    """(row items, padding items) of the busiest block of a copy ring (:func:`ring_items`).
+    Padding items (a receive-layout row with no token: no load, no store) come in runs, the
+    tail of every 128-row expert region, which all blocks reach together, so the ring moves no
+    bytes while it walks them (see ``tma_pad_us``)."""
+    items = ring_items(rows, blocks)
+    if not isinstance(rows, np.ndarray):
+        return items, 0
+    real = np.bincount(np.arange(rows.size) % blocks, weights=rows, minlength=blocks)
+    count = np.bincount(np.arange(rows.size) % blocks, minlength=blocks)
+    b = int(np.flatnonzero(count == items)[np.argmax(real[count == items])])
+    return int(real[b]), items - int(real[b])
 
 
 def _data_rounds(routine: str, n16: int) -> int:

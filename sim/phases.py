@@ -49,11 +49,13 @@ Work granularity and row size (what the byte flows alone miss):
   every tile and the rest only padding: the phase runs as if on ``sms / share`` SMs (share 4 for
   DeepSeek-V3 at 512 tokens, 1.06 at 16384). Token / dedup-row loops add the ceil() of their
   last round (1.5 for 512 tokens on 384 warps).
-* **Bulk-copy ring** (tma.cuh, :func:`ring_items`): one thread per block walks its items
-  (every padding row included) at ``tma_item_us`` each, plus ``tma_store_us`` per further store
-  of a fan-out; the phase ends at the later of that and its byte flows. The per-item cost is
-  row-size independent, which is why bulk copies of Qwen3's 4 KiB rows run at a quarter of the
-  bytes per second of DeepSeek-V3's 14 KiB rows.
+* **Bulk-copy ring** (tma.cuh, :func:`ring_split`): one thread per block walks its items at
+  ``tma_item_us`` each, plus ``tma_store_us`` per further store of a fan-out; the phase ends at
+  the later of that and its byte flows. The per-item cost is row-size independent, which is why
+  bulk copies of Qwen3's 4 KiB rows run at a quarter of the bytes per second of DeepSeek-V3's
+  14 KiB rows. A ring over the padded receive buffer (pull dispatch) also walks the padding
+  items, in runs (the tail of each expert region) that every block reaches together: no bytes
+  move meanwhile, so they add ``tma_pad_us`` each after the rows' time instead of overlapping it.
 * **Warp row rounds** (:func:`warp_row_scale`): a warp copies a row in latency rounds of 4 KiB
   (8 x 16 B per lane); warp_copy_row ends with a tail loop of one vector per lane per round (7
   rounds for 14 KiB rows, 1 for 4 KiB), and every row starts with ``warp_lookup_rounds`` of
@@ -93,7 +95,7 @@ from sim.kernel_rows import (
     busiest_share,
     counts_for,
     loop_rows,
-    ring_items,
+    ring_split,
     ring_stores,
     warp_row_scale,
 )
@@ -511,9 +513,12 @@ def build_kernel_graph(
             else:
                 t = b.transfer(r, "push", False, x.nv_out * row_bytes, local, [pre], r, "phase", i)
             if ring:  # the one issuing thread walks its items (+ extra stores of a fan-out)
+                real, pad = ring_split(rows, sms)
                 item = prof.tma_item_us + (ring_stores(c, r, ph.routine) - 1) * prof.tma_store_us
-                issue = g.delay(ring_items(rows, sms) * item, [pre], r, "issue", i)
+                issue = g.delay(real * item, [pre], r, "issue", i)
                 t = g.join([t, issue], r, "phase", i)
+                if pad and prof.tma_pad_us > 0:  # padding runs: no bytes move meanwhile
+                    t = g.delay(pad * prof.tma_pad_us, [t], r, "phase", i)
             prev[r] = t
     return b, g
 

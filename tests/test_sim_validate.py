@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sim.cli import main
-from sim.kernel_rows import busiest_share, counts_for, ring_items, warp_row_scale
+from sim.kernel_rows import busiest_share, counts_for, ring_items, ring_split, warp_row_scale
 from sim.phases import KERNELS, kernel_key, load_kernel_profile
 from sim.validate import chosen_gap, spearman, summarise, validate_rows
 
@@ -73,13 +73,24 @@ def test_grid_sweep_metrics(grid):
     assert s["by_status"] == {"ok": 300, "skipped": 72}  # DeepEP and NCCL rows are not ours
     assert (v["n"], f["n"]) == (200, 100)
     assert not s["unsupported"]  # v3 labels are modelled
-    # now: validation median 6.6 %, max 28.2 %; fit median 2.0 %, max 18.8 %; all 4.9 / 28.2
-    assert v["median_abs_err"] <= 0.070 and v["max_abs_err"] <= 0.30
-    assert f["median_abs_err"] <= 0.022 and f["max_abs_err"] <= 0.20
-    assert a["median_abs_err"] <= 0.052 and a["max_abs_err"] <= 0.30
-    # by size: 512 tokens 9.6 % (host-bound calls), 16384 tokens 3.9 %
+    # now: validation median 6.4 %, max 28.2 %; fit median 1.8 %, max 18.8 %; all 4.5 / 28.2
+    assert v["median_abs_err"] <= 0.067 and v["max_abs_err"] <= 0.30
+    assert f["median_abs_err"] <= 0.020 and f["max_abs_err"] <= 0.20
+    assert a["median_abs_err"] <= 0.048 and a["max_abs_err"] <= 0.30
+    # by size: 512 tokens 9.6 % (host-bound calls), 16384 tokens 3.7 %
     assert _median_abs(recs, tokens_per_rank=512) <= 0.10
-    assert _median_abs(recs, tokens_per_rank=16384) <= 0.042
+    assert _median_abs(recs, tokens_per_rank=16384) <= 0.040
+    # bulk-copy pull dispatch of DeepSeek-V3 (byte-bound; its padding items add, they do not
+    # overlap the bytes): 16384 tokens within 3 % (was +12 %), hot:0.5 4096 within 2 % (+7.5 %)
+    pull_tma = [
+        r
+        for r in recs
+        if r["status"] == "ok"
+        and (r["model"], r["what"], r["mode"], r["engine"])
+        == ("deepseek-v3", "dispatch", "pull", "tma")
+        and int(r["tokens_per_rank"]) >= 4096
+    ]
+    assert len(pull_tma) == 4 and max(abs(r["err"]) for r in pull_tma) <= 0.03
     # the old worst rows: pull dispatch at 512 tokens (-58 %: padding walk) and bulk copies of
     # Qwen3's 4 KiB rows (-44 %: item-rate bound) are within 17 % now
     old_worst = [
@@ -93,17 +104,17 @@ def test_grid_sweep_metrics(grid):
         )
     ]
     assert len(old_worst) > 30 and max(abs(r["err"]) for r in old_worst) <= 0.17
-    # rows the model predicts device-bound: median 3.2 %, max 19.5 % (partials on 132 SMs,
+    # rows the model predicts device-bound: median 3.1 %, max 19.5 % (partials on 132 SMs,
     # which vary +-15 % between runs of the same configuration)
     dev = [abs(r["err"]) for r in recs if r["status"] == "ok" and not r["host_bound"]]
-    assert statistics.median(dev) <= 0.035 and max(dev) <= 0.21
+    assert statistics.median(dev) <= 0.034 and max(dev) <= 0.21
     # ranking: groups where every config is predicted device-bound choose within 2.8 % of the
     # measured best (Spearman mean 0.87; min 0.0 where configs share a knob and their bytes:
     # exact predicted ties); groups with host-bound configs rank run-to-run host noise
     d = s["ranking"]["device-bound groups"]
     assert d["groups"] == 38 and d["gap_max"] <= 0.03 and d["spearman_mean"] >= 0.85
     every = s["ranking"]["all groups"]
-    assert every["spearman_min"] >= -0.36 and every["spearman_mean"] >= 0.82  # -0.354, 0.835
+    assert every["spearman_min"] >= -0.36 and every["spearman_mean"] >= 0.82  # -0.354, 0.831
     assert s["gap_max"] <= 0.20  # 19.3 %: Qwen3 512-token dispatch, all host-bound
 
 
@@ -140,6 +151,10 @@ def test_padded_receive_rows_load_the_low_offset_warps():
     assert layout.size == 128 * 128 and layout.sum() == c.recv[0].sum()
     assert busiest_share(layout, 24 * 16) == pytest.approx(4.0, rel=0.05)
     assert ring_items(layout, 24) == -(-16384 // 24)
+    # the ring's busiest block: its row items and its padding items (which add, see tma_pad_us)
+    real, pad = ring_split(layout, 24)
+    mean = c.recv[0].sum() / 24
+    assert real + pad == ring_items(layout, 24) and mean <= real <= 1.2 * mean
     # dense loops: only the last round's ceil()
     assert busiest_share(512, 384) == pytest.approx(2 / (512 / 384))
     assert busiest_share(4096 * 96, 384) == 1.0
