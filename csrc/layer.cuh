@@ -5,8 +5,9 @@
 //                      minibatch by minibatch into the receive ring (one warp per row), raising
 //                      ready[mb] per block;
 //   blocks [C, grid)   compute workers: GEMM tiles of 128 rows x 256 columns in one fixed global
-//                      order, tile t to worker t % W; warpgroup 0 is the TMA producer (one
-//                      thread), warpgroups 1 and 2 each run wgmma on 64 of the 128 rows.
+//                      order, each worker claiming the next tile from one counter (next_tile);
+//                      warpgroup 0 is the TMA producer (one thread), warpgroups 1 and 2 each
+//                      run wgmma on 64 of the 128 rows.
 // Tile order: shared gate/up, shared down, then GU(0), [GU(m), DN(m-1)] for m = 1.., DN(last)
 // (GU(0), DN(0), GU(1), DN(1), ... when the ring has one minibatch slot). A gate/up tile holds
 // 128 gate and 128 up columns of one expert; its epilogue writes h = bf16(silu(g) * u). A down
@@ -25,7 +26,8 @@
 // (from the dedup buffer, or from the x buffer for this rank's own tokens). All NVLink traffic
 // then precedes the first routed tile; the shared expert's tiles overlap it.
 // Every wait is bounded (sync.cuh). Dependencies point backwards in the tile order or at the
-// communication blocks, whose own waits point backwards too, so the fixed order cannot deadlock.
+// communication blocks, whose own waits point backwards too, and tiles are claimed in order, so
+// every tile a claimed tile waits for is claimed already: the order cannot deadlock.
 // After its work every block raises the peers' slots-filled signal; then all blocks run the
 // fixed-order weighted sum of the combine (combine.cuh reduce_tokens).
 #pragma once
