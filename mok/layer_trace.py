@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["EVENTS", "Event", "new_trace", "decode", "summary", "to_chrome"]
+__all__ = ["EVENTS", "SPANS", "Event", "new_trace", "decode", "summary", "to_chrome"]
 
 EVENTS = {
     1: "staged",
@@ -34,6 +34,26 @@ EVENTS = {
     31: "sum_done",
 }
 TILE_KINDS = ("shared_gu", "shared_dn", "gu", "dn")
+# Events stamped per GEMM tile (the packed kind byte names the tile kind), and the others.
+_TILE_EVENTS = frozenset(c for c in EVENTS if 10 <= c < 30)
+_INSTANTS = frozenset(n for c, n in EVENTS.items() if c not in _TILE_EVENTS)
+# Phases between two events of one tile: name -> (start, end).
+SPANS = {
+    "consumer_wait_first_stage": ("tile_start", "first_stage"),
+    "consumer_mma": ("first_stage", "main_done"),
+    "consumer_epilogue": ("main_done", "epi_done"),
+    "consumer_epilogue_stage": ("main_done", "epi_staged"),
+    "consumer_epilogue_store": ("epi_staged", "epi_stored"),
+    "consumer_epilogue_fence": ("epi_stored", "epi_fenced"),
+    "producer_dependency_wait": ("dep_wait", "dep_done"),
+}
+# The non-overlapping ones, drawn in the Chrome trace.
+_CHROME_SPANS = (
+    "consumer_wait_first_stage",
+    "consumer_mma",
+    "consumer_epilogue",
+    "producer_dependency_wait",
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +80,7 @@ def decode(trace: torch.Tensor) -> list[Event]:
             n = int(t[b, r, 0, 0])
             for ns, code in t[b, r, 1 : n + 1].tolist():
                 kind = (code >> 48) & 0xFF
-                is_tile = (code >> 56) in (10, 11, 20, 21, 22, 23, 24, 25, 26)
+                is_tile = (code >> 56) in _TILE_EVENTS
                 out.append(
                     Event(
                         b,
@@ -93,15 +113,7 @@ def summary(events: list[Event]) -> dict[str, float]:
     layer's span, the final sum's span, and ``worker_end_spread``: how far apart the workers'
     last tiles ended (load balance at the end of the GEMM phase)."""
     out: dict[str, float] = {}
-    for name, (a, b) in {
-        "consumer_wait_first_stage": ("tile_start", "first_stage"),
-        "consumer_mma": ("first_stage", "main_done"),
-        "consumer_epilogue": ("main_done", "epi_done"),
-        "consumer_epilogue_stage": ("main_done", "epi_staged"),
-        "consumer_epilogue_store": ("epi_staged", "epi_stored"),
-        "consumer_epilogue_fence": ("epi_stored", "epi_fenced"),
-        "producer_dependency_wait": ("dep_wait", "dep_done"),
-    }.items():
+    for name, (a, b) in SPANS.items():
         for s, e in _spans(events, a, b):
             key = f"{name}[{s.kind}]" if s.kind else name
             out[key] = out.get(key, 0.0) + (e.t_ns - s.t_ns) / 1e3
@@ -123,12 +135,7 @@ def to_chrome(events: list[Event], path: str | Path) -> None:
     """Chrome trace JSON (opens in ui.perfetto.dev): a track per block and region."""
     t0 = events[0].t_ns if events else 0
     rows = []
-    for a, b in (
-        ("tile_start", "first_stage"),
-        ("first_stage", "main_done"),
-        ("main_done", "epi_done"),
-        ("dep_wait", "dep_done"),
-    ):
+    for a, b in (SPANS[name] for name in _CHROME_SPANS):
         for s, e in _spans(events, a, b):
             rows.append(
                 {
@@ -142,7 +149,7 @@ def to_chrome(events: list[Event], path: str | Path) -> None:
                 }
             )
     for e in events:
-        if e.name in ("staged", "pulled", "ring_wait", "ready", "sum_start", "sum_done"):
+        if e.name in _INSTANTS:
             rows.append(
                 {
                     "name": e.name,

@@ -40,3 +40,26 @@ def test_worker_end_spread():
         buf[block, 1, 1] = torch.tensor([end, _code(23, 3, block)])  # last epilogue done
         buf[block, 1, 0, 0] = 1
     assert layer_trace.summary(layer_trace.decode(buf))["worker_end_spread"] == 3.5
+
+
+def test_chrome_trace_has_tile_phases_and_instants(tmp_path):
+    import json
+
+    buf = torch.zeros(2, 2, 8, 2, dtype=torch.int64)
+    for i, (ns, ev) in enumerate([(1000, 20), (3000, 21), (13000, 22), (14000, 24)], start=1):
+        buf[1, 1, i] = torch.tensor([ns, _code(ev, 2, 5)])
+    buf[1, 1, 5] = torch.tensor([16000, _code(23, 2, 5)])
+    buf[1, 1, 0, 0] = 5
+    buf[0, 0, 1] = torch.tensor([500, _code(4, 0, 3)])
+    buf[0, 0, 0, 0] = 1
+    path = tmp_path / "t.json"
+    layer_trace.to_chrome(layer_trace.decode(buf), path)
+    rows = json.loads(path.read_text())["traceEvents"]
+    spans = sorted((r["name"], r["dur"]) for r in rows if r["ph"] == "X")
+    # the epilogue is drawn whole; its sub-phases only feed summary()
+    assert spans == [
+        ("gu first_stage->main_done", 10.0),
+        ("gu main_done->epi_done", 3.0),
+        ("gu tile_start->first_stage", 2.0),
+    ]
+    assert [(r["name"], r["args"]["index"]) for r in rows if r["ph"] == "i"] == [("ready", 3)]
