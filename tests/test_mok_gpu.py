@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.launch import torchrun
+from tests.dist.launch import skip_unless_gpus, torchrun
 
 
 def _torchrun(nproc: int, *args: str) -> str:
@@ -29,11 +29,7 @@ def test_ep2_against_reference():
 @pytest.mark.parametrize("nproc", [4, 8])
 def test_ep4_ep8_against_reference(nproc):
     # One NVLink domain of Hopper GPUs holds up to 8 ranks (kMaxRanks in csrc/params.h).
-    import torch
-
-    found = torch.cuda.device_count()
-    if found < nproc:
-        pytest.skip(f"needs {nproc} CUDA GPUs (found {found})")
+    skip_unless_gpus(nproc)
     _torchrun(nproc)
 
 

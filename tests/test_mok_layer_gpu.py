@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.launch import torchrun
+from tests.dist.launch import skip_unless_gpus, torchrun
 
 
 def _torchrun(nproc: int, *args: str) -> str:
@@ -28,11 +28,7 @@ def test_fused_layer_ep2():
 @pytest.mark.sm90
 @pytest.mark.parametrize("nproc", [4, 8])
 def test_fused_layer_ep4_ep8(nproc):
-    import torch
-
-    found = torch.cuda.device_count()
-    if found < nproc:
-        pytest.skip(f"needs {nproc} CUDA GPUs (found {found})")
+    skip_unless_gpus(nproc)
     _torchrun(nproc, "--quick")
 
 

@@ -17,6 +17,16 @@ NO_MULTICAST = {
 }
 
 
+def skip_unless_gpus(n: int) -> None:
+    """Skip the calling test on a machine with fewer than ``n`` CUDA GPUs."""
+    import pytest
+    import torch
+
+    found = torch.cuda.device_count()
+    if found < n:
+        pytest.skip(f"needs {n} CUDA GPUs (found {found})")
+
+
 def torchrun(worker: str, nproc: int, sentinel: str, *args: str, timeout: int = 600) -> str:
     """Run ``tests/dist/<worker>`` on ``nproc`` ranks; assert exit code 0 and that every rank
     printed ``<sentinel> rank=<r>``. Returns the combined output."""
