@@ -105,6 +105,16 @@ def link_utilisation(result: LayerResult, ranks: Sequence[int] | None = None) ->
     return fig
 
 
+def _grid_axes(ax, x: str, y: str, xs: list, ys: list) -> None:
+    """Ticks at the cells of a heatmap over ``xs`` x ``ys`` and the axis names."""
+    ax.set_xticks(range(len(xs)))
+    ax.set_xticklabels(xs)
+    ax.set_yticks(range(len(ys)))
+    ax.set_yticklabels(ys)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+
+
 def _best_grid(rows, x: str, y: str, value: str, xs: list, ys: list) -> np.ndarray:
     """[len(ys), len(xs)]: the smallest ``value`` of the rows in each (x, y) cell, NaN if none."""
     grid = np.full((len(ys), len(xs)), np.nan)
@@ -130,12 +140,7 @@ def sweep_heatmap(
     grid = _best_grid(sel, x, y, value, xs, ys)
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(xs), 1.2 + 0.6 * len(ys)))
     im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
-    ax.set_xticks(range(len(xs)))
-    ax.set_xticklabels(xs)
-    ax.set_yticks(range(len(ys)))
-    ax.set_yticklabels(ys)
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
+    _grid_axes(ax, x, y, xs, ys)
     for i in range(len(ys)):
         for j in range(len(xs)):
             if not np.isnan(grid[i, j]):
@@ -188,12 +193,7 @@ def sweep_heatmap_panels(
         for j, (pc, grid) in enumerate(zip(pcols, grids, strict=True)):
             ax = axes[i][j]
             im = ax.imshow(grid, cmap="viridis_r", aspect="auto", vmin=lo, vmax=hi)
-            ax.set_xticks(range(len(xs)))
-            ax.set_xticklabels(xs)
-            ax.set_yticks(range(len(ys)))
-            ax.set_yticklabels(ys)
-            ax.set_xlabel(x)
-            ax.set_ylabel(y)
+            _grid_axes(ax, x, y, xs, ys)
             best = np.unravel_index(np.nanargmin(grid), grid.shape)
             for a in range(len(ys)):
                 for b in range(len(xs)):
