@@ -125,9 +125,10 @@ def ring_split(rows: np.ndarray | int, blocks: int) -> tuple[int, int]:
     items = ring_items(rows, blocks)
     if not isinstance(rows, np.ndarray):
         return items, 0
-    real = np.bincount(np.arange(rows.size) % blocks, weights=rows, minlength=blocks)
-    count = np.bincount(np.arange(rows.size) % blocks, minlength=blocks)
-    b = int(np.flatnonzero(count == items)[np.argmax(real[count == items])])
+    block = np.arange(rows.size) % blocks
+    real = np.bincount(block, weights=rows, minlength=blocks)
+    busiest = np.flatnonzero(np.bincount(block, minlength=blocks) == items)
+    b = int(busiest[np.argmax(real[busiest])])
     return int(real[b]), items - int(real[b])
 
 
