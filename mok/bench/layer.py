@@ -74,6 +74,15 @@ def _shared(x: torch.Tensor, w) -> torch.Tensor | None:
     return (F.silu(g) * u).to(torch.bfloat16) @ w.shared_w_down.T
 
 
+def swiglu_experts(a: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
+    """The baselines' routed experts: a [rows, hidden] bf16 grouped by local expert (``offs``:
+    int32 group ends) -> [rows, hidden] bf16, gate and up as two grouped GEMMs, SwiGLU in fp32."""
+    g = torch._grouped_mm(a, w.w_gate.transpose(1, 2), offs=offs).float()
+    u = torch._grouped_mm(a, w.w_up.transpose(1, 2), offs=offs).float()
+    h = (F.silu(g) * u).to(torch.bfloat16)
+    return torch._grouped_mm(h, w.w_down.transpose(1, 2), offs=offs)
+
+
 def nccl_layer(x, idx, tw, w, num_experts):
     """The usual all_to_all layer (host reads the split sizes)."""
     world = dist.get_world_size()
@@ -94,11 +103,7 @@ def nccl_layer(x, idx, tw, w, num_experts):
     dist.all_to_all_single(eid, (flat[order] % L).contiguous(), rc, sc)
     by_expert = torch.argsort(eid, stable=True)
     offs = torch.cumsum(torch.bincount(eid, minlength=L), 0).to(torch.int32)
-    a = recv.index_select(0, by_expert)
-    g = torch._grouped_mm(a, w.w_gate.transpose(1, 2), offs=offs).float()
-    u = torch._grouped_mm(a, w.w_up.transpose(1, 2), offs=offs).float()
-    h = (F.silu(g) * u).to(torch.bfloat16)
-    y = torch._grouped_mm(h, w.w_down.transpose(1, 2), offs=offs)
+    y = swiglu_experts(recv.index_select(0, by_expert), w, offs)
     back_rows = torch.empty_like(y)
     back_rows[by_expert] = y
     back = torch.empty(n * topk, hidden, dtype=x.dtype, device=x.device)
@@ -151,11 +156,7 @@ class DeepEPLayer:
         order = torch.argsort(e, stable=True)
         tok, kk, e = tok[order], kk[order], e[order]
         offs = torch.cumsum(torch.bincount(e, minlength=L), 0).to(torch.int32)
-        a = recv_x.index_select(0, tok)
-        g = torch._grouped_mm(a, w.w_gate.transpose(1, 2), offs=offs).float()
-        u = torch._grouped_mm(a, w.w_up.transpose(1, 2), offs=offs).float()
-        h = (F.silu(g) * u).to(torch.bfloat16)
-        y = torch._grouped_mm(h, w.w_down.transpose(1, 2), offs=offs).float()
+        y = swiglu_experts(recv_x.index_select(0, tok), w, offs).float()
         part = torch.zeros(recv_x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         part.index_add_(0, tok, y * rw[tok, kk].float().unsqueeze(1))
         out, _, _ = self.buf.combine(part.to(torch.bfloat16), handle)
