@@ -309,8 +309,8 @@ def main(argv: list[str], sweep: bool = False) -> int:
             args.models.split(","), (int(v) for v in args.tokens.split(",")), args.skews.split(",")
         )
     )
+    deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
     for model, n, skew in tqdm(jobs, disable=dist.get_rank() != 0, desc="layer"):
-        deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
         run_model(
             rec, model, n, skew, impls, configs, args.iters, args.warmup, deepep_sms, args.trace_dir
         )
