@@ -208,8 +208,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const Param
 // Same operands as dispatch_pull_kernel.
 __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const Params p) {
   const Ctx c(p);
+  stamp(p, 0);
   if (c.aborted()) return;
   if (!publish_x(c)) return;
+  stamp(p, 1);
   const int32_t* d_src_rank = p.sched + p.o_dedup_src_rank;
   const int32_t* d_src_token = p.sched + p.o_dedup_src_token;
   const int32_t* fan_rows = p.sched + p.o_fan_rows;
@@ -257,10 +259,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const
     const int4* from = reinterpret_cast<const int4*>(c.sym(src, p.off_x) + token * p.row_bytes);
     warp_fan_row(dst, n, from, n16, lane);
   }
+  stamp(p, 2);
   // Receive rows of a token span all expert regions: every minibatch is complete only now.
   if (fan)
     for (int mb = 0; mb < p.num_minibatches; ++mb) raise_ready(c, mb);
   block_signal_all(c, kSigXConsumed);
+  stamp(p, 3);
 }
 
 // in0: dedup buffer [>= num_dedup, row_bytes] (dispatch dedup_pull with kFlagNoFanout);

@@ -77,6 +77,9 @@ int launch(int kind, const Params& params, int grid, void* stream_ptr) {
       const int gslots =
           gather_slots(params.num_ranks, has, (params.flags & kFlagSharedFp32) != 0);
       size_t smem = reduce_stages(rb, slots) * reduce_stage_bytes(rb, slots);
+      if (sum_stages(rb, params.num_ranks) >= kMinStages)
+        smem = sum_stages(rb, params.num_ranks) * sum_stage_bytes(rb, params.num_ranks);
+      if (params.flags & kFlagVector) smem = 0;
       if (params.flags & kFlagGather) smem = gather_units(gslots) > 0 ? gather_smem(gslots) : 0;
       e = launch_cooperative(dedup_sum_kernel, params, grid, kCommThreads, smem, stream);
       break;

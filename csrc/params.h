@@ -100,6 +100,7 @@ enum Flags : int {
   kFlagSkipLocal = 32,     // dedup buffer without this rank's own rows (they stay in x)
   kFlagGather = 64,        // dedup_sum: cp.async gather ring (many loads in flight per warp)
   kFlagDedup = 128,        // fused layer: dedup pull (one NVLink row per token and rank)
+  kFlagStamps = 256,       // dedup_pull dispatch / dedup_sum: in3 = per-block phase stamps
 };
 
 struct Params {

@@ -40,6 +40,16 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
+// Phase stamps of a communication kernel (kFlagStamps): thread 0 of each block writes the
+// globaltimer at phase `i` (0 entry, 1 after the peers' ready signal, 2 after the copies or
+// sums, 3 before exit) into in3, uint64 [gridDim.x][kNumStamps]. Diagnostics only.
+constexpr int kNumStamps = 4;
+__device__ __forceinline__ void stamp(const Params& p, int i) {
+  if ((p.flags & kFlagStamps) && threadIdx.x == 0)
+    const_cast<uint64_t*>(static_cast<const uint64_t*>(p.in3))[blockIdx.x * kNumStamps + i] =
+        globaltimer_ns();
+}
+
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");

@@ -121,6 +121,10 @@ __device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint
                "r"(smem_addr(smem_src)), "r"(bytes)
                : "memory");
 }
+// Starts moving `bytes` at src into L2 (no completion to wait for): a later ordinary load hits.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }

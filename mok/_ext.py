@@ -50,6 +50,7 @@ KERNELS = {
 }
 FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED, FLAG_VECTOR, FLAG_NO_FANOUT = 1, 2, 4, 8, 16
 FLAG_SKIP_LOCAL, FLAG_GATHER, FLAG_DEDUP = 32, 64, 128
+FLAG_STAMPS, NUM_STAMPS = 256, 4  # per-block phase stamps (csrc/sync.cuh stamp())
 META = {"num_rows": 0, "num_dedup": 1, "abort": 2, "err_claim": 3, "bad_detail": 7}
 SIGNALS = [
     "route_ready",

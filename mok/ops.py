@@ -37,6 +37,13 @@ _DISPATCH_KERNELS = {
 }
 
 
+def _stamps(ws, p) -> None:
+    """Point the kernel at the workspace's phase-stamp buffer, if one is set (diagnostics)."""
+    if ws.stamps is not None:
+        p.in3 = ws.stamps.data_ptr()
+        p.flags |= _ext.FLAG_STAMPS
+
+
 @torch.library.custom_op("mok::build_schedule", mutates_args=("sched",))
 def build_schedule(
     topk_idx: torch.Tensor,  # [num_tokens, num_topk] int32
@@ -85,6 +92,8 @@ def dispatch(
         p.flags |= _ext.FLAG_NO_FANOUT
         if skip_local:
             p.flags |= _ext.FLAG_SKIP_LOCAL
+    if mode == "dedup_pull":
+        _stamps(ws, p)
     ws.launch(_DISPATCH_KERNELS[mode], p, ws.config.num_comm_sms)
 
 
@@ -165,6 +174,7 @@ def dedup_sum(
         p.flags |= _ext.FLAG_VECTOR
     elif engine == "gather":
         p.flags |= _ext.FLAG_GATHER
+    _stamps(ws, p)
     ws.launch("dedup_sum", p, ws.config.num_comm_sms)
 
 

@@ -167,6 +167,9 @@ class Workspace:
         self._layer_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._dedup_buffer: torch.Tensor | None = None
         self.broken: Exception | None = None
+        # Diagnostics: an int64 CUDA tensor [num_comm_sms, NUM_STAMPS] here makes the dedup pull
+        # dispatch and dedup_sum kernels write each block's phase times (globaltimer ns) into it.
+        self.stamps: torch.Tensor | None = None
         self.id = len(_by_handle) + 1
         _by_handle[self.id] = self
         sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -73,6 +73,12 @@ def _timeit_first(fn, then, iters: int, warmup: int) -> tuple[float, float, floa
     return tuple(float(v) for v in q.cpu())
 
 
+def _print_stamps(what: str, t: tuple, split: dict[str, float]) -> None:
+    if dist.get_rank() == 0:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in split.items())
+        print(f"  phases {what}: event median {t[0]:.1f} us; {parts} us", flush=True)
+
+
 def _sha() -> str:
     env = os.environ.get("MOK_GIT_SHA")
     if env:
@@ -152,7 +158,41 @@ def _remote_pull_dedup_combine(h: dict, rank: int, world: int) -> int:
     return sum(int((dst == d).any(dim=1).sum()) for d in range(world) if d != rank)
 
 
-def bench_mok(rec, base, x, idx, w, num_experts, sms, iters, warmup, engines=("tma", "vector")):
+def _phase_stamps(ws, fn, calls: int = 20) -> dict[str, float]:
+    """Median per-call phase split (us) of a dedup dispatch / dedup_sum call from the kernels'
+    per-block globaltimer stamps (``ws.stamps``), max over ranks: handshake (entry of the
+    first block to the last block past the peers' ready signal), stream (to the last block's
+    end of copies), spread (first to last block ending its copies), exit (to the last block's
+    exit), span (first entry to last exit) and gap (last exit of the previous call to this
+    call's first entry, back to back)."""
+    from mok import _ext
+
+    stamps = torch.zeros(
+        calls, ws.config.num_comm_sms, _ext.NUM_STAMPS, dtype=torch.int64, device="cuda"
+    )
+    for i in range(calls):
+        ws.stamps = stamps[i]
+        fn()
+    ws.stamps = None
+    torch.cuda.synchronize()
+    t = stamps.cpu().double() / 1e3
+    entry, ready, done, leave = (t[..., k] for k in range(4))
+    split = {  # the first call is left out (it may wait for the peer's previous work)
+        "handshake": (ready.amax(1) - entry.amin(1))[1:],
+        "stream": (done.amax(1) - ready.amax(1))[1:],
+        "spread": (done.amax(1) - done.amin(1))[1:],
+        "exit": (leave.amax(1) - done.amax(1))[1:],
+        "span": (leave.amax(1) - entry.amin(1))[1:],
+        "gap": entry.amin(1)[1:] - leave.amax(1)[:-1],
+    }
+    q = torch.tensor([v.median() for v in split.values()], device="cuda")
+    dist.all_reduce(q, op=dist.ReduceOp.MAX)
+    return dict(zip(split, q.cpu().tolist(), strict=True))
+
+
+def bench_mok(
+    rec, base, x, idx, w, num_experts, sms, iters, warmup, engines=("tma", "vector"), stamps=False
+):
     import mok
     from mok import functional as mf
 
@@ -203,6 +243,11 @@ def bench_mok(rec, base, x, idx, w, num_experts, sms, iters, warmup, engines=("t
             lambda e=eng: mf.dispatch(xb, s, "dedup_pull", False, e, skip_local=True), iters, warmup
         )
         add("dispatch", "dedup_pull_remote", eng, "comparable", t, remote_dedup * rb)
+        if stamps:
+            split = _phase_stamps(
+                ws, lambda e=eng: mf.dispatch(xb, s, "dedup_pull", False, e, skip_local=True)
+            )
+            _print_stamps(f"dedup_pull_remote {eng}", t, split)
         dd = mf.dispatch(xb, s, "dedup_pull", False, eng, skip_local=True)
         t = _timeit(lambda e=eng, b=dd: mf.fanout(b, s, e, skip_local=True), iters, warmup)
         add("dispatch", "fanout_remote", eng, "local", t, 0)
@@ -235,6 +280,10 @@ def bench_mok(rec, base, x, idx, w, num_experts, sms, iters, warmup, engines=("t
         # NOTE: no shared-expert term in the combines (as in DeepEP's combine and v1's numbers).
         t = _timeit(lambda e=eng: mf.dedup_sum(s, engine=e), iters, warmup)
         add("combine", "dedup_pull_sum", eng, "comparable", t, remote_dedup_combine * rb)
+        if stamps:
+            _print_stamps(
+                f"dedup_sum {eng}", t, _phase_stamps(ws, lambda e=eng: mf.dedup_sum(s, engine=e))
+            )
 
     def dedup_pull_e2e():
         mf.dedup_partials(y, s)
@@ -394,6 +443,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--csv", default="mok-bench-comm.csv")
+    ap.add_argument(
+        "--stamps", action="store_true", help="print the dedup kernels' per-phase split (us)"
+    )
     args = ap.parse_args(argv)
 
     rec = Recorder(args.csv, init_dist())
@@ -425,6 +477,7 @@ def main(argv: list[str]) -> int:
                         args.iters,
                         args.warmup,
                         tuple(args.engines.split(",")),
+                        args.stamps,
                     )
                 if not args.no_nccl:
                     bench_nccl(rec, base, x, idx, w, num_experts, args.iters, args.warmup)

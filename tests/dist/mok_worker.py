@@ -179,6 +179,11 @@ def comm_case(hidden, K, E, N, skew, dev, repeat=0):
                 o = mf.dedup_sum(sched, shd, engine=se).cpu()
                 ws.check()
                 check(torch.equal(o, dedup), f"{tag} dedup_sum {pe}/{se} differs")
+        # Phase stamps (diagnostics): each block writes entry <= ready <= done <= exit.
+        ws.stamps = torch.zeros(ws.config.num_comm_sms, 4, dtype=torch.int64, device=dev)
+        mf.dedup_sum(sched, shd, engine="tma")
+        st, ws.stamps = ws.stamps.cpu(), None
+        check(bool((st > 0).all() and (st.diff(dim=1) >= 0).all()), f"{tag} phase stamps {st}")
     for i in range(repeat):
         sched = mf.build_schedule(idx_all[rank].to(dev), w_all[rank].to(dev), ws)
         for mode, engine in DISPATCH_VARIANTS:
