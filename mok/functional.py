@@ -198,7 +198,22 @@ def build_schedule(
 
 def _check_engine(engine: str, engines: tuple[str, ...] = ops.ENGINES) -> None:
     if engine not in engines:
-        raise MoKInputError(f"unknown copy engine {engine!r}; supported: {', '.join(engines)}")
+        raise MoKInputError(
+            f"unknown copy engine {engine!r}; supported: auto, {', '.join(engines)}"
+        )
+
+
+# Rows of at least this many bytes move faster through the bulk-copy rings; smaller rows make
+# their single issuing thread the limit, and 16-byte vector loads win (docs/perf-notes.md v3, v4).
+_TMA_MIN_ROW_BYTES = 8192
+
+
+def _engine(ws: Workspace, engine: str, engines: tuple[str, ...] = ops.ENGINES) -> str:
+    """Resolve ``auto`` by row size; check anything else."""
+    if engine == "auto":
+        return "tma" if ws.row_bytes >= _TMA_MIN_ROW_BYTES else "vector"
+    _check_engine(engine, engines)
+    return engine
 
 
 def dispatch(
@@ -206,7 +221,7 @@ def dispatch(
     schedule: DeviceSchedule,
     mode: str | None = None,
     fan_out: bool = True,
-    engine: str = "tma",
+    engine: str = "auto",
     skip_local: bool = False,
 ) -> torch.Tensor:
     """Move this rank's token rows to the expert owners.
@@ -223,7 +238,8 @@ def dispatch(
     ``fan_out=False``) moves only the rows of other ranks' tokens: the rows of this rank's own
     tokens stay unspecified in the dedup buffer and are read from ``ws.x_buffer`` by
     ``fanout(..., skip_local=True)`` (the data is already local). ``engine``: ``tma`` (bulk
-    copies) or ``vector`` (16-byte loads/stores, v1) for the pull modes.
+    copies) or ``vector`` (16-byte loads/stores, v1) for the pull modes; ``auto`` takes
+    ``tma`` for rows of at least 8 KiB, else ``vector``.
     """
     ws = schedule.ws
     mode = mode or ws.config.dispatch_mode
@@ -231,7 +247,7 @@ def dispatch(
         raise MoKInputError(
             f"unknown dispatch mode {mode!r}; supported: {', '.join(ops._DISPATCH_KERNELS)}"
         )
-    _check_engine(engine)
+    engine = _engine(ws, engine)
     if not fan_out and mode != "dedup_pull":
         raise MoKInputError("fan_out=False needs mode='dedup_pull'")
     if skip_local and fan_out:
@@ -246,7 +262,7 @@ def dispatch(
 def fanout(
     dedup: torch.Tensor,
     schedule: DeviceSchedule,
-    engine: str = "tma",
+    engine: str = "auto",
     skip_local: bool = False,
 ) -> torch.Tensor:
     """Local fan-out of a dedup buffer (``dispatch(..., 'dedup_pull', fan_out=False)``) into
@@ -254,7 +270,7 @@ def fanout(
     ``skip_local``: the dedup buffer came from ``dispatch(..., skip_local=True)``; this rank's
     own rows are read from the workspace x buffer (which the dispatch filled)."""
     ws = schedule.ws
-    _check_engine(engine)
+    engine = _engine(ws, engine)
     R, s = ws.num_ranks, ws.shapes
     _check_tensor("dedup", dedup, (R * s.num_tokens, s.hidden), (s.dtype,), ws.device)
     recv = ws.recv_buffer
@@ -327,17 +343,19 @@ def dedup_partials(
 
 
 def dedup_sum(
-    schedule: DeviceSchedule, shared_y: torch.Tensor | None = None, engine: str = "vector"
+    schedule: DeviceSchedule, shared_y: torch.Tensor | None = None, engine: str = "auto"
 ) -> torch.Tensor:
     """Transfer step of the dedup pull combine: the home rank reads its tokens' partials from
     every owner (after their :func:`dedup_partials`) and returns ``bf16(shared_y + partial_0 +
     partial_1 + ...)`` in ascending owner rank order, [num_tokens, hidden]. ``engine``:
-    ``vector`` or ``tma`` (as for :func:`dedup_partials`), or ``gather`` (a warp per row,
-    several row chunks of every term in flight through cp.async into a shared-memory ring;
-    falls back to ``vector`` when the ring does not fit; slower than ``vector`` on 2x H200,
-    docs/perf-notes.md v3)."""
+    ``vector`` (a warp per row, 16-byte loads), ``tma`` (the peers' partial rows bulk-loaded
+    whole into a shared-memory ring, the local terms read by consumer warps; with many ranks,
+    when whole rows do not fit, 4 KiB chunks of every term), ``auto`` (``tma`` for rows of at
+    least 8 KiB, else ``vector``), or ``gather`` (a warp per row, several row chunks of every
+    term in flight through cp.async; slower than ``vector`` on 2x H200, docs/perf-notes.md
+    v3)."""
     ws = schedule.ws
-    _check_engine(engine, ops.SUM_ENGINES)
+    engine = _engine(ws, engine, ops.SUM_ENGINES)
     s = ws.shapes
     if shared_y is not None:
         _check_tensor(

@@ -147,3 +147,15 @@ def test_functional_takes_the_tuner_json(tmp_path):
     assert as_config(cfg.to_dict()) == cfg
     assert as_config(cfg) is cfg
     assert as_config(None) == MoKConfig()
+
+
+def test_auto_engine_follows_the_row_size():
+    from types import SimpleNamespace
+
+    from mok.functional import _engine
+
+    assert _engine(SimpleNamespace(row_bytes=7168 * 2), "auto") == "tma"
+    assert _engine(SimpleNamespace(row_bytes=2048 * 2), "auto") == "vector"
+    assert _engine(SimpleNamespace(row_bytes=2048 * 2), "tma") == "tma"
+    with pytest.raises(mok.MoKInputError, match="supported: auto, tma, vector"):
+        _engine(SimpleNamespace(row_bytes=4096), "fast")
