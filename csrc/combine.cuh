@@ -396,8 +396,7 @@ __global__ void __launch_bounds__(kCommThreads) dedup_partials_kernel(const Para
   else
     tma_reduce_rows(meta, num_dedup, rb, p.num_topk, false, false, reduce_stages(rb, slots),
                     dyn_smem);
-  if (!grid_sync(c)) return;
-  if (blockIdx.x == 0) block_store_all(c, kSigPartReady, static_cast<uint64_t>(p.epoch));
+  if (last_block(c)) block_store_all(c, kSigPartReady, static_cast<uint64_t>(p.epoch));
 }
 
 // ---- gather ring of dedup_sum ----------------------------------------------------------------
@@ -762,8 +761,7 @@ __global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p)
     tma_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, p.num_ranks, has_shared, fp32,
                     reduce_stages(rb, slots), dyn_smem);
   stamp(p, 2);
-  if (!grid_sync(c)) return;
-  if (blockIdx.x == 0) block_store_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch));
+  if (last_block(c)) block_store_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch));
   stamp(p, 3);
 }
 

@@ -75,6 +75,7 @@ enum Meta : int {
   kMetaBarGen = 5,      // grid barrier generation
   kMetaBadInput = 6,    // routing error found in this schedule build (code)
   kMetaBadDetail = 7,   // flat (token * num_topk + k) index of the first bad entry
+  kMetaLastCount = 8,   // blocks done in the running launch (last_block)
   kMetaWords = 16,
 };
 

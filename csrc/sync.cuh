@@ -178,6 +178,26 @@ __device__ __forceinline__ void block_store_all(const Ctx& c, int kind, uint64_t
   }
 }
 
+// Last block out: every block calls it once after its work (all threads). It is true in the
+// block that arrives last, when every block's earlier memory operations are visible at system
+// scope (each thread's system fence before its block arrives), so that block alone can signal
+// the peers. Nobody waits; the count resets for the next launch.
+static __device__ __noinline__ bool last_block(const Ctx& c) {
+  __shared__ int last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* count = reinterpret_cast<uint32_t*>(c.meta() + kMetaLastCount);
+    last = atomicAdd(count, 1u) + 1 == gridDim.x;
+    if (last) {
+      __threadfence();
+      atomicExch(count, 0u);
+    }
+  }
+  __syncthreads();
+  return last != 0;
+}
+
 // Self-resetting grid barrier (all blocks co-resident: the launch is cooperative). False when the
 // workspace aborted or the barrier timed out.
 static __device__ __noinline__ bool grid_sync(const Ctx& c) {
