@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import mok
 from mok import MoKConfig, MoKConfigError
@@ -159,3 +160,35 @@ def test_auto_engine_follows_the_row_size():
     assert _engine(SimpleNamespace(row_bytes=2048 * 2), "tma") == "tma"
     with pytest.raises(mok.MoKInputError, match="supported: auto, tma, vector"):
         _engine(SimpleNamespace(row_bytes=4096), "fast")
+
+
+def test_eager_calls_skip_the_dispatcher_but_keep_its_bookkeeping():
+    # Eager calls run the op body directly (host time) and still bump the mutated tensors'
+    # version counters; fake tensors go through the registered op and its fake implementation.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mok.ops import _mok_op
+
+    seen = []
+
+    @_mok_op("mok_test::touch", ("b",))
+    def touch(a: torch.Tensor, b: torch.Tensor, h: int) -> None:
+        seen.append("body")
+
+    @touch.register_fake
+    def _(a, b, h) -> None:
+        seen.append("fake")
+
+    def dispatched(fn) -> bool:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        return any(e.name == "mok_test::touch" for e in prof.events())
+
+    a, b = torch.zeros(2), torch.zeros(2)
+    v = b._version
+    assert not dispatched(lambda: touch(a, b, 1))
+    assert b._version == v + 1 and seen == ["body"]
+    assert dispatched(lambda: touch.op(a, b, 1))
+    with FakeTensorMode() as mode:
+        touch(mode.from_tensor(a), mode.from_tensor(b), 1)
+    assert seen[-1] == "fake"
