@@ -162,6 +162,7 @@ def test_auto_engine_follows_the_row_size():
         _engine(SimpleNamespace(row_bytes=4096), "fast")
 
 
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events")
 def test_eager_calls_skip_the_dispatcher_but_keep_its_bookkeeping():
     # Eager calls run the op body directly (host time) and still bump the mutated tensors'
     # version counters; fake tensors go through the registered op and its fake implementation.
