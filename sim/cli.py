@@ -394,15 +394,14 @@ def _validate_comm(a, rows: list[dict]) -> list[dict]:
 
 def _validate_layer(a, rows: list[dict]) -> list[dict]:
     from sim.fused import load_fused_profile
-    from sim.fused_fit import fit_fused_profile
+    from sim.fused_fit import FUSED_KNOBS, fit_fused_profile
     from sim.validate import validate_layer_rows
 
     prof = load_fused_profile(a.fused_profile)
     if a.refit:
-        print("refitting the fused-layer knobs on the fit rows (about a minute)", flush=True)
+        print("refitting the fused-layer knobs on the fit rows (a few minutes)", flush=True)
         prof = fit_fused_profile(rows, prof, log=lambda m: print(f"  {m}", flush=True))
-        knobs = ("gemm_efficiency", "tile_fixed_us", "operand_tbps", "comm_rate_factor")
-        print("refitted: " + ", ".join(f"{k}={getattr(prof, k)}" for k in knobs), prof.fit)
+        print("refitted: " + ", ".join(f"{k}={getattr(prof, k)}" for k in FUSED_KNOBS), prof.fit)
         if a.save_profile:
             prof.save(a.save_profile)
             print(f"wrote {a.save_profile}")

@@ -17,9 +17,9 @@ What one call of :func:`mok.functional.moe_forward` with ``fused=True`` costs on
    :func:`tile_order`); every expert region is padded to 128 rows and the padding rows
    are multiplied too. A gate/up tile of minibatch m waits for ``ready[m]``, a down tile for
    the gate/up tiles of its row block. A tile costs ``k_blocks x kblock_us + tile_fixed_us``
-   (:func:`kblock_us`: the worker's own k-loop rate, or its share of the chip-wide operand
-   ceiling when all workers stream at once); the list schedule of :func:`_run_tiles` gives
-   each worker's end;
+   (:func:`kblock_us`: a smooth maximum of the worker's own k-loop rate and its share of the
+   chip-wide operand ceiling, so the workers slow down before the ceiling binds); the list
+   schedule of :func:`_run_tiles` gives each worker's end;
 4. ``signal_us``: every block raises the peers' slots-filled flag and waits for all of them
    (the slowest rank's last down tile ends the GEMM phase of every rank);
 5. ``sum_us``: the fixed-order weighted sum on all SMs, local-HBM bound: read the
@@ -28,13 +28,14 @@ What one call of :func:`mok.functional.moe_forward` with ``fused=True`` costs on
 
 The device time is 1 + 2 + 3 + 4 + 5; the measured time of back-to-back calls is ``max(device,
 host)`` with ``host_us`` the comm-kernel profile's host floors of the two Python calls
-(``build_schedule``, ``forward``). The comm blocks run the standalone kernels' warp copy loop
-(``warp_copy_row``): their per-SM rate is the comm-kernel profile's (probe curve x in-flight
-factor x row rounds x SM congestion, :func:`sim.model.kernel_rates`), scaled by the fused
-kernel's 12 copy warps per SM (:data:`COMM_WARPS_PER_SM`, 16 in the standalone kernels) and the
-fitted ``comm_rate_factor``. Remote pulls are also capped by the NVLink port (payload plus
-request bytes, all ranks pulling at once). Grid-stride loops over the padded receive rows pay
-their busiest warp (:func:`sim.kernel_rows.busiest_share`).
+(``build_schedule``, ``forward``). The comm blocks copy every row, in both modes, with one
+loop (``warp_copy_row``, one row per warp): a local row at ``comm_rate_factor`` of the probe's
+per-SM local rate, a remote row at ``remote_rate_factor`` of that again on the probe's pull
+curve (:func:`_comm_rates`). Neither depends on the row size: the standalone kernels'
+latency-round model would make DeepSeek-V3's 14 KiB rows 0.70x as fast per byte as Qwen3's 4
+KiB rows, and the fused rows do not show that. Remote pulls are also capped by the NVLink port
+(payload plus request bytes, all ranks pulling at once). Grid-stride loops over the padded
+receive rows pay their busiest warp (:func:`sim.kernel_rows.busiest_share`).
 
 Not modelled: the down tiles' push-combine stores over NVLink (they ride in the epilogue, whose
 cost is ``tile_fixed_us``), a receive ring smaller than the receive buffer (the benchmark's
@@ -54,10 +55,10 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from sim.config import SimConfig, Workload
+from sim.config import Workload
 from sim.gemm import reduce_us
-from sim.kernel_rows import WARPS_PER_SM, busiest_share
-from sim.model import kernel_knobs, kernel_rates, layer_kernel_profile
+from sim.kernel_rows import busiest_share
+from sim.model import layer_kernel_profile
 from sim.phases import schedule_device_us
 from sim.schedule import RoutingPlan
 
@@ -83,6 +84,8 @@ DEFAULT_FUSED_PROFILE = "mok-fused-h200x2"
 TILE_M, TILE_N, TILE_K = 128, 256, 64
 STAGE_BYTES = (TILE_M + TILE_N) * TILE_K * 2  # A and B boxes of one k-block (kStageBytes)
 COMM_WARPS_PER_SM = 12  # kLayerThreads = 384: one row per warp (standalone kernels: 16)
+# probe curves of the comm blocks' 16-byte loads and stores (sim.hardware: vector engine)
+LOCAL_CURVE, REMOTE_CURVE = "local_st", "pull_ld"
 _KIND_SHARED_GU, _KIND_SHARED_DN, _KIND_GU, _KIND_DN = range(4)
 
 
@@ -102,18 +105,21 @@ class FusedProfile:
     # pushes to the home rank), pipeline restart, counter release; fitted
     tile_fixed_us: float = 0.0
     # chip-wide ceiling (TB/s) on the workers' operand loads (TMA A + B boxes, 48 KiB per
-    # k-block, through L2); a k-block takes at least W x 48 KiB / this; fitted (inf: none)
+    # k-block, through L2), approached smoothly (kblock_us); fitted (inf: none)
     operand_tbps: float = math.inf
-    # fused comm blocks' per-SM copy rate / the standalone kernel's at equal warps (loaded
-    # memory latency while the GEMMs stream); fitted
+    # fused comm blocks' per-SM rate on local rows / the probe's (local_st): the GEMMs load
+    # the memory system the copies go through; fitted
     comm_rate_factor: float = 1.0
+    # their rate on remote rows (probe: pull_ld) relative to local rows: a remote load also
+    # waits on the peer's memory, which the peer's GEMMs load too; fitted
+    remote_rate_factor: float = 1.0
     fit_subset: str = ""  # which rows the fitted values came from
     source: str = ""
     assumptions: tuple[str, ...] = ()
     fit: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for k in ("gemm_efficiency", "operand_tbps", "comm_rate_factor"):
+        for k in ("gemm_efficiency", "operand_tbps", "comm_rate_factor", "remote_rate_factor"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"{k} must be > 0 (found {getattr(self, k)})")
         if not self.tile_fixed_us >= 0:
@@ -247,16 +253,39 @@ def tile_order(
 def kblock_us(
     prof: FusedProfile, tflops: float, num_sms: int, workers: int, mean_k_blocks: float
 ) -> float:
-    """us per k-block of one worker: its k-loop at ``gemm_efficiency`` of its share of the
-    dense rate (``tflops`` over ``num_sms``), or, if slower, its share of the chip-wide operand
-    ceiling. The ceiling is shared by the workers inside a k-loop (48 KiB per k-block); the
-    others run a tile's fixed part. With tiles of ``mean_k_blocks`` on average, a bound phase
-    then streams ``workers x 48 KiB`` per ``kblock_us + tile_fixed_us / mean_k_blocks``, i.e. its
-    operand bytes / ``operand_tbps`` in all."""
+    """us per k-block of one worker: the 2-norm of two limits, its own k-loop at
+    ``gemm_efficiency`` of its share of the dense rate (``tflops`` over ``num_sms``) and its
+    share of the chip-wide operand ceiling. The ceiling is shared by the workers inside a k-loop
+    (48 KiB per k-block); the others run a tile's fixed part. With tiles of ``mean_k_blocks`` on
+    average, a phase on the ceiling alone would stream ``workers x 48 KiB`` per ``kblock_us +
+    tile_fixed_us / mean_k_blocks``, i.e. its operand bytes / ``operand_tbps`` in all.
+
+    NOTE: the 2-norm, not the maximum: far from the ceiling it is the larger limit, at the knee
+    1.41x either. Measured, 124 workers are faster than 116 (DeepSeek-V3, 8 vs 16 comm SMs) and
+    a trace shows the same MMA time per k-block at both: a hard maximum would have them equal."""
     flops = 2.0 * TILE_M * TILE_N * TILE_K
     own = flops / (tflops * 1e6 / num_sms * prof.gemm_efficiency)
     shared = workers * STAGE_BYTES / (prof.operand_tbps * 1e6) - prof.tile_fixed_us / mean_k_blocks
-    return max(own, shared)
+    return math.hypot(own, max(shared, 0.0))
+
+
+@njit(cache=True)
+def _sift_down(heap, free, i):  # pragma: no cover - numba
+    """Restore the min-heap of worker ids ordered by (free time, id) below position i."""
+    n = heap.size
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            return
+        if c + 1 < n:
+            a, b = heap[c], heap[c + 1]
+            if free[b] < free[a] or (free[b] == free[a] and b < a):
+                c += 1
+        w, x = heap[i], heap[c]
+        if free[w] < free[x] or (free[w] == free[x] and w < x):
+            return
+        heap[i], heap[c] = x, w
+        i = c
 
 
 @njit(cache=True)
@@ -264,15 +293,17 @@ def _run_tiles(
     kb, wait_mb, wait_group, group, num_groups, workers, kb_us, tile_us, ready, flag_us
 ):  # pragma: no cover - numba
     """List schedule of the tile order: each tile in order on the worker that frees first
-    (the kernel's in-order claims); it starts when that worker is free and its dependency is
-    met (``ready[m]`` for a GU tile of minibatch m, the last GU tile of its row block + a
-    GPU-scope flag for a DN tile). Returns (end of the last tile, busy time of the worker that
-    ends last)."""
+    (the kernel's in-order claims; ties to the lowest worker id); it starts when that worker
+    is free and its dependency is met (``ready[m]`` for a GU tile of minibatch m, the last GU
+    tile of its row block + a GPU-scope flag for a DN tile). Returns (end of the last tile,
+    busy time of the worker that ends last)."""
     free = np.zeros(workers)
     busy = np.zeros(workers)
     done = np.zeros(num_groups)
+    # NOTE: a heap of worker ids by (free time, id), the order argmin(free) picks in
+    heap = np.arange(workers)
     for t in range(kb.size):
-        w = int(np.argmin(free))
+        w = heap[0]
         s = free[w]
         if wait_mb[t] >= 0:
             s = max(s, ready[wait_mb[t]])
@@ -281,6 +312,7 @@ def _run_tiles(
         d = kb[t] * kb_us + tile_us
         free[w] = s + d
         busy[w] += d
+        _sift_down(heap, free, 0)
         g = group[t]
         if g >= 0 and free[w] > done[g]:
             done[g] = free[w]
@@ -307,7 +339,6 @@ class _Case:
     # per rank, the comm blocks' phases in order: (remote bytes, local bytes, busiest-warp share,
     # minibatch it completes or -1, flag latency after it in us)
     comm: tuple[tuple[tuple[float, float, float, int, float], ...], ...]
-    knob: str
     sum_us: float
     schedule_us: float
     launch_us: float
@@ -338,15 +369,6 @@ def _case(
     wl, plan = _plan(model, tokens, num_ranks, topology, skew)
     shape, gpu, topo = wl.model_shape, wl.topo.gpu, wl.topo
     kprof = layer_kernel_profile(comm_profile)
-    cfg = SimConfig(
-        dispatch_mode=mode,
-        num_comm_sms=sms,
-        minibatch_size=minibatch,
-        macrobatch_size=minibatch,
-        mechanism="st",
-        kernel_profile=comm_profile,
-    )
-    knob = kernel_knobs(cfg)["dispatch"]
     rc = plan.rounds(minibatch)
     row_bytes = float(shape.hidden * 2)
     nw = sms * COMM_WARPS_PER_SM
@@ -397,7 +419,6 @@ def _case(
         sms,
         tuple(orders),
         tuple(comm),
-        knob,
         sum_us=reduce_us(gpu, rows_in, tokens, shape.hidden),
         schedule_us=schedule_device_us(tokens, kprof),
         launch_us=kprof.call_fixed_us,
@@ -417,19 +438,30 @@ class FusedResult:
     terms: dict[str, float]
 
 
+def _comm_rates(case: _Case, prof: FusedProfile) -> tuple[float, float]:
+    """(remote, local) copy rates of the comm blocks, bytes per us: the probe curves at
+    ``case.sms`` SMs with the per-SM rate scaled by the fitted factors (the curves' ceilings
+    stay). One loop copies every row in both modes (``warp_copy_row``), so the mode does not
+    enter. A switch hop scales the remote rate as in the comm model (bytes in flight / latency)."""
+    gpu, topo = case.wl.topo.gpu, case.wl.topo
+    local = prof.comm_rate_factor
+    remote = local * prof.remote_rate_factor * topo.per_sm_latency_factor(gpu)
+    return (
+        gpu.curve(REMOTE_CURVE).scaled(per_sm=remote).gbps(case.sms) * 1e3,
+        gpu.curve(LOCAL_CURVE).scaled(per_sm=local).gbps(case.sms) * 1e3,
+    )
+
+
 def _comm_ready(case: _Case, prof: FusedProfile, d: int) -> tuple[np.ndarray, float]:
     """(ready time of each minibatch, end of the comm blocks) on rank d, us from kernel start."""
-    wl = case.wl
-    gpu, topo = wl.topo.gpu, wl.topo
-    kprof = layer_kernel_profile(prof.comm_profile)
-    scale = COMM_WARPS_PER_SM / WARPS_PER_SM * prof.comm_rate_factor
-    r = kernel_rates(gpu, topo, kprof, case.knob, case.sms, float(wl.model_shape.hidden * 2), scale)
+    gpu = case.wl.topo.gpu
+    r_remote, r_local = _comm_rates(case, prof)
     a = gpu.protocol["pull"].data_bytes_per_byte + gpu.protocol["pull"].reverse_bytes_per_byte
     wire = gpu.nvlink_gbps_per_direction * gpu.nvlink_wire_efficiency * 1e3  # bytes per us
     t = 0.0
     ready = np.zeros(case.orders[d].num_minibatches)
     for remote, local, share, m, flag in case.comm[d]:
-        engine = remote / r.pull + local / r.local
+        engine = remote / r_remote + local / r_local
         t += max(engine * share, remote * a / wire) + flag
         if m >= 0:
             ready[m] = t
