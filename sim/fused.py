@@ -45,6 +45,7 @@ producer's prefetch across a dependency wait, and clock or power limits.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -126,10 +127,8 @@ class FusedProfile:
             raise ValueError(f"tile_fixed_us must be >= 0 (found {self.tile_fixed_us})")
 
     def replace(self, **kw) -> FusedProfile:
-        d = asdict(self)
-        d.update(kw)
-        d["assumptions"] = tuple(d["assumptions"])
-        return FusedProfile(**d)
+        # NOTE: fields are shared with self, not copied: profiles are never changed in place.
+        return dataclasses.replace(self, **kw)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -96,10 +97,8 @@ class KernelProfile:
             ) from None
 
     def replace(self, **kw) -> KernelProfile:
-        d = asdict(self)
-        d.update(kw)
-        d["assumptions"] = tuple(d["assumptions"])
-        return KernelProfile(**d)
+        # NOTE: fields are shared with self, not copied: profiles are never changed in place.
+        return dataclasses.replace(self, **kw)
 
     def to_dict(self) -> dict:
         d = asdict(self)
