@@ -12,8 +12,12 @@
 // (GU(0), DN(0), GU(1), DN(1), ... when the ring has one minibatch slot). A gate/up tile holds
 // 128 gate and 128 up columns of one expert; its epilogue writes h = bf16(silu(g) * u). A down
 // tile's epilogue pushes each real row into the home rank's combine slot token * k + j
-// (padding rows are dropped there). Roles talk only through local counters (release/acquire,
-// GPU scope), all zeroed by the launcher:
+// (padding rows are dropped there). With expert regions padded to 64 rows (row_tile 64), a
+// routed 128-row block whose halves belong to two experts (or whose upper half lies past the
+// received rows) runs as 64-row sub-tiles, one per half, each against its own expert's weights:
+// both warpgroups work on the sub-tile's 64 rows, each on half of the columns (routed_halves).
+// Roles talk only through local counters (release/acquire, GPU scope), all zeroed by the
+// launcher:
 //   ready[mb]   +1 per communication block when its rows of minibatch mb are in the ring;
 //   gu_mb[mb]   +1 per warpgroup per gate/up tile of mb (its ring rows may be overwritten);
 //   dn_mb[mb]   +1 per warpgroup per down tile of mb (its h rows may be overwritten);
@@ -158,7 +162,7 @@ struct TileOrder {
   __device__ int num_segments() const { return 2 + 2 * num_mbs; }
   __device__ int mb_row_blocks(int mb) const {
     const int rows = min(mb_rows, num_rows - mb * mb_rows);
-    return rows > 0 ? rows / kTileM : 0;
+    return rows > 0 ? (rows + kTileM - 1) / kTileM : 0;  // a last block may hold 64 rows
   }
   // Kind and minibatch of segment s >= 2.
   __device__ void routed(int s, int& kind, int& mb) const {
@@ -277,6 +281,19 @@ __device__ __forceinline__ int expert_of_row(const Params& p, int row) {
   return lo;
 }
 
+// Sub-tiles of the routed 128-row block starting at receive row `row0` (of `num_rows`, regions
+// padded to 64 or 128): 0 = one 128-row tile of one expert; else bit h says rows 64h..64h+63
+// form a 64-row sub-tile of their own expert (a region boundary at row0 + 64, or the upper half
+// past the last row). Regions padded to 128 rows always give 0.
+__device__ __forceinline__ int routed_halves(const Params& p, int num_rows, int row0) {
+  if (row0 + 64 >= num_rows) return 1;
+  return expert_of_row(p, row0) == expert_of_row(p, row0 + 64) ? 0 : 3;
+}
+
+__device__ __forceinline__ int tile_halves(const Params& p, const TileOrder& o, const Tile& t) {
+  return t.kind == kTileGU || t.kind == kTileDN ? routed_halves(p, o.num_rows, t.rb * kTileM) : 0;
+}
+
 // Fast reciprocal division: no slow-path branch per element (g -> -inf gives -0, as silu does).
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
@@ -389,7 +406,9 @@ struct TileGeom {
   int k_blocks;
 };
 
-__device__ __forceinline__ TileGeom tile_geom(const LayerKernelArgs& k, const Tile& t) {
+// `sub_row`: 64 for the upper 64-row sub-tile of a split block (its expert's weights), else 0.
+__device__ __forceinline__ TileGeom tile_geom(const LayerKernelArgs& k, const Tile& t,
+                                              int sub_row = 0) {
   const Params& p = k.p;
   const LayerArgs& a = k.a;
   TileGeom g;
@@ -404,14 +423,14 @@ __device__ __forceinline__ TileGeom tile_geom(const LayerKernelArgs& k, const Ti
       break;
     case kTileGU: {
       const int row = t.rb * kTileM;
-      const int e = expert_of_row(p, row);
+      const int e = expert_of_row(p, row + sub_row);
       g = TileGeom{&k.maps[kMapRecv], &k.maps[kMapGate], &k.maps[kMapUp], row % a.ring_rows,
                    e * a.inter + t.nb * 128, p.hidden / kTileK};
       break;
     }
     default: {
       const int row = t.rb * kTileM;
-      const int e = expert_of_row(p, row);
+      const int e = expert_of_row(p, row + sub_row);
       g = TileGeom{&k.maps[kMapH], &k.maps[kMapDown], nullptr, row % a.ring_rows,
                    e * p.hidden + t.nb * kTileN, a.inter / kTileK};
       break;
@@ -442,10 +461,10 @@ __device__ __forceinline__ bool tile_ready(const Ctx& c, const LayerArgs& a, con
   }
 }
 
-// Destination of row `r` (0..127) of tile t's output chunk `half` (columns half * 128..):
-// null drops the row.
+// Destination of row `r` (0..127) of tile t's output, from column `col` of the tile's output
+// columns on: null drops the row.
 __device__ __forceinline__ uint8_t* tile_dst(const Ctx& c, const LayerKernelArgs& k,
-                                             const Tile& t, int r, int half) {
+                                             const Tile& t, int r, int col) {
   const Params& p = c.p;
   const LayerArgs& a = k.a;
   const int row = t.rb * kTileM + r;
@@ -453,19 +472,19 @@ __device__ __forceinline__ uint8_t* tile_dst(const Ctx& c, const LayerKernelArgs
     case kTileSharedGU:
       if (row >= p.num_tokens) return nullptr;
       return static_cast<uint8_t*>(a.shared_h) +
-             (static_cast<int64_t>(row) * a.shared_inter + t.nb * 128) * 2;
+             (static_cast<int64_t>(row) * a.shared_inter + t.nb * 128 + col) * 2;
     case kTileSharedDN:
       if (row >= p.num_tokens) return nullptr;
       return static_cast<uint8_t*>(const_cast<void*>(p.in2)) +
-             (static_cast<int64_t>(row) * p.hidden + t.nb * kTileN + half * 128) * 2;
+             (static_cast<int64_t>(row) * p.hidden + t.nb * kTileN + col) * 2;
     case kTileGU:
       return static_cast<uint8_t*>(a.h) +
-             (static_cast<int64_t>(row % a.ring_rows) * a.inter + t.nb * 128) * 2;
+             (static_cast<int64_t>(row % a.ring_rows) * a.inter + t.nb * 128 + col) * 2;
     default: {
       const int src = p.sched[p.o_src_rank + row];
       if (src < 0) return nullptr;
       const int64_t slot = p.sched[p.o_src_index + row];
-      return c.sym(src, p.off_slots) + (slot * p.hidden + t.nb * kTileN + half * 128) * 2;
+      return c.sym(src, p.off_slots) + (slot * p.hidden + t.nb * kTileN + col) * 2;
     }
   }
 }
@@ -496,49 +515,58 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
       mbar_arrive(&full[stage]);
       return;
     }
-    const TileGeom g = tile_geom(k, t);
+    const int halves = tile_halves(k.p, o, t);
     tr.add(kEvDepWait, t.kind, i);
     const bool ready = tile_ready(c, k.a, o, slots, t);
     tr.add(kEvDepDone, t.kind, i);
     if (!ready) *abort_flag = 1;
     fence_proxy_async_global();
-    for (int kb = 0; kb < g.k_blocks; ++kb) {
-      if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i)) {
-        *abort_flag = 1;
-        return;
-      }
-      if (kb == 0) stage_tile[stage] = i;  // published by the arrive below
-      if (!ready) {
-        // NOTE: the consumers' stage waits are plain spins (no branch may leave their MMA loop
-        // while a wgmma group is in flight), so after an abort the producer completes the
-        // rest of this tile's stages without data; the consumers then see the abort flag at
-        // the tile's end and stop.
-        mbar_arrive(&full[stage]);
+    // A split block's sub-tiles follow each other, each with the whole 128-row A box (the
+    // consumers take its half) and its own expert's B.
+    bool first = true;
+    for (int h = 0; h < 2; ++h) {
+      if (halves == 0 ? h > 0 : ((halves >> h) & 1) == 0) continue;
+      const TileGeom g = tile_geom(k, t, halves == 0 ? 0 : 64 * h);
+      for (int kb = 0; kb < g.k_blocks; ++kb) {
+        if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i)) {
+          *abort_flag = 1;
+          return;
+        }
+        if (first) stage_tile[stage] = i;  // published by the arrive below
+        first = false;
+        if (!ready) {
+          // NOTE: the consumers' stage waits are plain spins (no branch may leave their MMA loop
+          // while a wgmma group is in flight), so after an abort the producer completes the
+          // rest of this tile's stages without data; the consumers then see the abort flag at
+          // the tile's end and stop.
+          mbar_arrive(&full[stage]);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+          continue;
+        }
+        uint8_t* sa = stages + stage * kStageBytes;
+        mbar_arrive_expect_tx(&full[stage], kStageBytes);
+        tma_load_2d(sa, g.map_a, &full[stage], kb * kTileK, g.a_row);
+        tma_load_2d(sa + kStageA, g.map_b0, &full[stage], kb * kTileK, g.b_row);
+        if (g.map_b1 != nullptr)
+          tma_load_2d(sa + kStageA + kStageA, g.map_b1, &full[stage], kb * kTileK, g.b_row);
         if (++stage == kStages) stage = 0, phase ^= 1;
-        continue;
       }
-      uint8_t* sa = stages + stage * kStageBytes;
-      mbar_arrive_expect_tx(&full[stage], kStageBytes);
-      tma_load_2d(sa, g.map_a, &full[stage], kb * kTileK, g.a_row);
-      tma_load_2d(sa + kStageA, g.map_b0, &full[stage], kb * kTileK, g.b_row);
-      if (g.map_b1 != nullptr)
-        tma_load_2d(sa + kStageA + kStageA, g.map_b1, &full[stage], kb * kTileK, g.b_row);
-      if (++stage == kStages) stage = 0, phase ^= 1;
     }
     if (!ready) return;
   }
 }
 
-// Writes a warpgroup's 64 x 128 accumulator chunk as bf16 into its shared-memory chunk:
-// d, or bf16(silu(d) * u) for a gate/up tile (gate columns in d, the matching up columns in u).
-template <bool kSwiGLU>
-__device__ __forceinline__ void stage_chunk(const float (&d)[64], const float (&u)[64],
-                                            uint8_t* epi, int warp, int lane) {
+// Writes a warpgroup's 64 x (8 kChunks) accumulator chunk (an m64n128 or m64n64 layout) as bf16
+// into its shared-memory chunk: d, or bf16(silu(d) * u) for a gate/up tile (gate columns in d,
+// the matching up columns in u). kChunks: 16-byte chunks per output row (16 or 8).
+template <bool kSwiGLU, int kChunks = 16>
+__device__ __forceinline__ void stage_chunk(const float* d, const float* u, uint8_t* epi,
+                                            int warp, int lane) {
   // Row warp * 16 + lane / 4 (+ 8): its row % 8 is lane / 4 for both halves.
   const int x = lane / 4;
   uint8_t* row = epi + (warp * 16 + x) * kEpiStride + (lane % 4) * 4;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < kChunks; ++j) {
     uint8_t* at = row + ((j ^ x) << 4);  // columns 8j..8j+7 are 16-byte chunk j of the row
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -552,29 +580,72 @@ __device__ __forceinline__ void stage_chunk(const float (&d)[64], const float (&
   }
 }
 
-// Copies the staged chunk out, half a warp per 256-byte row segment.
+// Copies the staged chunk (64 rows of kChunks 16-byte chunks) out to tile rows row0.. from output
+// column `col` on, kChunks lanes per row; `wg` names the warpgroup's barrier.
+template <int kChunks = 16>
 __device__ __forceinline__ void store_chunk(const Ctx& c, const LayerKernelArgs& k, const Tile& t,
-                                            int wg, int half, const uint8_t* epi, int warp,
-                                            int lane) {
+                                            int wg, int row0, int col, const uint8_t* epi,
+                                            int warp, int lane) {
+  constexpr int kRows = 32 / kChunks;       // rows per warp and pass
+  constexpr int kPasses = 64 / (4 * kRows);
   // Destinations first: the routed down tiles read them from the schedule, and these loads
   // should overlap rather than wait one after another behind the stores.
-  uint8_t* dst[8];
+  uint8_t* dst[kPasses];
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-    dst[j] = tile_dst(c, k, t, wg * 64 + warp * 2 + lane / 16 + 8 * j, half);
+  for (int j = 0; j < kPasses; ++j)
+    dst[j] = tile_dst(c, k, t, row0 + warp * kRows + lane / kChunks + 4 * kRows * j, col);
   named_sync(1 + wg, 128);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int r = warp * 2 + lane / 16 + 8 * j;
-    const int chunk = (lane % 16) ^ (r % 8);
+  for (int j = 0; j < kPasses; ++j) {
+    const int r = warp * kRows + lane / kChunks + 4 * kRows * j;
+    const int chunk = (lane % kChunks) ^ (r % 8);
     if (dst[j] != nullptr)
-      reinterpret_cast<uint4*>(dst[j])[lane % 16] =
+      reinterpret_cast<uint4*>(dst[j])[lane % kChunks] =
           *reinterpret_cast<const uint4*>(epi + r * kEpiStride + chunk * 16);
   }
   named_sync(1 + wg, 128);
 }
 
-// Consumer warpgroup `wg` (0 or 1): rows wg * 64.. of every tile of this worker.
+// The k-loop of a 64-row sub-tile: rows 64h.. of each stage's A box against warpgroup wg's half
+// of the columns: a gate/up tile runs two m64n64 MMAs per k16 step (its 64 gate and 64 up
+// columns; acc[0..31] gate, acc[32..63] up), a down tile one m64n128 (its 128 of the 256).
+template <bool kGateUp>
+__device__ __forceinline__ void half_mainloop(float (&acc)[64], uint8_t* stages, uint64_t* full,
+                                              uint64_t* empty, int k_blocks, int h, int wg,
+                                              int& stage, int& prev_stage, uint32_t& phase) {
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
+    const uint8_t* sa = stages + stage * kStageBytes;
+    const uint64_t da = wgmma_desc(sa + h * 64 * 128);
+    wgmma_fence();
+    if (kGateUp) {
+      const uint64_t dg = wgmma_desc(sa + kStageA + wg * 64 * 128);
+      const uint64_t du = wgmma_desc(sa + 2 * kStageA + wg * 64 * 128);
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 16; ++kk) {
+        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
+        wgmma_m64n64k16(acc, da + 2 * kk, dg + 2 * kk, accum);
+        wgmma_m64n64k16(acc + 32, da + 2 * kk, du + 2 * kk, accum);
+      }
+    } else {
+      const uint64_t db = wgmma_desc(sa + kStageA + wg * 128 * 128);
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 16; ++kk) {
+        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
+        wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk, accum);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (kb > 0) mbar_arrive(&empty[prev_stage]);
+    prev_stage = stage;
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+  wgmma_wait<0>();
+  if (k_blocks > 0) mbar_arrive(&empty[prev_stage]);
+}
+
+// Consumer warpgroup `wg` (0 or 1): rows wg * 64.. of every full tile of this worker.
 __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelArgs& k,
                                                const TileOrder& o, int wg, uint8_t* stages,
                                                uint8_t* epi, uint64_t* full, uint64_t* empty,
@@ -604,43 +675,67 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
       tr.add_at(t_start, kEvTileStart, t.kind, i);
       tr.add(kEvFirstStage, t.kind, i);
     }
-    for (int kb = 0; kb < g.k_blocks; ++kb) {
-      mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
-      const uint8_t* sa = stages + stage * kStageBytes;
-      const uint64_t da = wgmma_desc(sa + wg * 64 * 128);
-      const uint64_t db0 = wgmma_desc(sa + kStageA);
-      const uint64_t db1 = wgmma_desc(sa + kStageA + 128 * 128);
-      wgmma_fence();
+    const int halves = tile_halves(p, o, t);
+    if (halves == 0) {
+      for (int kb = 0; kb < g.k_blocks; ++kb) {
+        mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
+        const uint8_t* sa = stages + stage * kStageBytes;
+        const uint64_t da = wgmma_desc(sa + wg * 64 * 128);
+        const uint64_t db0 = wgmma_desc(sa + kStageA);
+        const uint64_t db1 = wgmma_desc(sa + kStageA + 128 * 128);
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk) {
-        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
-        wgmma_m64n128k16(acc0, da + 2 * kk, db0 + 2 * kk, accum);
-        wgmma_m64n128k16(acc1, da + 2 * kk, db1 + 2 * kk, accum);
+        for (int kk = 0; kk < kTileK / 16; ++kk) {
+          const int accum = (kb > 0 || kk > 0) ? 1 : 0;
+          wgmma_m64n128k16(acc0, da + 2 * kk, db0 + 2 * kk, accum);
+          wgmma_m64n128k16(acc1, da + 2 * kk, db1 + 2 * kk, accum);
+        }
+        wgmma_commit();
+        // Keep this k-block's MMAs in flight; the previous k-block's are done once at most one
+        // group is pending, so its stage goes back to the producer now.
+        wgmma_wait<1>();
+        // NOTE: every consumer thread arrives (no divergent branch while MMAs are in flight, which
+        // would make ptxas serialise the wgmma instructions).
+        if (kb > 0) mbar_arrive(&empty[prev_stage]);
+        prev_stage = stage;
+        if (++stage == kStages) stage = 0, phase ^= 1;
       }
-      wgmma_commit();
-      // Keep this k-block's MMAs in flight; the previous k-block's are done once at most one
-      // group is pending, so its stage goes back to the producer now.
-      wgmma_wait<1>();
-      // NOTE: every consumer thread arrives (no divergent branch while MMAs are in flight, which
-      // would make ptxas serialise the wgmma instructions).
-      if (kb > 0) mbar_arrive(&empty[prev_stage]);
-      prev_stage = stage;
-      if (++stage == kStages) stage = 0, phase ^= 1;
-    }
-    wgmma_wait<0>();
-    if (g.k_blocks > 0) mbar_arrive(&empty[prev_stage]);
-    if (writer) tr.add(kEvMainDone, t.kind, i);
-    // Epilogue: registers -> bf16 chunk in shared memory -> 16-byte row stores.
-    if (t.kind == kTileGU || t.kind == kTileSharedGU) {
-      stage_chunk<true>(acc0, acc1, epi, warp, lane);
-      if (writer) tr.add(kEvEpiStaged, t.kind, i);
-      store_chunk(c, k, t, wg, 0, epi, warp, lane);
+      wgmma_wait<0>();
+      if (g.k_blocks > 0) mbar_arrive(&empty[prev_stage]);
+      if (writer) tr.add(kEvMainDone, t.kind, i);
+      // Epilogue: registers -> bf16 chunk in shared memory -> 16-byte row stores.
+      if (t.kind == kTileGU || t.kind == kTileSharedGU) {
+        stage_chunk<true>(acc0, acc1, epi, warp, lane);
+        if (writer) tr.add(kEvEpiStaged, t.kind, i);
+        store_chunk(c, k, t, wg, wg * 64, 0, epi, warp, lane);
+      } else {
+        stage_chunk<false>(acc0, acc0, epi, warp, lane);
+        if (writer) tr.add(kEvEpiStaged, t.kind, i);
+        store_chunk(c, k, t, wg, wg * 64, 0, epi, warp, lane);
+        stage_chunk<false>(acc1, acc1, epi, warp, lane);
+        store_chunk(c, k, t, wg, wg * 64, 128, epi, warp, lane);
+      }
     } else {
-      stage_chunk<false>(acc0, acc0, epi, warp, lane);
-      if (writer) tr.add(kEvEpiStaged, t.kind, i);
-      store_chunk(c, k, t, wg, 0, epi, warp, lane);
-      stage_chunk<false>(acc1, acc1, epi, warp, lane);
-      store_chunk(c, k, t, wg, 1, epi, warp, lane);
+      // A split block: its 64-row sub-tiles one after the other, each with its own epilogue.
+      for (int h = 0; h < 2; ++h) {
+        if (((halves >> h) & 1) == 0) continue;
+        const bool last = h == 1 || halves == 1;
+        if (t.kind == kTileGU) {
+          half_mainloop<true>(acc0, stages, full, empty, g.k_blocks, h, wg, stage, prev_stage,
+                              phase);
+          if (writer && last) tr.add(kEvMainDone, t.kind, i);
+          stage_chunk<true, 8>(acc0, acc0 + 32, epi, warp, lane);
+          if (writer && last) tr.add(kEvEpiStaged, t.kind, i);
+          store_chunk<8>(c, k, t, wg, 64 * h, wg * 64, epi, warp, lane);
+        } else {
+          half_mainloop<false>(acc0, stages, full, empty, g.k_blocks, h, wg, stage, prev_stage,
+                               phase);
+          if (writer && last) tr.add(kEvMainDone, t.kind, i);
+          stage_chunk<false>(acc0, acc0, epi, warp, lane);
+          if (writer && last) tr.add(kEvEpiStaged, t.kind, i);
+          store_chunk(c, k, t, wg, 64 * h, wg * 128, epi, warp, lane);
+        }
+      }
     }
     if (writer) tr.add(kEvEpiStored, t.kind, i);
     // Publish. Gate/up rows (h) are read by other workers' TMA (async proxy): each writer

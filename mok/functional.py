@@ -373,7 +373,9 @@ def dedup_sum(
 
 # Tile sizes of the fused layer (csrc/layer.cuh): 128 receive rows, 256 output columns of the
 # down projection, 128 SwiGLU columns of the gate/up projection.
-_FUSED_ROW_TILE, _FUSED_HIDDEN_TILE, _FUSED_INTER_TILE = 128, 256, 128
+_FUSED_BLOCK_ROWS, _FUSED_HIDDEN_TILE, _FUSED_INTER_TILE = 128, 256, 128
+# Expert regions padded to 64 rows run their 64-row tails as half tiles (csrc/layer.cuh).
+_FUSED_ROW_TILES = (64, 128)
 
 
 def _check_fused(ws: Workspace, weights, x: torch.Tensor) -> None:
@@ -394,9 +396,14 @@ def _check_fused(ws: Workspace, weights, x: torch.Tensor) -> None:
             f"(config has {cfg.dispatch_mode!r} / {cfg.combine_mode!r}); the other modes run "
             "through moe_forward(..., fused=False)"
         )
-    if cfg.row_tile != _FUSED_ROW_TILE:
+    if cfg.row_tile not in _FUSED_ROW_TILES:
         raise MoKUnsupportedError(
-            f"the fused layer needs row_tile={_FUSED_ROW_TILE} (config has {cfg.row_tile})"
+            f"the fused layer needs row_tile in {_FUSED_ROW_TILES} (config has {cfg.row_tile})"
+        )
+    if cfg.minibatch_size % _FUSED_BLOCK_ROWS:
+        raise MoKUnsupportedError(
+            f"the fused layer needs minibatch_size % {_FUSED_BLOCK_ROWS} == 0 (its GEMM row "
+            f"blocks must not straddle minibatches; config has {cfg.minibatch_size})"
         )
     if not 1 <= cfg.num_comm_sms < ws.num_sms:
         raise MoKUnsupportedError(

@@ -40,6 +40,7 @@ class LayerRecorder(Recorder):
         return (
             f"{row['model']:>14} N={row['tokens_per_rank']:>5} {row['skew']:>8} "
             f"{row['impl']:>12} {row['mode']:>10} sms={row['sms']:>3} mb={row['minibatch']:>5} "
+            f"rt={row['row_tile']:>3} "
             f"{row['median_us']:>9.1f} us {row['tflops']:>6.1f} TFLOP/s "
             f"{row['nvlink_gbps']:>6.1f} GB/s"
         )
@@ -191,7 +192,7 @@ def _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, num_experts) -> None:
     ws.check()
     events = layer_trace.decode(buf)
     tag = f"{model}-{skew.replace(':', '')}-{cfg.dispatch_mode}-sms{cfg.num_comm_sms}"
-    tag += f"-mb{cfg.minibatch_size}-rank{dist.get_rank()}"
+    tag += f"-mb{cfg.minibatch_size}-rt{cfg.row_tile}-rank{dist.get_rank()}"
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     layer_trace.to_chrome(events, Path(trace_dir) / f"{tag}.json")
     torch.save(buf.cpu(), Path(trace_dir) / f"{tag}.pt")  # raw events, for layer_trace.decode
@@ -223,7 +224,7 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
     base = dict(model=model, hidden=H, intermediate=inter, num_experts=E, num_topk=K, skew=skew)
     base.update(tokens_per_rank=n)
 
-    def add(impl, mode, sms, mb, fn, nvlink_rows):
+    def add(impl, mode, sms, mb, fn, nvlink_rows, row_tile=0):
         ts = _timeit(fn, iters, warmup)
         rec.add(
             **base,
@@ -231,6 +232,7 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
             mode=mode,
             sms=sms,
             minibatch=mb,
+            row_tile=row_tile,
             median_us=ts[0],
             p20_us=ts[1],
             p80_us=ts[2],
@@ -271,6 +273,7 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
                 cfg.minibatch_size,
                 lambda fused=fused, cfg=cfg: mf.moe_forward(x, idx, tw, w, E, cfg, fused=fused),
                 rows,
+                cfg.row_tile,
             )
         if trace_dir and "mok-fused" in impls:
             _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, E)
@@ -289,6 +292,9 @@ def main(argv: list[str], sweep: bool = False) -> int:
     ap.add_argument("--modes", default="dedup_pull" if not sweep else "pull,dedup_pull")
     ap.add_argument("--sms", default="16" if not sweep else "8,16,24,32")
     ap.add_argument("--minibatch", default="4096" if not sweep else "1024,2048,4096,8192")
+    ap.add_argument(
+        "--row-tiles", default="128", help="mok's expert-region padding (MoKConfig.row_tile)"
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--csv", default=f"mok-bench-{'sweep' if sweep else 'layer'}.csv")
@@ -297,8 +303,9 @@ def main(argv: list[str], sweep: bool = False) -> int:
     rec = LayerRecorder(args.csv, init_dist())
     impls = ("mok-fused",) if sweep else tuple(args.impls.split(","))
     configs = [
-        dict(dispatch_mode=m, combine_mode="push", num_comm_sms=s, minibatch_size=b)
-        for m, s, b in itertools.product(
+        dict(dispatch_mode=m, combine_mode="push", num_comm_sms=s, minibatch_size=b, row_tile=r)
+        for r, m, s, b in itertools.product(
+            (int(v) for v in args.row_tiles.split(",")),
             args.modes.split(","),
             (int(v) for v in args.sms.split(",")),
             (int(v) for v in args.minibatch.split(",")),

@@ -47,6 +47,10 @@ CONFIGS = [
     # Ring wrap-around: two minibatch slots of 256 rows, far fewer than the routed rows.
     dict(dispatch_mode="pull", num_comm_sms=8, minibatch_size=256, macrobatch_size=512),
     dict(dispatch_mode="dedup_pull", num_comm_sms=32, minibatch_size=128, macrobatch_size=128),
+    # Regions padded to 64 rows: blocks straddling two experts run as 64-row sub-tiles with other
+    # MMA shapes (m64n64 gate/up), which keep each output element's k order.
+    dict(dispatch_mode="dedup_pull", num_comm_sms=16, minibatch_size=4096, row_tile=64),
+    dict(dispatch_mode="pull", num_comm_sms=8, minibatch_size=256, macrobatch_size=512, row_tile=64),
 ]
 
 
@@ -148,6 +152,14 @@ def error_cases(dev):
         w.w_down[:, :, :700].contiguous(),
     )
     expect(lambda: mf.forward(x, s, bad), mok.MoKUnsupportedError, "intermediate % 128 == 0")
+    for c, msg in (
+        (dict(row_tile=32, minibatch_size=4096), "row_tile in (64, 128)"),
+        (dict(row_tile=64, minibatch_size=192), "minibatch_size % 128 == 0"),
+    ):
+        cfg = mok.MoKConfig(dispatch_mode="pull", num_comm_sms=8, **c)
+        ws = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg, device=dev)
+        s = mf.build_schedule(idx, tw, ws)
+        expect(lambda: mf.forward(x, s, w), mok.MoKUnsupportedError, msg)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     cfg = mok.MoKConfig(dispatch_mode="pull", num_comm_sms=sms)
     ws = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg, device=dev)
