@@ -222,7 +222,12 @@ print(
 
 # %%
 fused_prof = load_fused_profile(FUSED_PROFILE)
-fused_space = {"num_comm_sms": FUSED_COMM_SMS, "minibatch_size": FUSED_MINIBATCH_SIZES}
+# row tile 128: the measured sweep's (row tile 64 is slower on H200; docs/perf-notes.md)
+fused_space = {
+    "num_comm_sms": FUSED_COMM_SMS,
+    "minibatch_size": FUSED_MINIBATCH_SIZES,
+    "row_tile": [128],
+}
 fused_rows = []
 for model in FUSED_MODELS:
     fwl = Workload(model, FUSED_TOKENS_PER_RANK, FUSED_EP, fused_prof.topology, FUSED_SKEW)

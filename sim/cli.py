@@ -210,6 +210,7 @@ def _cmd_tune(a) -> int:
     if a.fused:
         return _tune_fused(a)
     a.topology, a.ep = a.topology or "hgx-h200", a.ep or 8
+    a.row_tile = a.row_tile or 128
     return _tune_unfused(a)
 
 
@@ -272,6 +273,7 @@ def _tune_fused(a) -> int:
             "(communication kernels + grouped GEMM: run it with moe_forward(..., fused=False))",
             file=sys.stderr,
         )
+        a.row_tile = a.row_tile or 128
         return _tune_unfused(a, fused_unsupported=why)
     if a.topology != prof.topology or a.ep != ptopo.num_gpus:
         print(
@@ -280,11 +282,13 @@ def _tune_fused(a) -> int:
             file=sys.stderr,
         )
     space = _tune_space(a)
+    if a.row_tile:
+        space["row_tile"] = [a.row_tile]
     rows = tune_fused(wl, prof, space)
     title = (
         f"fused layer, {wl.label()} (routing seed {wl.tokens_per_rank}), profile "
         f"{a.fused_profile}: best {min(a.top, len(rows))} of {len(rows)} configs, combine push, "
-        "row tile 128, macrobatch 0 (whole receive buffer)"
+        "macrobatch 0 (whole receive buffer)"
     )
     print(format_fused_table(rows, a.top, title))
     doc = fused_tune_document(wl, rows[0], prof, str(a.fused_profile), len(rows))
@@ -450,16 +454,18 @@ def build_parser() -> argparse.ArgumentParser:
         "the unfused layer (communication kernels + grouped GEMM, moe_forward(..., "
         "fused=False)) with the layer model; topology hgx-h200, EP8. --fused: the fused layer "
         "(one kernel, moe_forward(..., fused=True)) with the fused model (sim/fused.py, "
-        "--fused-profile): dispatch pull|dedup_pull x comm SMs x minibatch, combine push, row "
-        "tile 128, macrobatch 0 (the whole receive buffer, as the model was fitted); topology "
-        "and EP default to the profile's (h200x2, EP2). It prints the best --top configs. "
-        "Where the fused layer does not apply (hidden %% 256, intermediate %% 128, bf16 only, "
+        "--fused-profile): row tile 64|128 (--row-tile pins one) x dispatch pull|dedup_pull x "
+        "comm SMs x minibatch, combine push, macrobatch 0 (the whole receive buffer, as the "
+        "model was fitted); topology and EP default to the profile's (h200x2, EP2). It prints "
+        "the best --top configs. Where the fused layer does not apply (hidden %% 256, "
+        "intermediate %% 128, bf16 only, a row tile other than 64 or 128, "
         "a GPU the profile was not fitted on, EP across NVLink domains) it says why and tunes "
         "the unfused layer instead.",
     )
     _add_workload(t)
     _add_config(t, single=False)
-    t.set_defaults(topology=None, ep=None)  # resolved per layer: see the description
+    # resolved per layer: see the description (row tile: 128 unfused, searched fused)
+    t.set_defaults(topology=None, ep=None, row_tile=None)
     t.add_argument("--sms", help="comm SMs to try (default 8,16,24,32,48)")
     t.add_argument("--minibatch", help="minibatch sizes to try (default 1024..8192)")
     t.add_argument(

@@ -14,12 +14,22 @@ What one call of :func:`mok.functional.moe_forward` with ``fused=True`` costs on
    C`` blocks run 128 x 256 GEMM tiles in the kernel's fixed order (shared gate/up, shared
    down, then ``GU(0), GU(1), DN(0), GU(2), DN(1), ..., DN(last)``), each tile in order on
    the worker that frees first (the kernel's workers claim tiles in order from one counter;
-   :func:`tile_order`); every expert region is padded to 128 rows and the padding rows
-   are multiplied too. A gate/up tile of minibatch m waits for ``ready[m]``, a down tile for
-   the gate/up tiles of its row block. A tile costs ``k_blocks x kblock_us + tile_fixed_us``
-   (:func:`kblock_us`: a smooth maximum of the worker's own k-loop rate and its share of the
-   chip-wide operand ceiling, so the workers slow down before the ceiling binds); the list
-   schedule of :func:`_run_tiles` gives each worker's end;
+   :func:`tile_order`). Every expert region of the receive buffer is padded to ``row_tile``
+   rows (``MoKConfig.row_tile``: 64 or 128) and the padding rows are multiplied too. The routed
+   tiles are enumerated per 128-row block of each minibatch's padded rows (``ceil(rows / 128)``
+   blocks) whatever the row tile; with ``row_tile = 64`` a block that holds an expert boundary
+   at its row 64, or whose upper half lies at or past the padded rows, is split
+   (:func:`routed_halves`): it runs as 64-row sub-tiles, one per half that holds rows, each
+   against its own expert's weights, one after the other on the worker that claimed the block.
+   With ``row_tile = 128`` no block is split. A gate/up tile of minibatch m waits for
+   ``ready[m]``, a down tile for the gate/up tiles of its row block (split or not). A full tile
+   costs ``k_blocks x kblock_us + tile_fixed_us`` (:func:`kblock_us`: a smooth maximum of the
+   worker's own k-loop rate and its share of the chip-wide operand ceiling, so the workers slow
+   down before the ceiling binds); a 64-row sub-tile ``k_blocks x half_kblock_us +
+   tile_fixed_us x half_fixed_factor``, where its k-block streams the same 48 KiB as a full
+   tile's (the whole 128-row A box and the B box) for half the MMA work (:func:`kblock_us` with
+   ``half=True``: the own-rate limit scaled by ``half_kblock_factor``, the operand share
+   unchanged). The list schedule of :func:`_run_tiles` gives each worker's end;
 4. ``signal_us``: every block raises the peers' slots-filled flag and waits for all of them
    (the slowest rank's last down tile ends the GEMM phase of every rank);
 5. ``sum_us``: the fixed-order weighted sum on all SMs, local-HBM bound: read the
@@ -40,7 +50,9 @@ receive rows pay their busiest warp (:func:`sim.kernel_rows.busiest_share`).
 Not modelled: the down tiles' push-combine stores over NVLink (they ride in the epilogue, whose
 cost is ``tile_fixed_us``), a receive ring smaller than the receive buffer (the benchmark's
 ``macrobatch_size = 0`` keeps every minibatch; ring reuse would add back-pressure waits), the
-producer's prefetch across a dependency wait, and clock or power limits.
+producer's prefetch across a dependency wait, and clock or power limits. The sub-tile knobs
+(``half_kblock_factor``, ``half_fixed_factor``) are physical estimates, not fitted: the fit
+rows were measured with 128-row padding.
 """
 
 from __future__ import annotations
@@ -70,10 +82,15 @@ __all__ = [
     "DEFAULT_FUSED_PROFILE",
     "load_fused_profile",
     "fused_layer",
+    "fused_row",
+    "row_tile_of",
     "tile_order",
+    "routed_halves",
     "kblock_us",
     "COMM_WARPS_PER_SM",
+    "ROW_TILES",
     "TILE_M",
+    "HALF_M",
     "TILE_N",
     "TILE_K",
     "STAGE_BYTES",
@@ -83,6 +100,8 @@ FUSED_PROFILE_FORMAT = "mok-fused-profile/1"
 DEFAULT_FUSED_PROFILE = "mok-fused-h200x2"
 # csrc/layer.cuh: 128 x 256 tiles, K = 64 per pipeline stage, 384 threads per block
 TILE_M, TILE_N, TILE_K = 128, 256, 64
+HALF_M = TILE_M // 2  # rows of a sub-tile of a split routed block (row_tile 64)
+ROW_TILES = (64, 128)  # expert-region paddings the fused layer runs (MoKConfig.row_tile)
 STAGE_BYTES = (TILE_M + TILE_N) * TILE_K * 2  # A and B boxes of one k-block (kStageBytes)
 COMM_WARPS_PER_SM = 12  # kLayerThreads = 384: one row per warp (standalone kernels: 16)
 # probe curves of the comm blocks' 16-byte loads and stores (sim.hardware: vector engine)
@@ -114,6 +133,21 @@ class FusedProfile:
     # their rate on remote rows (probe: pull_ld) relative to local rows: a remote load also
     # waits on the peer's memory, which the peer's GEMMs load too; fitted
     remote_rate_factor: float = 1.0
+    # a 64-row sub-tile (row_tile 64: a block split at an expert boundary, or its lower half
+    # alone at the end) streams the same 48 KiB per k-block as a full tile for half its MMA work
+    # (64 x 256 outputs): its k-block is the 2-norm of the worker's own k-block time x this
+    # factor and the unchanged operand share (kblock_us), i.e. 0.5x (own rate binds) to 1x
+    # (operand ceiling binds) a full tile's. 1.0, measured, not fitted: per-tile traces on 2x
+    # H200 (docs/perf-notes.md, 64-row sub-tiles) show a sub-tile's k-loop as long as a full
+    # tile's, so the k-loop is bound by the delivery of its operand stages, not by the MMAs
+    half_kblock_factor: float = 1.0
+    # its part outside the k-loop / tile_fixed_us. The epilogue's SwiGLU staging and row stores
+    # scale with its 64 rows (0.5x); its barriers, destination loads, fence and the pipeline
+    # hand-over do not, and the block's counter release follows its last sub-tile only. The
+    # per-tile trace of DeepSeek-V3 (docs/perf-notes.md, v2: 7.7 us of epilogue per tile, the
+    # fitted tile_fixed_us is 7.95) has stores and staging at 100 of its 120 worker-ms (84 %):
+    # 0.5 x 0.84 + 0.16 = 0.58, rounded up to 0.6; not fitted
+    half_fixed_factor: float = 0.6
     fit_subset: str = ""  # which rows the fitted values came from
     source: str = ""
     assumptions: tuple[str, ...] = ()
@@ -125,6 +159,16 @@ class FusedProfile:
                 raise ValueError(f"{k} must be > 0 (found {getattr(self, k)})")
         if not self.tile_fixed_us >= 0:
             raise ValueError(f"tile_fixed_us must be >= 0 (found {self.tile_fixed_us})")
+        if not 0 < self.half_kblock_factor <= 1:
+            raise ValueError(
+                f"half_kblock_factor must be in (0, 1]: a 64-row sub-tile's share of a full "
+                f"tile's MMA work per k-block (found {self.half_kblock_factor})"
+            )
+        if not 0 <= self.half_fixed_factor <= 1:
+            raise ValueError(
+                f"half_fixed_factor must be in [0, 1]: a 64-row sub-tile's share of "
+                f"tile_fixed_us (found {self.half_fixed_factor})"
+            )
 
     def replace(self, **kw) -> FusedProfile:
         # NOTE: fields are shared with self, not copied: profiles are never changed in place.
@@ -180,9 +224,26 @@ class TileOrder:
     group: np.ndarray  # [tiles] int64: row block a GU tile belongs to, else -1
     num_groups: int
     num_minibatches: int
+    # [tiles] int64: 0 one 128-row tile; else the 64-row sub-tiles its routed block runs as
+    # (1 or 2, :func:`routed_halves`)
+    halves: np.ndarray
 
     def __len__(self) -> int:
         return int(self.kind.size)
+
+
+def routed_halves(num_rows: int, region_starts: np.ndarray, row0: np.ndarray) -> np.ndarray:
+    """[blocks] int64: how the routed 128-row blocks starting at receive rows ``row0`` run
+    (csrc/layer.cuh ``routed_halves``): 0 as one 128-row tile; 1 as one 64-row sub-tile of its
+    lower half (the upper half at or past the ``num_rows`` padded rows); 2 as two 64-row
+    sub-tiles (rows ``row0`` and ``row0 + 64`` belong to different experts). ``region_starts``
+    [num_local_experts]: the first padded row of each expert region (non-decreasing; an empty
+    region starts where the next one does). Regions padded to 128 rows never split a block."""
+    row0 = np.asarray(row0, dtype=np.int64)
+    # NOTE: the kernel's expert_of_row: the last expert whose region starts at or before the row
+    e0 = np.searchsorted(region_starts, row0, side="right")
+    e1 = np.searchsorted(region_starts, row0 + HALF_M, side="right")
+    return np.where(row0 + HALF_M >= num_rows, 1, np.where(e0 != e1, 2, 0)).astype(np.int64)
 
 
 def tile_order(
@@ -193,23 +254,42 @@ def tile_order(
     intermediate: int,
     shared_intermediate: int,
     interleave: bool = True,
+    region_starts: np.ndarray | None = None,
 ) -> TileOrder:
     """The fixed tile order of one rank: shared gate/up and down over ``ceil(num_tokens / 128)``
     row blocks, then per minibatch of the ``num_rows`` padded receive rows its gate/up tiles
     (``intermediate / 128`` per row block, K = hidden) and down tiles (``hidden / 256``, K =
     intermediate), interleaved ``GU(0), GU(1), DN(0), GU(2), DN(1), ...`` when the ring holds two
     or more minibatches, else ``GU(0), DN(0), GU(1), ...``. Within a segment tile i is row block
-    i // columns, column block i % columns."""
-    if num_rows % TILE_M or minibatch_rows % TILE_M:
+    i // columns, column block i % columns. A minibatch has ``ceil(rows / 128)`` row blocks.
+
+    ``region_starts`` [num_local_experts]: the first padded row of each local expert's region;
+    with it ``num_rows`` and the starts may be multiples of 64 (``row_tile`` 64) and ``halves``
+    marks the split routed blocks (:func:`routed_halves`). None: regions padded to 128 rows (no
+    block is split)."""
+    pad = TILE_M if region_starts is None else HALF_M
+    if num_rows % pad or minibatch_rows <= 0 or minibatch_rows % TILE_M:
         raise ValueError(
-            f"num_rows={num_rows} and minibatch_rows={minibatch_rows} must be multiples of {TILE_M}"
+            f"num_rows={num_rows} must be a multiple of {pad} (the region padding) and "
+            f"minibatch_rows={minibatch_rows} a positive multiple of {TILE_M}"
+        )
+    if region_starts is None:
+        region_starts = np.zeros(1, dtype=np.int64)
+    region_starts = np.asarray(region_starts, dtype=np.int64)
+    if np.any(region_starts % HALF_M) or np.any(np.diff(region_starts) < 0):
+        raise ValueError(
+            f"region_starts must be non-decreasing multiples of {HALF_M} (found {region_starts})"
         )
     n_gu, n_dn = intermediate // 128, hidden // TILE_N
     shared_rbs = -(-num_tokens // TILE_M) if shared_intermediate else 0
     n_sgu = shared_intermediate // 128
     num_mbs = -(-num_rows // minibatch_rows)
-    mb_rbs = [min(minibatch_rows, num_rows - m * minibatch_rows) // TILE_M for m in range(num_mbs)]
-    mb_rb0 = np.concatenate(([0], np.cumsum(mb_rbs)))
+    mb_rbs = [
+        -(-min(minibatch_rows, num_rows - m * minibatch_rows) // TILE_M) for m in range(num_mbs)
+    ]
+    mb_rb0 = np.concatenate(([0], np.cumsum(mb_rbs))).astype(np.int64)
+    # [routed row blocks]: sub-tiles of each block (0: one full tile)
+    rb_halves = routed_halves(num_rows, region_starts, np.arange(mb_rb0[-1]) * TILE_M)
     segs = []  # (kind, first group, row blocks, columns, k_blocks, minibatch)
     if shared_rbs:
         segs.append((_KIND_SHARED_GU, 0, shared_rbs, n_sgu, hidden // TILE_K, -1))
@@ -227,7 +307,7 @@ def tile_order(
     else:
         routed = [s for m in range(num_mbs) for s in (gu(m), dn(m))]
     segs += routed if num_mbs else []
-    parts = {k: [] for k in ("kind", "kb", "wait_mb", "wait_group", "group")}
+    parts = {k: [] for k in ("kind", "kb", "wait_mb", "wait_group", "group", "halves")}
     for kind, g0, rbs, cols, kb, m in segs:
         n = rbs * cols
         grp = g0 + np.arange(n, dtype=np.int64) // cols
@@ -237,6 +317,8 @@ def tile_order(
         parts["wait_mb"].append(np.full(n, m if kind == _KIND_GU else -1, dtype=np.int64))
         parts["wait_group"].append(np.full(n, -1, dtype=np.int64) if is_gu else grp)
         parts["group"].append(grp if is_gu else np.full(n, -1, dtype=np.int64))
+        routed_tile = kind in (_KIND_GU, _KIND_DN)
+        parts["halves"].append(rb_halves[grp - shared_rbs] if routed_tile else np.zeros_like(grp))
     cat = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in parts.items()}
     return TileOrder(
         cat["kind"],
@@ -246,24 +328,36 @@ def tile_order(
         cat["group"],
         shared_rbs + int(mb_rb0[-1]),
         num_mbs,
+        cat["halves"],
     )
 
 
 def kblock_us(
-    prof: FusedProfile, tflops: float, num_sms: int, workers: int, mean_k_blocks: float
+    prof: FusedProfile,
+    tflops: float,
+    num_sms: int,
+    workers: int,
+    mean_k_blocks: float,
+    half: bool = False,
 ) -> float:
     """us per k-block of one worker: the 2-norm of two limits, its own k-loop at
     ``gemm_efficiency`` of its share of the dense rate (``tflops`` over ``num_sms``) and its
     share of the chip-wide operand ceiling. The ceiling is shared by the workers inside a k-loop
-    (48 KiB per k-block); the others run a tile's fixed part. With tiles of ``mean_k_blocks`` on
-    average, a phase on the ceiling alone would stream ``workers x 48 KiB`` per ``kblock_us +
-    tile_fixed_us / mean_k_blocks``, i.e. its operand bytes / ``operand_tbps`` in all.
+    (48 KiB per k-block); the others run a tile's fixed part. With ``mean_k_blocks`` k-blocks per
+    fixed part on average (a 64-row sub-tile's fixed part counts ``half_fixed_factor``), a phase
+    on the ceiling alone would stream ``workers x 48 KiB`` per ``kblock_us + tile_fixed_us /
+    mean_k_blocks``, i.e. its operand bytes / ``operand_tbps`` in all.
+
+    ``half``: a k-block of a 64-row sub-tile: its own limit x ``half_kblock_factor`` (half the
+    MMA work), its operand share unchanged (it streams the whole 128-row A box and the B box).
 
     NOTE: the 2-norm, not the maximum: far from the ceiling it is the larger limit, at the knee
     1.41x either. Measured, 124 workers are faster than 116 (DeepSeek-V3, 8 vs 16 comm SMs) and
     a trace shows the same MMA time per k-block at both: a hard maximum would have them equal."""
     flops = 2.0 * TILE_M * TILE_N * TILE_K
     own = flops / (tflops * 1e6 / num_sms * prof.gemm_efficiency)
+    if half:
+        own *= prof.half_kblock_factor
     shared = workers * STAGE_BYTES / (prof.operand_tbps * 1e6) - prof.tile_fixed_us / mean_k_blocks
     return math.hypot(own, max(shared, 0.0))
 
@@ -289,26 +383,27 @@ def _sift_down(heap, free, i):  # pragma: no cover - numba
 
 @njit(cache=True)
 def _run_tiles(
-    kb, wait_mb, wait_group, group, num_groups, workers, kb_us, tile_us, ready, flag_us
+    dur, wait_mb, wait_group, group, num_groups, workers, ready, flag_us
 ):  # pragma: no cover - numba
     """List schedule of the tile order: each tile in order on the worker that frees first
     (the kernel's in-order claims; ties to the lowest worker id); it starts when that worker
     is free and its dependency is met (``ready[m]`` for a GU tile of minibatch m, the last GU
-    tile of its row block + a GPU-scope flag for a DN tile). Returns (end of the last tile,
-    busy time of the worker that ends last)."""
+    tile of its row block + a GPU-scope flag for a DN tile) and takes ``dur[t]`` us (a split
+    block: its sub-tiles back to back). Returns (end of the last tile, busy time of the worker
+    that ends last)."""
     free = np.zeros(workers)
     busy = np.zeros(workers)
     done = np.zeros(num_groups)
     # NOTE: a heap of worker ids by (free time, id), the order argmin(free) picks in
     heap = np.arange(workers)
-    for t in range(kb.size):
+    for t in range(dur.size):
         w = heap[0]
         s = free[w]
         if wait_mb[t] >= 0:
             s = max(s, ready[wait_mb[t]])
         elif wait_group[t] >= 0:
             s = max(s, done[wait_group[t]] + flag_us)
-        d = kb[t] * kb_us + tile_us
+        d = dur[t]
         free[w] = s + d
         busy[w] += d
         _sift_down(heap, free, 0)
@@ -327,9 +422,18 @@ def _recv_layout(plan: RoutingPlan, d: int) -> np.ndarray:
     return mask
 
 
+def _region_starts(plan: RoutingPlan, d: int) -> np.ndarray:
+    """[num_local_experts] int64: the first padded receive row of each local expert of rank d
+    (regions padded to ``plan.row_tile``, in expert order: sim.schedule)."""
+    rows = plan.expert_counts.sum(axis=1).reshape(plan.num_ranks, plan.num_local_experts)[d]
+    padded = -(-rows // plan.row_tile) * plan.row_tile
+    return (np.cumsum(padded) - padded).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class _Case:
-    """Everything of one (workload, mode, SMs, minibatch) that no fused knob changes."""
+    """Everything of one (workload, mode, SMs, minibatch, row tile) that no fused knob
+    changes."""
 
     wl: Workload
     mode: str
@@ -344,13 +448,13 @@ class _Case:
     host_us: float
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=32)
 def _plan(
-    model: str, tokens: int, num_ranks: int, topology: str, skew: str
+    model: str, tokens: int, num_ranks: int, topology: str, skew: str, row_tile: int
 ) -> tuple[Workload, RoutingPlan]:
     # NOTE: mok.bench layer draws the routing with make_routing(..., seed=tokens_per_rank)
     wl = Workload(model, tokens, num_ranks, topology, skew, seed=tokens)
-    return wl, RoutingPlan(wl.make_trace(), TILE_M)
+    return wl, RoutingPlan(wl.make_trace(), row_tile)
 
 
 @lru_cache(maxsize=128)
@@ -364,8 +468,9 @@ def _case(
     minibatch: int,
     comm_profile: str,
     topology: str,
+    row_tile: int,
 ) -> _Case:
-    wl, plan = _plan(model, tokens, num_ranks, topology, skew)
+    wl, plan = _plan(model, tokens, num_ranks, topology, skew, row_tile)
     shape, gpu, topo = wl.model_shape, wl.topo.gpu, wl.topo
     kprof = layer_kernel_profile(comm_profile)
     rc = plan.rounds(minibatch)
@@ -375,10 +480,11 @@ def _case(
         gpu.flag_latency_local_us,
         gpu.flag_latency_remote_us + topo.switch_hop_latency_us,
     )
-    # ring: the whole receive buffer (macrobatch_size = 0; capacity at MoKConfig's default
-    # capacity_factor 2), so >= 2 slots and no reuse
+    # ring: the whole receive buffer (macrobatch_size = 0; MoKConfig.capacity_rows at the
+    # default capacity_factor 2), so >= 2 slots and no reuse
     capacity = (
-        -(-(2 * tokens * shape.num_topk + plan.num_local_experts * (TILE_M - 1)) // TILE_M) * TILE_M
+        -(-(2 * tokens * shape.num_topk + plan.num_local_experts * (row_tile - 1)) // row_tile)
+        * row_tile
     )
     interleave = -(-capacity // minibatch) >= 2
     orders, comm = [], []
@@ -393,6 +499,7 @@ def _case(
                 shape.intermediate,
                 shape.shared_intermediate,
                 interleave,
+                _region_starts(plan, d),
             )
         )
         layout = _recv_layout(plan, d)
@@ -467,23 +574,44 @@ def _comm_ready(case: _Case, prof: FusedProfile, d: int) -> tuple[np.ndarray, fl
     return ready, t
 
 
+def _tile_us(
+    o: TileOrder, prof: FusedProfile, tflops: float, num_sms: int, workers: int
+) -> np.ndarray:
+    """[tiles] us of each tile of ``o`` on one worker: ``k_blocks x kblock_us + tile_fixed_us``
+    for a full tile, ``halves x (k_blocks x half kblock_us + tile_fixed_us x
+    half_fixed_factor)`` for a split block (its sub-tiles one after the other)."""
+    if not len(o):
+        return np.zeros(0)
+    split = o.halves > 0
+    if split.any():
+        # k-blocks streamed per fixed part (a sub-tile's fixed part counts half_fixed_factor)
+        streamed = float((o.k_blocks * np.where(split, o.halves, 1)).sum())
+        parts = float((~split).sum()) + prof.half_fixed_factor * float(o.halves[split].sum())
+        mean_kb = streamed / parts if parts > 0 else math.inf  # inf: no fixed parts at all
+    else:
+        mean_kb = float(o.k_blocks.mean())
+    kb_us = kblock_us(prof, tflops, num_sms, workers, mean_kb)
+    dur = o.k_blocks * kb_us + prof.tile_fixed_us
+    if split.any():
+        half_us = kblock_us(prof, tflops, num_sms, workers, mean_kb, half=True)
+        sub = o.k_blocks * half_us + prof.tile_fixed_us * prof.half_fixed_factor
+        dur = np.where(split, o.halves * sub, dur)
+    return dur
+
+
 def _run(case: _Case, prof: FusedProfile) -> FusedResult:
     gpu = case.wl.topo.gpu
     workers = gpu.num_sms - case.sms
     ends, exposed, busy = [], [], []
     for d, o in enumerate(case.orders):
-        mean_kb = float(o.k_blocks.mean()) if len(o) else 1.0
-        kb_us = kblock_us(prof, gpu.tflops("bf16"), gpu.num_sms, workers, mean_kb)
         ready, comm_end = _comm_ready(case, prof, d)
         end, b = _run_tiles(
-            o.k_blocks,
+            _tile_us(o, prof, gpu.tflops("bf16"), gpu.num_sms, workers),
             o.wait_mb,
             o.wait_group,
             o.group,
             max(o.num_groups, 1),
             workers,
-            kb_us,
-            prof.tile_fixed_us,
             ready,
             gpu.flag_latency_local_us,
         )
@@ -521,12 +649,21 @@ def fused_layer(
     num_comm_sms: int,
     minibatch: int,
     prof: FusedProfile | None = None,
+    row_tile: int = TILE_M,
 ) -> FusedResult:
-    """Predicted time of one fused layer forward (``mok.bench layer`` / ``sweep`` row)."""
+    """Predicted time of one fused layer forward (``mok.bench layer`` / ``sweep`` row) with the
+    expert regions padded to ``row_tile`` rows (64 or 128)."""
     prof = prof or load_fused_profile()
     if mode not in ("pull", "dedup_pull"):
         raise ValueError(
             f"the fused layer pulls its dispatch: mode must be pull or dedup_pull (found {mode!r})"
+        )
+    if int(row_tile) not in ROW_TILES:
+        raise ValueError(f"the fused layer needs row_tile in {ROW_TILES} (found {row_tile})")
+    if int(minibatch) <= 0 or int(minibatch) % TILE_M:
+        raise ValueError(
+            f"the fused layer needs minibatch % {TILE_M} == 0 (its GEMM row blocks must not "
+            f"straddle minibatches; found {minibatch})"
         )
     num_sms = _gpu_sms(prof)
     if not 1 <= int(num_comm_sms) < num_sms:
@@ -543,8 +680,16 @@ def fused_layer(
         int(minibatch),
         prof.comm_profile,
         prof.topology,
+        int(row_tile),
     )
     return _run(case, prof)
+
+
+def row_tile_of(row: dict) -> int:
+    """The row tile of a ``mok.bench layer`` / ``sweep`` CSV row: its ``row_tile`` column (mok
+    rows 64 or 128, other libraries 0); CSVs that predate the column ran 128."""
+    v = row.get("row_tile")
+    return TILE_M if v is None or str(v).strip() == "" else int(v)
 
 
 def fused_row(row: dict, prof: FusedProfile | None = None) -> FusedResult:
@@ -558,4 +703,5 @@ def fused_row(row: dict, prof: FusedProfile | None = None) -> FusedResult:
         int(row["sms"]),
         int(row["minibatch"]),
         prof,
+        row_tile_of(row),
     )

@@ -15,6 +15,12 @@ other CSVs (the DeepSeek-V3 re-runs). NOTE: the subset and the knobs were chosen
 after every row had been looked at; the holdout is by mode, shape, skew and run, not a blind
 one.
 
+Every fit row ran expert regions padded to 128 rows (the snapshots predate the ``row_tile``
+column; :func:`sim.fused.row_tile_of`). Rows at row tile 64 are never fit rows, and the two
+knobs of the 64-row sub-tiles (``half_kblock_factor``, ``half_fixed_factor``) are not fitted:
+they keep the profile's values (physical estimates, :class:`sim.fused.FusedProfile`), and
+measured row-tile-64 rows validate them.
+
 Objective: sum over the fit rows of ``|log(predicted / measured)|`` (as :mod:`sim.kernel_fit`).
 Search: for each ``tile_fixed_us`` of a coarse grid, coordinate descent over the other knobs on
 coarse grids; then a pattern search over all five on fine grids from the best start
@@ -28,7 +34,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from sim.fused import FusedProfile, fused_row
+from sim.fused import TILE_M, FusedProfile, fused_row, row_tile_of
 
 __all__ = [
     "FUSED_FIT_SMS",
@@ -90,8 +96,9 @@ _MAX_SWEEPS = 8
 
 
 def is_fused_fit_row(row: dict) -> bool:
-    """Whether a measured layer row belongs to the fused fit subset (:data:`FIT_SUBSET`). A row
-    without a source (``_source``, set by :func:`sim.validate.read_rows`) counts by content."""
+    """Whether a measured layer row belongs to the fused fit subset (:data:`FIT_SUBSET`; row
+    tile 128 only). A row without a source (``_source``, set by :func:`sim.validate.read_rows`)
+    counts by content."""
     key = (row.get("model"), row.get("mode"))
     if key not in FUSED_FIT_SMS:
         return False
@@ -101,6 +108,7 @@ def is_fused_fit_row(row: dict) -> bool:
         and row.get("skew") == "uniform"
         and (sms is None or str(row.get("sms")) in sms)
         and row.get("_source", FUSED_FIT_SOURCES[0]) in FUSED_FIT_SOURCES
+        and row_tile_of(row) == TILE_M
     )
 
 

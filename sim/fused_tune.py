@@ -2,11 +2,15 @@
 
 The fused layer (``csrc/layer.cuh``, :func:`mok.functional.moe_forward` with ``fused=True``) has
 a smaller config space than the communication kernels: dispatch ``pull`` or ``dedup_pull``, the
-push combine in the down tiles' epilogue, row tile 128. The tuner searches dispatch mode x
-communication SMs x minibatch with :func:`sim.fused.fused_layer` and ranks by predicted layer
-time. ``macrobatch_size`` is not searched: the model (like ``mok.bench layer`` / ``sweep``, the
-rows it was fitted on) keeps the whole receive buffer as the ring (``macrobatch_size = 0``), so
-that is what the emitted config asks for.
+push combine in the down tiles' epilogue, expert regions padded to ``row_tile`` 64 or 128 rows
+(64: fewer padding rows, but a 128-row block that straddles two experts runs as two 64-row
+sub-tiles; :mod:`sim.fused`), minibatches of whole 128-row blocks. The tuner searches row tile x
+dispatch mode x communication SMs x minibatch with :func:`sim.fused.fused_layer` and ranks by
+predicted layer time. ``macrobatch_size`` is not searched: the model (like ``mok.bench layer`` /
+``sweep``, the rows it was fitted on) keeps the whole receive buffer as the ring
+(``macrobatch_size = 0``), so that is what the emitted config asks for. The fused knobs were
+fitted on rows measured at row tile 128; the 64-row sub-tiles' knobs are estimates
+(:class:`sim.fused.FusedProfile`), so a pick of row tile 64 rests on them.
 
 :func:`fused_limits` lists what rules the fused layer (or its fitted model) out for a workload:
 the caller falls back to the unfused layer model (:func:`sim.sweep.tune`).
@@ -19,12 +23,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from sim.config import Workload
-from sim.fused import FusedProfile, fused_layer
+from sim.fused import FusedProfile, fused_layer, row_tile_of
 from sim.topology import get_topology
 
 __all__ = [
     "FUSED_TUNE_SPACE",
-    "FUSED_ROW_TILE",
+    "FUSED_ROW_TILES",
+    "FUSED_BLOCK_ROWS",
     "fused_limits",
     "fused_space",
     "tune_fused",
@@ -34,12 +39,15 @@ __all__ = [
     "pick_on_measured",
 ]
 
-# NOTE: mirrors mok.functional's _FUSED_* tiles (csrc/layer.cuh: 128 receive rows, 256 down
-# columns, 128 SwiGLU columns); sim does not import mok.functional (torch).
-FUSED_ROW_TILE, FUSED_HIDDEN_TILE, FUSED_INTER_TILE = 128, 256, 128
+# NOTE: mirrors mok.functional's _FUSED_* tiles (csrc/layer.cuh: blocks of 128 receive rows,
+# 256 down columns, 128 SwiGLU columns; regions padded to 64 or 128 rows); sim does not import
+# mok.functional (torch).
+FUSED_BLOCK_ROWS, FUSED_HIDDEN_TILE, FUSED_INTER_TILE = 128, 256, 128
+FUSED_ROW_TILES = (64, 128)
 FUSED_DISPATCH_MODES = ("pull", "dedup_pull")
 
 FUSED_TUNE_SPACE = {
+    "row_tile": FUSED_ROW_TILES,
     "dispatch_mode": FUSED_DISPATCH_MODES,
     "num_comm_sms": (8, 16, 24, 32, 48),
     "minibatch_size": (1024, 2048, 4096, 8192),
@@ -62,10 +70,11 @@ def _profile_for(wl: Workload, prof: FusedProfile) -> FusedProfile:
 
 
 def fused_limits(
-    wl: Workload, prof: FusedProfile, dtype: str = "bf16", row_tile: int = FUSED_ROW_TILE
+    wl: Workload, prof: FusedProfile, dtype: str = "bf16", row_tile: int | None = None
 ) -> list[str]:
     """Why the fused layer, or the fused model fitted in ``prof``, does not apply to ``wl``
-    (empty: it applies). Mirrors ``mok.functional._check_fused`` where the simulator can."""
+    (empty: it applies). Mirrors ``mok.functional._check_fused`` where the simulator can.
+    ``row_tile``: a pinned row tile (None: the tuner searches :data:`FUSED_ROW_TILES`)."""
     why = []
     topo, ptopo = wl.topo, get_topology(prof.topology)
     if topo.gpu_name != ptopo.gpu_name:
@@ -95,15 +104,15 @@ def fused_limits(
             )
     if dtype != "bf16":
         why.append(f"the fused layer runs bf16 tokens (found --dtype {dtype})")
-    if row_tile != FUSED_ROW_TILE:
-        why.append(f"the fused layer needs row_tile={FUSED_ROW_TILE} (found {row_tile})")
+    if row_tile is not None and row_tile not in FUSED_ROW_TILES:
+        why.append(f"the fused layer needs row_tile in {FUSED_ROW_TILES} (found {row_tile})")
     return why
 
 
 def fused_space(space: dict | None, num_sms: int) -> dict:
     """:data:`FUSED_TUNE_SPACE` updated with ``space``, checked against the fused layer's limits
-    (``1 <= num_comm_sms < num_sms``, minibatch a multiple of the 128-row tile). The default comm
-    SMs that leave no GEMM worker are dropped; given ones raise."""
+    (row tile 64 or 128, ``1 <= num_comm_sms < num_sms``, minibatch a multiple of the 128-row
+    block). The default comm SMs that leave no GEMM worker are dropped; given ones raise."""
     given = dict(space or {})
     out = dict(FUSED_TUNE_SPACE, **given)
     bad = [m for m in out["dispatch_mode"] if m not in FUSED_DISPATCH_MODES]
@@ -121,11 +130,17 @@ def fused_space(space: dict | None, num_sms: int) -> dict:
                 f"1 <= num_comm_sms < {num_sms}"
             )
     out["num_comm_sms"] = tuple(n for n in sms if 1 <= n < num_sms)
-    bad = [m for m in out["minibatch_size"] if m < FUSED_ROW_TILE or m % FUSED_ROW_TILE]
+    bad = [m for m in out["minibatch_size"] if m < FUSED_BLOCK_ROWS or m % FUSED_BLOCK_ROWS]
     if bad:
         raise ValueError(
             f"minibatch sizes {bad} are not positive multiples of the fused layer's "
-            f"{FUSED_ROW_TILE}-row tile"
+            f"{FUSED_BLOCK_ROWS}-row blocks"
+        )
+    bad = [t for t in out["row_tile"] if t not in FUSED_ROW_TILES]
+    if bad:
+        raise ValueError(
+            f"row tiles {bad} are not supported by the fused layer (supported: "
+            f"{', '.join(map(str, FUSED_ROW_TILES))})"
         )
     if not all(out[k] for k in FUSED_TUNE_SPACE):
         raise ValueError(f"empty fused search space: {out}")
@@ -135,7 +150,8 @@ def fused_space(space: dict | None, num_sms: int) -> dict:
 def _key(row: dict) -> tuple:
     # best layer time; on a tie (host-bound, or the GEMMs hide the dispatch in several
     # configs), the lower device time, then the earlier first minibatch (more slack before a
-    # gate/up tile would wait), fewer comm SMs, the smaller minibatch, pull before dedup_pull
+    # gate/up tile would wait), fewer comm SMs, the smaller minibatch, pull before dedup_pull,
+    # row tile 128 before 64 (no split blocks)
     return (
         row["layer_us"],
         row["device_us"],
@@ -143,14 +159,26 @@ def _key(row: dict) -> tuple:
         row["num_comm_sms"],
         row["minibatch_size"],
         FUSED_DISPATCH_MODES.index(row["dispatch_mode"]),
+        -row["row_tile"],
     )
 
 
-def _row(wl: Workload, prof: FusedProfile, mode: str, sms: int, minibatch: int) -> dict:
+def _row(
+    wl: Workload, prof: FusedProfile, mode: str, sms: int, minibatch: int, row_tile: int
+) -> dict:
     r = fused_layer(
-        wl.shape, wl.tokens_per_rank, wl.ep, wl.skew, mode, sms, minibatch, _profile_for(wl, prof)
+        wl.shape,
+        wl.tokens_per_rank,
+        wl.ep,
+        wl.skew,
+        mode,
+        sms,
+        minibatch,
+        _profile_for(wl, prof),
+        row_tile,
     )
     return {
+        "row_tile": int(row_tile),
         "dispatch_mode": mode,
         "combine_mode": "push",
         "num_comm_sms": int(sms),
@@ -171,7 +199,8 @@ def tune_fused(wl: Workload, prof: FusedProfile, space: dict | None = None) -> l
         raise ValueError("the fused model does not apply: " + "; ".join(why))
     sp = fused_space(space, wl.topo.gpu.num_sms)
     rows = [
-        _row(wl, prof, m, n, mb)
+        _row(wl, prof, m, n, mb, rt)
+        for rt in sp["row_tile"]
         for m in sp["dispatch_mode"]
         for n in sp["num_comm_sms"]
         for mb in sp["minibatch_size"]
@@ -189,7 +218,7 @@ def fused_mok_config(row: dict) -> dict:
         "num_comm_sms_bwd": row["num_comm_sms"],
         "minibatch_size": row["minibatch_size"],
         "macrobatch_size": row["macrobatch_size"],
-        "row_tile": FUSED_ROW_TILE,
+        "row_tile": row["row_tile"],
     }
 
 
@@ -228,38 +257,44 @@ def fused_tune_document(
 def format_fused_table(rows: Sequence[dict], top: int = 5, title: str = "") -> str:
     """The ``top`` best tuner rows as a text table (first row is the reference)."""
     head = (
-        f"{'#':>2} {'dispatch':<11}{'sms':>4}{'minibatch':>10}{'layer us':>10}{'vs best':>9}"
-        f"{'1st ready':>10}{'gemm':>9}{'stall':>8}{'sum':>7}"
+        f"{'#':>2} {'dispatch':<11}{'sms':>4}{'minibatch':>10}{'row tile':>9}{'layer us':>10}"
+        f"{'vs best':>9}{'1st ready':>10}{'gemm':>9}{'stall':>8}{'sum':>7}"
     )
     lines = ([title] if title else []) + [head, "-" * len(head)]
     ref = rows[0]["layer_us"]
     for i, r in enumerate(rows[:top], 1):
         lines.append(
             f"{i:>2} {r['dispatch_mode']:<11}{r['num_comm_sms']:>4}{r['minibatch_size']:>10}"
-            f"{r['layer_us']:>10.1f}{100 * (r['layer_us'] / ref - 1):>+8.1f}%"
+            f"{r['row_tile']:>9}{r['layer_us']:>10.1f}{100 * (r['layer_us'] / ref - 1):>+8.1f}%"
             f"{r['first_ready_us']:>10.1f}{r['gemm_busy_us']:>9.1f}{r['gemm_stall_us']:>8.1f}"
             f"{r['sum_us']:>7.1f}"
         )
     return "\n".join(lines)
 
 
+def _cfg_label(cfg: tuple) -> str:
+    mode, sms, mb, rt = cfg
+    return f"{mode} {sms} SMs mb {mb}" + ("" if rt == FUSED_BLOCK_ROWS else f" rt {rt}")
+
+
 def pick_on_measured(measured: Iterable[dict], prof: FusedProfile) -> list[dict]:
     """The tuner replayed on measured ``mok-fused`` rows (``mok.bench layer`` / ``sweep`` CSV
     rows): per workload group, the config the fused model ranks first among the group's
-    measured configs, its measured time, and the measured best. One record per group."""
+    measured configs, its measured time, and the measured best. One record per group. A config
+    is (mode, comm SMs, minibatch, row tile); its label names the row tile when it is not 128."""
     groups: dict[tuple, dict[tuple, float]] = {}
     for r in measured:
         if r.get("impl") != "mok-fused":
             continue
         g = (r["model"], int(r["tokens_per_rank"]), int(r.get("num_ranks") or 2), r["skew"])
-        cfg = (r["mode"], int(r["sms"]), int(r["minibatch"]))
+        cfg = (r["mode"], int(r["sms"]), int(r["minibatch"]), row_tile_of(r))
         groups.setdefault(g, {})[cfg] = float(r["median_us"])
     out = []
     for (model, tokens, ranks, skew), meas in groups.items():
         wl = Workload(model, tokens, ranks, prof.topology, skew, seed=tokens)
         rows = sorted((_row(wl, prof, *c) for c in meas), key=_key)
         pick = rows[0]
-        pc = (pick["dispatch_mode"], pick["num_comm_sms"], pick["minibatch_size"])
+        pc = (pick["dispatch_mode"], pick["num_comm_sms"], pick["minibatch_size"], pick["row_tile"])
         best = min(meas, key=meas.get)
         out.append(
             {
@@ -268,10 +303,10 @@ def pick_on_measured(measured: Iterable[dict], prof: FusedProfile) -> list[dict]
                 "num_ranks": ranks,
                 "skew": skew,
                 "configs": len(meas),
-                "picked": "{} {} SMs mb {}".format(*pc),
+                "picked": _cfg_label(pc),
                 "picked_pred_us": pick["layer_us"],
                 "picked_measured_us": meas[pc],
-                "best": "{} {} SMs mb {}".format(*best),
+                "best": _cfg_label(best),
                 "best_measured_us": meas[best],
                 "gap": meas[pc] / meas[best] - 1,
             }

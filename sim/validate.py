@@ -28,9 +28,11 @@ predicted by the fused-kernel model (:mod:`sim.fused`, profile ``sim/profiles/
 mok-fused-h200x2.json``), fit rows are :func:`sim.fused_fit.is_fused_fit_row`; the ``nccl`` and
 ``mok-unfused`` rows are listed as measured baselines (status ``baseline``), not predicted. Their
 records have ``what = "layer"``, so groups are (model, tokens, skew) and configurations (impl,
-mode, sms, minibatch). Every group also reports the measured spread of its configurations and
-the median p20-p80 width of its rows: a ranking within a spread no wider than the run-to-run
-noise is noise-limited.
+mode, sms, minibatch, row_tile). A layer CSV's ``row_tile`` column (mok rows 64 or 128, other
+libraries 0) is the expert-region padding the fused model predicts with; CSVs that predate it
+ran 128 (:func:`sim.fused.row_tile_of`). Every group also reports the measured spread of its
+configurations and the median p20-p80 width of its rows: a ranking within a spread no wider than
+the run-to-run noise is noise-limited.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.fused import FusedProfile, fused_row
+from sim.fused import FusedProfile, fused_row, row_tile_of
 from sim.fused_fit import is_fused_fit_row
 from sim.kernel_fit import fit_kernel_profile
 from sim.phases import KernelProfile, predict_row
@@ -70,7 +72,8 @@ __all__ = [
 # NOTE: `scope` (comparable unit / local step / end-to-end) keeps configurations that do
 # different work out of one ranking; it is empty in CSVs that predate it.
 GROUP_KEYS = ("model", "tokens_per_rank", "skew", "what", "scope")
-CONFIG_KEYS = ("impl", "mode", "engine", "sms", "minibatch")  # minibatch: layer CSVs only
+# minibatch, row_tile: layer CSVs only
+CONFIG_KEYS = ("impl", "mode", "engine", "sms", "minibatch", "row_tile")
 # The calibration subset: a mok row is a FIT row iff its tokens_per_rank is in FIT_TOKENS. All
 # rows of the 2-SM-count target CSV and the pinned 8/16/24/132-SM CSV are 4096-token rows, so
 # the fit uses them plus the broad grid's 4096-token rows (both models, both skews); the grid's
@@ -168,7 +171,7 @@ def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:
     ``baseline`` with the reason (:data:`BASELINES`)."""
     out = []
     for i, row in enumerate(rows):
-        rec = _record(i, row, what="layer", scope="", engine="-")
+        rec = _record(i, row, what="layer", scope="", engine="-", row_tile=str(row_tile_of(row)))
         impl = row.get("impl", "")
         if impl != "mok-fused":
             rec["status"] = "baseline"
@@ -248,7 +251,10 @@ def _config_label(r: dict) -> str:
     eng = r["engine"] if r["engine"] not in ("", "-") else ""
     mb = r.get("minibatch", "-")
     mb = f"/mb{mb}" if mb not in ("", "-") else ""
-    return f"{r['impl']}:{r['mode']}" + (f"/{eng}" if eng else "") + f"@{r['sms']}{mb}"
+    # the row tile only where it is not the 128 of every CSV before the column
+    rt = str(r.get("row_tile", "-"))
+    rt = f"/rt{rt}" if rt not in ("", "-", "0", "128") else ""
+    return f"{r['impl']}:{r['mode']}" + (f"/{eng}" if eng else "") + f"@{r['sms']}{mb}{rt}"
 
 
 def rerun_spearman(
@@ -393,13 +399,13 @@ def _row_lines(records: Sequence[dict], gk: tuple) -> list[str]:
 def _baseline_lines(records: Sequence[dict]) -> list[str]:
     """Measured baselines of layer CSVs, with the measured and the predicted speedup of the
     fused layer over each: the fused rows of the group that ran the unfused baseline's config
-    (mode, sms, minibatch) in the same run (CSV; runs differ by a few %), else the group's only
-    fused config of that run."""
+    (mode, sms, minibatch, row tile) in the same run (CSV; runs differ by a few %), else the
+    group's only fused config of that run."""
     base = [r for r in records if r["status"] == "baseline"]
     if not base:
         return []
     lines = ["  baselines (measured, not predicted; speedup = baseline / fused):"]
-    cfg = ("mode", "sms", "minibatch")
+    cfg = ("mode", "sms", "minibatch", "row_tile")
     for r in base:
         gk = tuple(r[k] for k in GROUP_KEYS)
         group = [
@@ -460,7 +466,9 @@ def format_report(records: Sequence[dict], summary: dict, rows: bool = False) ->
     for t in sorted({int(r["tokens_per_rank"] or 0) for r in ok}):
         parts.append((f"tokens {t}", [r for r in ok if int(r["tokens_per_rank"] or 0) == t]))
     if any(r["what"] == "layer" for r in ok):
-        for key in ("model", "skew", "mode", "sms"):
+        keys = ("model", "skew", "mode", "sms")
+        keys += ("row_tile",) if len({str(r["row_tile"]) for r in ok}) > 1 else ()
+        for key in keys:
             for v in sorted({str(r[key]) for r in ok}):
                 parts.append((f"{key} {v}", [r for r in ok if str(r[key]) == v]))
     for name, rs in parts:

@@ -38,30 +38,69 @@ def test_fused_tune_emits_a_config_that_round_trips(tmp_path, capsys):
         "wait_timeout_ms": 10_000.0,
     }
     assert loaded.dispatch_mode in ("pull", "dedup_pull") and loaded.combine_mode == "push"
-    assert (loaded.row_tile, loaded.macrobatch_size) == (128, 0)
+    assert loaded.row_tile in (64, 128) and loaded.macrobatch_size == 0
     assert 1 <= loaded.num_comm_sms < 132
     # the table's first row is the emitted config with its prediction
     first = next(ln for ln in out.splitlines() if ln.startswith(" 1 "))
-    assert first.split()[1:5] == [
+    assert first.split()[1:6] == [
         loaded.dispatch_mode,
         str(loaded.num_comm_sms),
         str(loaded.minibatch_size),
+        str(loaded.row_tile),
         f"{doc['predicted_us']:.1f}",
     ]
     assert sum(ln[:2].strip().isdigit() for ln in out.splitlines()) == 3
+    assert "of 80 configs" in out  # row tile 2 x dispatch 2 x comm SMs 5 x minibatch 4
+
+
+def test_fused_tune_searches_and_emits_the_row_tile(tmp_path, capsys):
+    """Qwen3 at 4096 tokens: with MMA-bound sub-tiles, 64-row padding (35072 receive rows on rank
+    0, 37376 at 128) wins at every config of the grid below; with the committed profile (sub-tiles
+    as slow as full tiles, as measured) 128 wins; --row-tile pins one row tile."""
+    from mok.config import MoKConfig
+
+    wl = Workload("qwen3-30b-a3b", 4096, 2, "h200x2", "uniform", seed=4096)
+    committed = load_fused_profile()
+    prof = committed.replace(half_kblock_factor=0.5)
+    space = {"num_comm_sms": [16], "minibatch_size": [2048, 4096], "dispatch_mode": ["pull"]}
+    rows = tune_fused(wl, prof, space)
+    assert [(r["row_tile"], r["minibatch_size"]) for r in rows] == [
+        (64, 2048),
+        (64, 4096),
+        (128, 2048),
+        (128, 4096),
+    ]
+    by = {(r["row_tile"], r["minibatch_size"]): r["layer_us"] for r in rows}
+    assert by[(128, 2048)] == pytest.approx(1019.9725587671555, rel=1e-9)  # as before row tile 64
+    assert 0.95 < by[(64, 2048)] / by[(128, 2048)] < 0.99
+    measured = {
+        (r["row_tile"], r["minibatch_size"]): r["layer_us"]
+        for r in tune_fused(wl, committed, space)
+    }
+    assert measured[(64, 2048)] > measured[(128, 2048)] == by[(128, 2048)]
+    path = tmp_path / "fused.json"
+    args = ["tune", "--fused", *QWEN, "--sms", "16", "--dispatch", "pull", "--minibatch", "2048"]
+    assert main([*args, "--emit-config", str(path)]) == 0
+    assert MoKConfig.from_json(path).row_tile == 128
+    assert json.loads(path.read_text())["predicted_us"] == round(by[(128, 2048)], 3)
+    assert main([*args, "--row-tile", "64", "--emit-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "of 1 configs" in out and MoKConfig.from_json(path).row_tile == 64
+    with pytest.raises(ValueError, match=r"row tiles \[32\] are not supported"):
+        fused_space({"row_tile": [32]}, 132)
 
 
 def test_fused_space_respects_the_layer_limits():
     wl = Workload("tiny", 256, 2, "h200x2", "uniform", seed=256)
     prof = load_fused_profile()
     rows = tune_fused(wl, prof, {"num_comm_sms": [8, 131], "minibatch_size": [256, 512]})
-    assert len(rows) == 2 * 2 * 2
+    assert len(rows) == 2 * 2 * 2 * 2  # x row tile 64, 128
     assert [r["layer_us"] for r in rows] == sorted(r["layer_us"] for r in rows)
     assert {r["combine_mode"] for r in rows} == {"push"}
     assert fused_space(None, 40)["num_comm_sms"] == (8, 16, 24, 32)  # defaults that fit
     with pytest.raises(ValueError, match=r"1 <= num_comm_sms < 132"):
         fused_space({"num_comm_sms": [0, 16]}, 132)
-    with pytest.raises(ValueError, match="multiples of the fused layer's 128-row tile"):
+    with pytest.raises(ValueError, match="multiples of the fused layer's 128-row blocks"):
         fused_space({"minibatch_size": [1000]}, 132)
     with pytest.raises(ValueError, match="pulls its dispatch"):
         fused_space({"dispatch_mode": ["push"]}, 132)
@@ -78,7 +117,9 @@ def test_fused_limits_name_what_is_unsupported():
     assert any(
         "NVLink domains" in w for w in fused_limits(Workload("tiny", 256, 16, "hgx-h200x2"), prof)
     )
-    assert any("row_tile=128" in w for w in fused_limits(Workload("tiny"), prof, row_tile=64))
+    assert fused_limits(Workload("tiny", 256, 2, "h200x2"), prof, row_tile=64) == []
+    why = fused_limits(Workload("tiny", 256, 2, "h200x2"), prof, row_tile=32)
+    assert why == ["the fused layer needs row_tile in (64, 128) (found 32)"]
 
 
 def test_unsupported_shape_falls_back_to_the_unfused_model(tmp_path, capsys):

@@ -233,8 +233,11 @@ def test_tile_order_follows_the_kernel():
     np.testing.assert_array_equal(o.wait_group[dn], [2, 2, 3, 3, 4, 4, 5, 5, 6, 6])
     np.testing.assert_array_equal(o.k_blocks[dn], np.full(10, 4))  # K = intermediate
     assert np.all(o.wait_mb[~gu] == -1)
-    with pytest.raises(ValueError, match="multiples of 128"):
+    assert not o.halves.any()  # regions padded to 128 rows: no block is split
+    with pytest.raises(ValueError, match="num_rows=600 must be a multiple of 128"):
         tile_order(600, 256, 200, 512, 256, 128)
+    with pytest.raises(ValueError, match="minibatch_rows=192 a positive multiple of 128"):
+        tile_order(640, 192, 200, 512, 256, 128)
 
 
 def test_tile_schedule_and_kblock_terms():
@@ -257,7 +260,7 @@ def test_tile_schedule_and_kblock_terms():
     wait_mb = np.array([0, 0, -1], dtype=i64)
     wait_group = np.array([-1, -1, 0], dtype=i64)
     group = np.array([0, 0, -1], dtype=i64)
-    end, busy = _run_tiles(kb, wait_mb, wait_group, group, 1, 2, 3.0, 1.0, np.array([5.0]), 0.5)
+    end, busy = _run_tiles(kb * 3.0 + 1.0, wait_mb, wait_group, group, 1, 2, np.array([5.0]), 0.5)
     # GU tiles 5..9 on workers 0 and 1; DN on worker 0 from 9 + 0.5 to 13.5
     assert (end, busy) == (pytest.approx(13.5), pytest.approx(8.0))
     # 3 GU tiles of 3, 1, 1 k-blocks: tile 2 goes to worker 1 (free at 9), not to worker 0
@@ -266,7 +269,7 @@ def test_tile_schedule_and_kblock_terms():
     wait_mb = np.array([0, 0, 0], dtype=i64)
     wait_group = np.array([-1, -1, -1], dtype=i64)
     group = np.array([0, 0, 0], dtype=i64)
-    end, busy = _run_tiles(kb, wait_mb, wait_group, group, 1, 2, 3.0, 1.0, np.array([5.0]), 0.5)
+    end, busy = _run_tiles(kb * 3.0 + 1.0, wait_mb, wait_group, group, 1, 2, np.array([5.0]), 0.5)
     assert (end, busy) == (pytest.approx(15.0), pytest.approx(10.0))
 
 
@@ -293,7 +296,7 @@ def test_tile_schedule_matches_a_plain_argmin():
         if group[t] >= 0:
             done[group[t]] = max(done[group[t]], free[w])
     last = int(np.argmax(free))
-    got = _run_tiles(kb, wait_mb, wait_group, group, groups, workers, 2.0, 1.0, ready, 1.0)
+    got = _run_tiles(kb * 2.0 + 1.0, wait_mb, wait_group, group, groups, workers, ready, 1.0)
     assert got == (free[last], busy[last])
 
 
@@ -318,6 +321,10 @@ def test_fused_layer_sum_and_fixed_terms():
         fused_layer("deepseek-v3", 4096, 2, "uniform", "push", 16, 4096, prof)
     with pytest.raises(ValueError, match="must leave GEMM workers"):
         fused_layer("deepseek-v3", 4096, 2, "uniform", "pull", 132, 4096, prof)
+    with pytest.raises(ValueError, match=r"row_tile in \(64, 128\) \(found 32\)"):
+        fused_layer("deepseek-v3", 4096, 2, "uniform", "pull", 16, 4096, prof, row_tile=32)
+    with pytest.raises(ValueError, match="minibatch % 128 == 0"):
+        fused_layer("deepseek-v3", 4096, 2, "uniform", "pull", 16, 192, prof, row_tile=64)
 
 
 def test_committed_profile_is_a_local_fit_minimum():
@@ -349,5 +356,9 @@ def test_fused_profile_round_trip_and_errors(tmp_path):
         FusedProfile(gemm_efficiency=0.0)
     with pytest.raises(ValueError, match="remote_rate_factor must be > 0"):
         FusedProfile(remote_rate_factor=-1.0)
+    with pytest.raises(ValueError, match=r"half_kblock_factor must be in \(0, 1\]"):
+        FusedProfile(half_kblock_factor=1.5)
+    with pytest.raises(ValueError, match=r"half_fixed_factor must be in \[0, 1\]"):
+        FusedProfile(half_fixed_factor=-0.1)
     with pytest.raises(ValueError, match="not found"):
         load_fused_profile("no-such-profile")
