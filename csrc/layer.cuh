@@ -606,37 +606,58 @@ __device__ __forceinline__ void store_chunk(const Ctx& c, const LayerKernelArgs&
   named_sync(1 + wg, 128);
 }
 
-// The k-loop of a 64-row sub-tile: rows 64h.. of each stage's A box against warpgroup wg's half
-// of the columns: a gate/up tile runs two m64n64 MMAs per k16 step (its 64 gate and 64 up
-// columns; acc[0..31] gate, acc[32..63] up), a down tile one m64n128 (its 128 of the 256).
-template <bool kGateUp>
-__device__ __forceinline__ void half_mainloop(float (&acc)[64], uint8_t* stages, uint64_t* full,
-                                              uint64_t* empty, int k_blocks, int h, int wg,
-                                              int& stage, int& prev_stage, uint32_t& phase) {
+// One tile's k-loop for consumer warpgroup wg, over the pipeline stages (stage, prev_stage and
+// phase carry on from tile to tile):
+//   kFull:       rows wg * 64.. of the 128-row tile, all 256 columns: two m64n128 MMAs per k16
+//                step (acc0: columns 0..127, acc1: 128..255);
+//   kHalfGateUp: rows 64h.. (a 64-row sub-tile), warpgroup wg's 64 gate and 64 up columns: two
+//                m64n64 MMAs (acc0[0..31] gate, acc0[32..63] up);
+//   kHalfDown:   rows 64h.., warpgroup wg's 128 of the 256 columns: one m64n128 (acc0).
+enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown };
+
+template <int kMode>
+__device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], uint8_t* stages,
+                                          uint64_t* full, uint64_t* empty, int k_blocks, int h,
+                                          int wg, int& stage, int& prev_stage, uint32_t& phase) {
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
     const uint8_t* sa = stages + stage * kStageBytes;
-    const uint64_t da = wgmma_desc(sa + h * 64 * 128);
-    wgmma_fence();
-    if (kGateUp) {
+    const uint64_t da = wgmma_desc(sa + (kMode == kFull ? wg : h) * 64 * 128);
+    if (kMode == kFull) {
+      const uint64_t db0 = wgmma_desc(sa + kStageA);
+      const uint64_t db1 = wgmma_desc(sa + kStageA + 128 * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 16; ++kk) {
+        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
+        wgmma_m64n128k16(acc0, da + 2 * kk, db0 + 2 * kk, accum);
+        wgmma_m64n128k16(acc1, da + 2 * kk, db1 + 2 * kk, accum);
+      }
+    } else if (kMode == kHalfGateUp) {
+      wgmma_fence();
       const uint64_t dg = wgmma_desc(sa + kStageA + wg * 64 * 128);
       const uint64_t du = wgmma_desc(sa + 2 * kStageA + wg * 64 * 128);
 #pragma unroll
       for (int kk = 0; kk < kTileK / 16; ++kk) {
         const int accum = (kb > 0 || kk > 0) ? 1 : 0;
-        wgmma_m64n64k16(acc, da + 2 * kk, dg + 2 * kk, accum);
-        wgmma_m64n64k16(acc + 32, da + 2 * kk, du + 2 * kk, accum);
+        wgmma_m64n64k16(acc0, da + 2 * kk, dg + 2 * kk, accum);
+        wgmma_m64n64k16(acc0 + 32, da + 2 * kk, du + 2 * kk, accum);
       }
     } else {
+      wgmma_fence();
       const uint64_t db = wgmma_desc(sa + kStageA + wg * 128 * 128);
 #pragma unroll
       for (int kk = 0; kk < kTileK / 16; ++kk) {
         const int accum = (kb > 0 || kk > 0) ? 1 : 0;
-        wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk, accum);
+        wgmma_m64n128k16(acc0, da + 2 * kk, db + 2 * kk, accum);
       }
     }
     wgmma_commit();
+    // Keep this k-block's MMAs in flight; the previous k-block's are done once at most one
+    // group is pending, so its stage goes back to the producer now.
     wgmma_wait<1>();
+    // NOTE: every consumer thread arrives (no divergent branch while MMAs are in flight, which
+    // would make ptxas serialise the wgmma instructions).
     if (kb > 0) mbar_arrive(&empty[prev_stage]);
     prev_stage = stage;
     if (++stage == kStages) stage = 0, phase ^= 1;
@@ -677,31 +698,8 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
     }
     const int halves = tile_halves(p, o, t);
     if (halves == 0) {
-      for (int kb = 0; kb < g.k_blocks; ++kb) {
-        mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
-        const uint8_t* sa = stages + stage * kStageBytes;
-        const uint64_t da = wgmma_desc(sa + wg * 64 * 128);
-        const uint64_t db0 = wgmma_desc(sa + kStageA);
-        const uint64_t db1 = wgmma_desc(sa + kStageA + 128 * 128);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kTileK / 16; ++kk) {
-          const int accum = (kb > 0 || kk > 0) ? 1 : 0;
-          wgmma_m64n128k16(acc0, da + 2 * kk, db0 + 2 * kk, accum);
-          wgmma_m64n128k16(acc1, da + 2 * kk, db1 + 2 * kk, accum);
-        }
-        wgmma_commit();
-        // Keep this k-block's MMAs in flight; the previous k-block's are done once at most one
-        // group is pending, so its stage goes back to the producer now.
-        wgmma_wait<1>();
-        // NOTE: every consumer thread arrives (no divergent branch while MMAs are in flight, which
-        // would make ptxas serialise the wgmma instructions).
-        if (kb > 0) mbar_arrive(&empty[prev_stage]);
-        prev_stage = stage;
-        if (++stage == kStages) stage = 0, phase ^= 1;
-      }
-      wgmma_wait<0>();
-      if (g.k_blocks > 0) mbar_arrive(&empty[prev_stage]);
+      mma_kloop<kFull>(acc0, acc1, stages, full, empty, g.k_blocks, 0, wg, stage, prev_stage,
+                       phase);
       if (writer) tr.add(kEvMainDone, t.kind, i);
       // Epilogue: registers -> bf16 chunk in shared memory -> 16-byte row stores.
       if (t.kind == kTileGU || t.kind == kTileSharedGU) {
@@ -721,15 +719,15 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
         if (((halves >> h) & 1) == 0) continue;
         const bool last = h == 1 || halves == 1;
         if (t.kind == kTileGU) {
-          half_mainloop<true>(acc0, stages, full, empty, g.k_blocks, h, wg, stage, prev_stage,
-                              phase);
+          mma_kloop<kHalfGateUp>(acc0, acc1, stages, full, empty, g.k_blocks, h, wg, stage,
+                                 prev_stage, phase);
           if (writer && last) tr.add(kEvMainDone, t.kind, i);
           stage_chunk<true, 8>(acc0, acc0 + 32, epi, warp, lane);
           if (writer && last) tr.add(kEvEpiStaged, t.kind, i);
           store_chunk<8>(c, k, t, wg, 64 * h, wg * 64, epi, warp, lane);
         } else {
-          half_mainloop<false>(acc0, stages, full, empty, g.k_blocks, h, wg, stage, prev_stage,
-                               phase);
+          mma_kloop<kHalfDown>(acc0, acc1, stages, full, empty, g.k_blocks, h, wg, stage,
+                               prev_stage, phase);
           if (writer && last) tr.add(kEvMainDone, t.kind, i);
           stage_chunk<false>(acc0, acc0, epi, warp, lane);
           if (writer && last) tr.add(kEvEpiStaged, t.kind, i);
