@@ -13,6 +13,14 @@ namespace {
 
 int64_t params_size() { return static_cast<int64_t>(sizeof(mok::Params)); }
 
+// The kernels index per-rank arrays of kMaxRanks entries by rank (params.h).
+void check_ranks(const mok::Params& p) {
+  TORCH_CHECK(p.num_ranks >= 1 && p.num_ranks <= mok::kMaxRanks && p.rank >= 0 &&
+                  p.rank < p.num_ranks,
+              "mok: rank ", p.rank, " of ", p.num_ranks, " ranks; the kernels support 1 to ",
+              mok::kMaxRanks, " ranks (one NVLink domain)");
+}
+
 void launch(int64_t kind, pybind11::bytes params_bytes, int64_t grid, int64_t stream) {
   const std::string raw = params_bytes;
   TORCH_CHECK(raw.size() == sizeof(mok::Params), "mok: Params is ", raw.size(),
@@ -20,6 +28,7 @@ void launch(int64_t kind, pybind11::bytes params_bytes, int64_t grid, int64_t st
               " bytes in csrc/params.h; mok/_ext.py and csrc/params.h disagree");
   mok::Params params;
   std::memcpy(&params, raw.data(), sizeof(params));
+  check_ranks(params);
   const int err = mok::launch(static_cast<int>(kind), params, static_cast<int>(grid),
                               reinterpret_cast<void*>(stream));
   TORCH_CHECK(err == 0, "mok: launching kernel ", kind, " with ", grid,
@@ -42,6 +51,7 @@ void launch_layer(pybind11::bytes params_bytes, pybind11::bytes args_bytes, int6
                   int64_t stream) {
   const auto params = unpack<mok::Params>(params_bytes, "Params");
   const auto args = unpack<mok::LayerArgs>(args_bytes, "LayerArgs");
+  check_ranks(params);
   const int err =
       mok::launch_layer(params, args, static_cast<int>(grid), reinterpret_cast<void*>(stream));
   TORCH_CHECK(err == 0, "mok: launching the fused layer with ", grid,

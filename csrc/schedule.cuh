@@ -165,8 +165,11 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params
     }
     if (d == me) meta[kMetaNumRows] = run;
     // NOTE: every rank checks every rank's capacity, so all ranks fail the same way instead of
-    // one rank stopping and the others timing out.
-    if (overflow_at >= 0) record_error(c, kErrCapacity, 0, d, run, p.capacity, overflow_at);
+    // one rank stopping and the others timing out; the lowest overflowing rank reports (the
+    // first recorded error wins, and these R threads are lanes 0..R-1 of one warp).
+    const unsigned over = __ballot_sync((1u << R) - 1u, overflow_at >= 0);
+    if (overflow_at >= 0 && d == __ffs(over) - 1)
+      record_error(c, kErrCapacity, 0, d, run, p.capacity, overflow_at);
   } else if (gtid == R) {
     int total = 0;
     for (int r = 0; r < R; ++r) total += dcount[r];

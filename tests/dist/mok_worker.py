@@ -226,7 +226,9 @@ def layer_case(dev):
 
 def error_cases(dev):
     rank = dist.get_rank()
-    N, H, K, E = 200, 256, 4, 16
+    # Experts 0..K-1 must all live on rank 0 (the capacity case below): >= K experts per rank.
+    N, H, K = 200, 256, 4
+    E = max(16, K * dist.get_world_size())
     cfg = mok.MoKConfig(num_comm_sms=4, wait_timeout_ms=5000.0)
     ws = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg, device=dev)
     idx = torch.arange(K, device=dev).repeat(N, 1)
@@ -257,7 +259,8 @@ def error_cases(dev):
         check(False, "out-of-range expert not detected")
     except mok.MoKInputError as e:
         check(
-            "rank 0 routes token 5 (k=2) to expert 16 outside [0, num_experts=16)" in str(e), str(e)
+            f"rank 0 routes token 5 (k=2) to expert {E} outside [0, num_experts={E})" in str(e),
+            str(e),
         )
     # Capacity: every token to experts 0..K-1 overflows a small receive buffer on rank 0 (row
     # tile 16 keeps the padding allowance small); every rank raises the same error.
