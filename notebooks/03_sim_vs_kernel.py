@@ -18,7 +18,7 @@
 # machine (`torchrun --nproc-per-node=2 -m mok.bench comm`). The simulator's comm-phase model
 # (`sim.phases`) predicts every mok row of such a sweep from the calibrated H200 profile plus a
 # few kernel knobs (`sim/profiles/mok-comm-h200x2.json`) that were fitted on a designated subset
-# of the rows (the 4096-token rows); the grid's 512- and 16384-token rows are the validation set.
+# of the rows (the grid's 4096-token rows); its 512- and 16384-token rows are the validation set.
 # The second part does the same for the fused layer (`csrc/layer.cuh`, one persistent kernel)
 # with the fused-kernel model (`sim.fused`, `sim/profiles/mok-fused-h200x2.json`).
 #
@@ -50,8 +50,9 @@ from sim.validate import (
 
 # %% tags=["parameters"]
 # A measured sweep in the format `python -m mok.bench comm` writes; the default is the snapshot
-# the regression test pins (the file under mok/bench/results/ is the latest run).
-MEASURED_CSV = "sim/profiles/h200x2-comm-grid-2026-11-30.csv"
+# the regression test pins, measured on the current kernels (git 6760a48; the file under
+# mok/bench/results/ is the latest run). The older h200x2-comm-*.csv describe older kernels.
+MEASURED_CSV = "sim/profiles/h200x2-comm-grid-v4-2026-11-30.csv"
 KERNEL_PROFILE = "mok-comm-h200x2"
 # fused layer: `mok.bench layer` and `mok.bench sweep` rows (snapshots of mok/bench/results/)
 LAYER_CSVS = [

@@ -23,15 +23,16 @@ class KernelProfile:
     # us per kernel call on the device, every kernel: launch as CUDA events see it, pipeline
     # fill and drain, the final system fence + done signal; fitted
     call_fixed_us: float = 5.0
-    # us per cross-GPU wait (x-ready / partials-ready / route-ready handshake) on top of the
-    # probed one-way flag latency: the two ranks' launches are not aligned, so the first to
-    # arrive waits for the other; fitted
+    # us per cross-GPU wait that meets the peers' launches of the same call (x-ready / y-ready /
+    # slots / route-ready: PhaseSpec.rendezvous) on top of the probed one-way flag latency: the
+    # two ranks' launches are not aligned, so the first to arrive waits for the other; fitted
     handshake_us: float = 0.0
     # per Python entry point of the benchmark (sim.phases.ENTRY_POINTS): us of host time per
     # call (argument checks, Params packing, custom-op dispatch, launch, event records); calls
     # are issued back to back, so a run measures max(device time, host time of its calls) (see
-    # sim.phases.host_bound); fitted, an entry point whose fit rows are all device-bound keeps
-    # "default"
+    # sim.phases.host_bound); fitted on the fit rows whose p20-p80 band shows host jitter (an
+    # entry point without such rows keeps "default"; no such row at all: {"default": 0}, no
+    # floor modelled, sim.kernel_fit._fit_host)
     host_floor_us: dict[str, float] = field(default_factory=dict)
     # us per item of the one-thread bulk-copy ring (csrc/tma.cuh tma_copy_rows): wait for the
     # oldest stage, issue its store, wait until the store two items back has read its stage.
@@ -44,14 +45,24 @@ class KernelProfile:
     # (the tail of every expert region) stall the ring's byte flow, so they add to the phase
     # instead of overlapping it (sim.kernel_rows.ring_split); fitted
     tma_pad_us: float = 0.0
+    # us for one stage of dedup_sum's row ring (engine "tma", csrc/combine.cuh tma_sum_rows) to
+    # turn over: the producer thread's wait for the free stage, the peer rows' bulk loads into
+    # it, and its consumer warp's pass over the row (local terms from L2, adds, vector stores).
+    # A block keeps sum_ring_stages() rows in flight, so it retires that many rows per turnover
+    # (sim.kernel_rows.sum_ring_turns); fitted
+    sum_ring_turn_us: float = 0.0
     # per 16-byte warp routine ("copy" / "fan" / "sum" / "seg", csrc/rows.cuh, combine.cuh):
     # dependent index-load rounds per row before its data rounds, in units of one data round
     # (sim.kernel_rows.warp_row_scale); fitted
     warp_lookup_rounds: dict[str, float] = field(default_factory=dict)
-    # us per token per rank of the schedule kernel (64 blocks walk the tokens); fitted
-    schedule_us_per_token: float = 0.0
+    # us of the schedule kernel beyond call_fixed_us and handshake_us: its four grid barriers
+    # and the walk of one 64-token chunk per warp (csrc/schedule.cuh); fitted
+    schedule_fixed_us: float = 0.0
+    # us per dependent load of the schedule kernel's one-thread scans (one per 64-token chunk,
+    # one per expert: sim.phases.schedule_serial_loads), an L2 round trip; fitted
+    schedule_load_us: float = 0.0
     # per engine ("vector" / "tma"), SMs: per-SM rate x 1 / (1 + n / this), the loaded latency
-    # growing with the issuing SMs; fitted
+    # growing with the issuing SMs; fitted (on fit rows at more than one SM count)
     sm_congestion_sms: dict[str, float] = field(default_factory=dict)
     # per kernel knob: its per-SM rate / the probe's at 16 KiB rows (dimensionless); fitted
     inflight_factor: dict[str, float] = field(default_factory=dict)
@@ -67,7 +78,9 @@ class KernelProfile:
             "tma_item_us",
             "tma_store_us",
             "tma_pad_us",
-            "schedule_us_per_token",
+            "sum_ring_turn_us",
+            "schedule_fixed_us",
+            "schedule_load_us",
         ):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"{k} must be >= 0 (found {getattr(self, k)})")
@@ -124,6 +137,9 @@ class KernelProfile:
         if "launch_us" in d:
             d.setdefault("call_fixed_us", float(d.pop("launch_us")))
         d.pop("schedule_us", None)
+        # a per-token schedule cost (fitted 0 while the schedule rows were host-bound): replaced
+        # by the scans' loads (schedule_load_us)
+        d.pop("schedule_us_per_token", None)
         d.pop("tma_row_issue_us", None)  # replaced by tma_item_us (per ring item, not per byte)
         floor = d.get("host_floor_us", {})
         if not isinstance(floor, dict):  # one floor for every entry point (older profiles)

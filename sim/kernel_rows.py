@@ -19,11 +19,15 @@ __all__ = [
     "counts_for",
     "ROW_TILE",
     "WARPS_PER_SM",
+    "STAGE_BUDGET_BYTES",
+    "MIN_STAGES",
     "loop_rows",
     "busiest_share",
     "ring_items",
     "ring_split",
     "ring_stores",
+    "sum_ring_stages",
+    "sum_ring_turns",
     "warp_row_scale",
 ]
 
@@ -79,6 +83,9 @@ def counts_for(model: str, tokens: int, num_ranks: int, skew: str, seed: int = 0
 
 
 WARPS_PER_SM = 16  # kCommThreads = 512: the 16-byte path moves one row per warp
+# csrc/tma.cuh: dynamic shared memory of a ring's stages, and the fewest stages a ring runs with
+STAGE_BUDGET_BYTES = 200 * 1024
+MIN_STAGES = 3
 _PROBE_ROW_BYTES = 16384  # row size at which the probe's per-SM curves are taken
 
 
@@ -130,6 +137,23 @@ def ring_split(rows: np.ndarray | int, blocks: int) -> tuple[int, int]:
     busiest = np.flatnonzero(np.bincount(block, minlength=blocks) == items)
     b = int(busiest[np.argmax(real[busiest])])
     return int(real[b]), items - int(real[b])
+
+
+def sum_ring_stages(row_bytes: float, num_ranks: int) -> int:
+    """Stages of dedup_sum's row ring (csrc/combine.cuh ``sum_stages``): a stage holds one whole
+    row per peer term (128-byte aligned), and each stage has its own consumer warp (at most
+    ``WARPS_PER_SM - 1``). Below :data:`MIN_STAGES` the kernel runs the chunked reduce pipeline
+    instead (many ranks, long rows). 14 for DeepSeek-V3 on 2 ranks, 15 for Qwen3."""
+    stage = -(-int(row_bytes) // 128) * 128 * max(num_ranks - 1, 1)
+    return min(WARPS_PER_SM - 1, STAGE_BUDGET_BYTES // stage)
+
+
+def sum_ring_turns(tokens: int, blocks: int, stages: int) -> float:
+    """Stage turnovers of the busiest block of dedup_sum's row ring: its items (output rows;
+    token t goes to block t mod ``blocks``) over the ``stages`` it keeps in flight, at least
+    one turnover when it has any item (the ring is not full)."""
+    items = -(-int(tokens) // blocks)
+    return max(items / stages, 1.0) if items else 0.0
 
 
 def _data_rounds(routine: str, n16: int) -> int:

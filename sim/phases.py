@@ -23,11 +23,20 @@ combine dedup_push          owner: read N y rows, NVLink out remote D, write sel
                             reduce: read the home's D slot rows, write T
 combine dedup_partials      read N y rows, write D partial rows (local only)
 combine dedup_pull_sum      NVLink in: remote partials of my tokens; read self partials; write T
-combine dedup_pull          dedup_partials, then dedup_pull_sum (two launches, no new knob)
+combine dedup_pull          dedup_partials, then dedup_pull_sum (two launches, no new knob);
+                            mok.bench comm's end-to-end row runs the vector partials and
+                            dedup_sum's default engine "auto" (:func:`kernel_key`)
 dispatch dedup_pull_remote  NVLink in: remote D; local: write remote D (own rows stay in x)
 dispatch fanout_remote      as fanout (own rows read from x): knob shared with fanout
 combine dedup_pull_sum      gather engine (16-byte cp.async ring): vector curves, own knob
 =========================== =============================================================
+
+dedup_sum's ``tma`` engine is a row ring (csrc/combine.cuh ``tma_sum_rows``): one item per output
+row; one producer thread bulk-loads the peers' partial rows of the item, whole, into a
+shared-memory stage (14 stages of 14 KiB rows per SM for DeepSeek-V3, 15 of 4 KiB for Qwen3)
+and prefetches the local partial into L2; the stage's consumer warp reads the local terms with
+16-byte loads, adds in rank order and stores the output row. So its NVLink bytes are the peer
+rows, its local bytes the own partial read and the output written.
 
 Comm-engine cost: remote bytes use the calibrated per-SM curve of the mechanism (``pull_ld`` /
 ``push_st`` for the 16-byte ``vector`` path, ``pull_tma`` / ``push_tma`` for bulk copies), local
@@ -56,23 +65,31 @@ Work granularity and row size (what the byte flows alone miss):
   14 KiB rows. A ring over the padded receive buffer (pull dispatch) also walks the padding
   items, in runs (the tail of each expert region) that every block reaches together: no bytes
   move meanwhile, so they add ``tma_pad_us`` each after the rows' time instead of overlapping it.
+* **Row ring of dedup_sum** (:func:`sum_ring_turns`): a block keeps ``stages`` output rows in
+  flight and a stage frees only when its peer rows have arrived and its consumer warp has
+  summed them, so the block retires ``stages`` rows per ``sum_ring_turn_us``; the phase ends at
+  the later of that and its byte flows (DeepSeek-V3: NVLink-bound; Qwen3's 4 KiB rows:
+  turnover-bound).
 * **Warp row rounds** (:func:`warp_row_scale`): a warp copies a row in latency rounds of 4 KiB
   (8 x 16 B per lane); warp_copy_row ends with a tail loop of one vector per lane per round (7
   rounds for 14 KiB rows, 1 for 4 KiB), and every row starts with ``warp_lookup_rounds`` of
   index loads. The per-SM rate scales with bytes per round, relative to 16 KiB rows.
 
 Fixed costs and host floor (:class:`KernelProfile`): every kernel call pays ``call_fixed_us``
-(launch, pipeline fill/drain, final fence + signal), every cross-GPU wait the probed flag
-latency plus ``handshake_us``; the schedule kernel is that plus ``schedule_us_per_token`` per
-token. The benchmark times back-to-back Python calls with CUDA events: the start event sits
-right behind the previous kernel, so a run measures max(host time of its calls, device time),
-the host time per call depending on the Python entry point (``host_floor_us``: dispatch,
-fanout, dedup_partials, dedup_sum, combine, schedule). Skew: per-rank row and per-expert
-counts come from ``make_routing`` with the benchmark's seed (= tokens per rank).
+(launch, pipeline fill/drain, final fence + signal), every cross-GPU wait the probed flag latency
+plus ``handshake_us``; the schedule kernel is that plus ``schedule_fixed_us`` (its grid barriers
+and 64-token chunk walk) and ``schedule_load_us`` per dependent load of its two one-thread scans
+(one per 64-token chunk, one per expert: :func:`schedule_serial_loads`). The benchmark times
+back-to-back Python calls with CUDA events: the start event sits right behind the previous kernel,
+so a run measures max(host time of its calls, device time), the host time per call depending on the
+Python entry point (``host_floor_us``: dispatch, fanout, dedup_partials, dedup_sum, combine,
+schedule). Skew: per-rank row and per-expert counts come from ``make_routing`` with the benchmark's
+seed (= tokens per rank).
 
 Every knob is fitted by :func:`sim.kernel_fit.fit_kernel_profile` on the fit rows
-(:func:`sim.validate.is_fit_row`: the 4096-token rows of the committed H200x2 CSVs) and stored
-in ``sim/profiles/mok-comm-h200x2.json``; the 512- and 16384-token rows are validation only.
+(:func:`sim.validate.is_fit_row`: the 4096-token rows of ``h200x2-comm-grid-v4-2026-11-30.csv``,
+the grid of the current kernels) and stored in ``sim/profiles/mok-comm-h200x2.json``; its 512-
+and 16384-token rows are validation only.
 
 Row -> prediction mapping: :data:`PREDICTORS` is keyed by the CSV's ``what``; a megakernel layer
 sweep adds a ``"layer"`` entry that maps its row to :func:`sim.model.simulate`.
@@ -86,10 +103,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mok.workload import get_shape
 from sim.config import SimConfig, Workload
 from sim.engine import Graph, run_graph
 from sim.kernel_profile import KERNEL_PROFILE_FORMAT, KernelProfile, load_kernel_profile
 from sim.kernel_rows import (
+    MIN_STAGES,
     WARPS_PER_SM,
     Counts,
     busiest_share,
@@ -97,6 +116,8 @@ from sim.kernel_rows import (
     loop_rows,
     ring_split,
     ring_stores,
+    sum_ring_stages,
+    sum_ring_turns,
     warp_row_scale,
 )
 from sim.model import LayerBuilder, _Rates
@@ -117,6 +138,7 @@ __all__ = [
     "load_kernel_profile",
     "host_bound",
     "schedule_device_us",
+    "schedule_serial_loads",
     "num_calls",
     "host_us",
     "ENTRY_POINTS",
@@ -209,6 +231,11 @@ class PhaseSpec:
     bytes_fn: Callable[[Counts, int], Bytes]
     knob: str
     remote_waits: int = 0
+    # whether the waits meet the peers' launches of the same call (their signal is raised in
+    # that call: dispatch x-ready, combine y-ready / slots, ...), so that the launch skew between
+    # the ranks shows (handshake_us); False: the flag was raised earlier (the benchmark's
+    # repeated dedup_sum reads partials published once before its loop): the flag read only
+    rendezvous: bool = True
     new_launch: bool = False  # a separate kernel launch (composite measurements)
     # the rows the grid walks, one per warp (16-byte path) or per ring item (bulk copies):
     # "recv" (receive rows, padding included), "dedup" / "dedup_remote" (the rank's dedup rows,
@@ -217,7 +244,8 @@ class PhaseSpec:
     # the 16-byte warp routine per row: "copy" (warp_copy_row), "fan" (warp_fan_row: one load,
     # n stores), "sum" (warp_weighted_sum: v1 reduces) or "seg" (warp_reduce_rows: v2 reduces,
     # one lane gathers the row's terms, then 2 KiB segments); with bulk copies "copy" / "fan"
-    # run the copy ring (tma_copy_rows, item-rate bound), "sum" / "seg" the reduce pipeline
+    # run the copy ring (tma_copy_rows, item-rate bound), "sum" / "seg" the reduce pipeline,
+    # "ring_sum" dedup_sum's row ring (tma_sum_rows, turnover bound)
     routine: str = "copy"
 
 
@@ -234,9 +262,10 @@ class KernelSpec:
         return tuple(dict.fromkeys(p.knob for p in self.phases))
 
 
-def _one(name, fn, waits=1, doc="", loop="dedup", routine="copy", calls=None):
+def _one(name, fn, waits=1, doc="", loop="dedup", routine="copy", calls=None, rendezvous=True):
     calls = calls or (_entry(name),)
-    return KernelSpec(name, (PhaseSpec(fn, name, waits, loop=loop, routine=routine),), doc, calls)
+    ph = PhaseSpec(fn, name, waits, rendezvous, loop=loop, routine=routine)
+    return KernelSpec(name, (ph,), doc, calls)
 
 
 # the Python entry points of mok.functional the benchmark times (host_floor_us keys)
@@ -263,6 +292,10 @@ def _dedup_pull_combine(name, partials_knob, sum_knob, sum_routine, doc) -> Kern
         doc,
         ("dedup_partials", "dedup_sum"),
     )
+
+
+# dedup_sum's routine per engine: a warp per row in 2 KiB segments, or the row ring
+_SUM_ROUTINE = {"vector": "seg", "tma": "ring_sum"}
 
 
 def _kernels() -> dict[tuple[str, str, str], KernelSpec]:
@@ -296,21 +329,36 @@ def _kernels() -> dict[tuple[str, str, str], KernelSpec]:
         k[("combine", "dedup_partials", eng)] = _one(
             f"combine.dedup_partials.{eng}", _partials, 0, routine="seg"
         )
+        sum_routine = _SUM_ROUTINE[eng]
+        # standalone dedup_sum: the partials were published before the benchmark's loop
         k[("combine", "dedup_pull_sum", eng)] = _one(
-            f"combine.dedup_pull_sum.{eng}", _dedup_sum, loop="tokens", routine="seg"
+            f"combine.dedup_pull_sum.{eng}",
+            _dedup_sum,
+            loop="tokens",
+            routine=sum_routine,
+            rendezvous=False,
         )
         # two launches: the partials then the transfer + sum; both knobs come from the parts
         k[("combine", "dedup_pull", eng)] = _dedup_pull_combine(
             f"combine.dedup_pull.{eng}",
             f"combine.dedup_partials.{eng}",
             f"combine.dedup_pull_sum.{eng}",
-            "seg",
+            sum_routine,
             "composite of dedup_partials + dedup_pull_sum: no knob of its own",
         )
+    # vector partials + the row ring of dedup_sum: mok.bench comm's end-to-end row on rows of
+    # at least 8 KiB (dedup_sum engine "auto", see kernel_key)
+    k[("combine", "dedup_pull", "vec+tma")] = _dedup_pull_combine(
+        "combine.dedup_pull.vec+tma",
+        "combine.dedup_partials.vector",
+        "combine.dedup_pull_sum.tma",
+        "ring_sum",
+        "composite of vector dedup_partials + tma dedup_pull_sum: no knob of its own",
+    )
     # v3 cp.async gather ring of dedup_sum (16-byte copies: the vector curves, its own knob);
     # the end-to-end dedup pull combine of the grid run used it (engine label "vec+gather")
     k[("combine", "dedup_pull_sum", "gather")] = _one(
-        "combine.dedup_pull_sum.gather", _dedup_sum, loop="tokens", routine="sum"
+        "combine.dedup_pull_sum.gather", _dedup_sum, loop="tokens", routine="sum", rendezvous=False
     )
     k[("combine", "dedup_pull", "vec+gather")] = _dedup_pull_combine(
         "combine.dedup_pull.vec+gather",
@@ -348,6 +396,8 @@ def _kernels() -> dict[tuple[str, str, str], KernelSpec]:
 
 
 KERNELS = _kernels()
+# mok.functional._TMA_MIN_ROW_BYTES: engine "auto" takes bulk copies for rows of this size up
+TMA_MIN_ROW_BYTES = 8192
 
 
 def kernel_key(row: dict) -> tuple[str, str, str] | None:
@@ -355,6 +405,13 @@ def kernel_key(row: dict) -> tuple[str, str, str] | None:
 
     Legacy CSVs (no ``engine`` / ``scope`` column, kernels v1) only had the 16-byte vector path,
     and their dispatch ``dedup_pull`` included the fan-out.
+
+    The end-to-end dedup pull combine of ``mok.bench comm`` calls ``dedup_partials`` (engine
+    ``vector``) and ``dedup_sum`` with its default engine ``auto``, which takes the row ring for
+    rows of at least :data:`TMA_MIN_ROW_BYTES` (``mok.functional``); its row is labelled with the
+    partials' engine, ``vector``. Such a row with a ``hidden`` column is mapped by its row size.
+    NOTE: CSVs measured before ``auto`` (git 7aad92b .. a67a81b) ran the vector sum there; they
+    are history, not predicted by this model of the current kernels.
     """
     what, mode = row.get("what", ""), row.get("mode", "")
     eng = row.get("engine")
@@ -363,6 +420,8 @@ def kernel_key(row: dict) -> tuple[str, str, str] | None:
         eng = "vector"
     if legacy and what == "dispatch" and mode == "dedup_pull":
         mode = "dedup_pull+fanout"
+    if (what, mode, eng) == ("combine", "dedup_pull", "vector") and row.get("hidden"):
+        eng = "vec+tma" if int(row["hidden"]) * 2 >= TMA_MIN_ROW_BYTES else eng
     key = (what, mode, eng)
     return key if key in KERNELS else None
 
@@ -452,7 +511,8 @@ def layer_row_scale(prof: KernelProfile, knob: str, row_bytes: float, per_sm_gbp
     """Row-size scale of kernel ``knob``'s per-SM rate for the layer model, which has no
     per-row term: the 16-byte warp routine's :func:`warp_row_scale`, or for a bulk-copy ring
     the item-rate cap (``row_bytes`` per ``tma_item_us``) over the ring's byte rate ``f x
-    per_sm_gbps``, at most 1; 1 for the reduce pipelines and the gather ring."""
+    per_sm_gbps``, at most 1; 1 for the reduce pipelines, the gather ring and dedup_sum's row
+    ring (no layer role runs them)."""
     eng, routine = kernel_engine(knob), knob_routine(knob)
     if eng == "vector":
         return warp_row_scale(routine, row_bytes, prof.warp_lookup_rounds.get(routine, 0.0))
@@ -489,6 +549,9 @@ def build_kernel_graph(
     for i, ph in enumerate(spec.phases):
         eng = kernel_engine(ph.knob)  # a composite's phases run their own kernels' engines
         ring = eng == "tma" and ph.routine in ("copy", "fan")
+        sum_stages = sum_ring_stages(row_bytes, num_ranks) if ph.routine == "ring_sum" else 0
+        # NOTE: too few stages for whole rows (many ranks): the chunked reduce pipeline runs
+        sum_ring = eng == "tma" and sum_stages >= MIN_STAGES
         # a phase waits for every rank's previous phase when it needs their signals
         barrier = [p for p in prev if p is not None] if ph.remote_waits else []
         for r in range(num_ranks):
@@ -501,7 +564,8 @@ def build_kernel_graph(
                 scale = warp_row_scale(ph.routine, row_bytes, lam) if eng == "vector" else 1.0
                 b.set_phase_rates(ph.knob, sms / share, scale)
             deps = [start[r], prev[r], *barrier]
-            wait = ph.remote_waits * (b.flag_remote + prof.handshake_us)
+            skew = prof.handshake_us if ph.rendezvous else 0.0
+            wait = ph.remote_waits * (b.flag_remote + skew)
             wait += prof.call_fixed_us if ph.new_launch else 0.0
             if i and ph.remote_waits:
                 wait += b.fence
@@ -519,6 +583,10 @@ def build_kernel_graph(
                 t = g.join([t, issue], r, "phase", i)
                 if pad and prof.tma_pad_us > 0:  # padding runs: no bytes move meanwhile
                     t = g.delay(pad * prof.tma_pad_us, [t], r, "phase", i)
+            if sum_ring:  # each block retires `stages` rows per stage turnover
+                turns = sum_ring_turns(rows, sms, sum_stages)
+                issue = g.delay(turns * prof.sum_ring_turn_us, [pre], r, "issue", i)
+                t = g.join([t, issue], r, "phase", i)
             prev[r] = t
     return b, g
 
@@ -599,20 +667,38 @@ def _comm_row(row: dict, prof: KernelProfile) -> tuple[float, str, float]:
     return host_bound(dev, KERNELS[key], prof), KERNELS[key].name, dev
 
 
-def schedule_device_us(tokens: int, prof: KernelProfile) -> float:
+# mok.workspace._CHUNK_TOKENS: the schedule kernel histograms and walks tokens in chunks of 64
+SCHEDULE_CHUNK_TOKENS = 64
+
+
+def schedule_serial_loads(tokens: int, model: str | None = None) -> int:
+    """Dependent loads of the schedule kernel's two one-thread scans (csrc/schedule.cuh phase
+    2): one per token chunk (the histogram scan of each (expert, rank)), then one per (rank,
+    local expert), i.e. one per expert (the padded region offsets of a rank, one thread per
+    rank, counts summed over the ranks one load at a time). Without ``model`` the second scan
+    is left out."""
+    chunks = -(-int(tokens) // SCHEDULE_CHUNK_TOKENS)
+    return chunks + (0 if model is None else get_shape(model).num_experts)
+
+
+def schedule_device_us(tokens: int, prof: KernelProfile, model: str | None = None) -> float:
     """The schedule kernel on the device: one call (fixed cost + the route-ready handshake with
-    the peer) plus a per-token walk."""
-    return prof.call_fixed_us + prof.handshake_us + prof.schedule_us_per_token * tokens
+    the peer), its grid barriers and chunk walk (``schedule_fixed_us``), and its serial scans
+    (:func:`schedule_serial_loads` x ``schedule_load_us``): 64 + 256 loads for DeepSeek-V3 at
+    4096 tokens per rank, 64 + 128 for Qwen3."""
+    loads = schedule_serial_loads(tokens, model)
+    fixed = prof.call_fixed_us + prof.handshake_us + prof.schedule_fixed_us
+    return fixed + prof.schedule_load_us * loads
 
 
-def schedule_us(tokens: int, prof: KernelProfile) -> float:
+def schedule_us(tokens: int, prof: KernelProfile, model: str | None = None) -> float:
     """The schedule kernel as the benchmark measures it (:func:`host_bound`)."""
-    return host_bound(schedule_device_us(tokens, prof), None, prof)
+    return host_bound(schedule_device_us(tokens, prof, model), None, prof)
 
 
 def _schedule_row(row: dict, prof: KernelProfile) -> tuple[float, str, float]:
-    tokens = int(row["tokens_per_rank"])
-    return schedule_us(tokens, prof), "schedule", schedule_device_us(tokens, prof)
+    args = (int(row["tokens_per_rank"]), prof, row["model"])
+    return schedule_us(*args), "schedule", schedule_device_us(*args)
 
 
 # what -> predictor(row, profile) -> (predicted us, kernel name, device us); LookupError = not

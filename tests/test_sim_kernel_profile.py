@@ -93,7 +93,9 @@ def test_push_dispatch_factor_above_one_is_passed_through(shape, faster):
     local copies overlap the remote stores, which the one-engine kernel model charges
     serially), so on DeepSeek-V3's 14 KiB rows its local rate beats the probe's. On the tiny
     shape's 512-byte rows every warp round moves 1/8 of a full round (row-size scale), so the
-    same kernel is slower than the probe there."""
+    same kernel is slower than the probe there. The push combine's knob is above 1 as well
+    (one factor for its owner copies and its fixed-order sum, whose 16-byte loads of all top-8
+    terms are in flight at once), and the same row-size scale decides its direction."""
     from sim.phases import layer_row_scale
 
     wl = Workload(shape, 256, 8, "hgx-h200")
@@ -109,7 +111,9 @@ def test_push_dispatch_factor_above_one_is_passed_through(shape, faster):
     ratio = b1._roles["dispatch"].local / b0.rates.local
     assert ratio == pytest.approx(f * rs * cong, rel=1e-9)  # below the local ceiling at 8 SMs
     assert (ratio > 1.5) is faster
-    assert b1._roles["combine"].push < b0.rates.push
+    fc = prof.factor("combine.push.vector")
+    rc = layer_row_scale(prof, "combine.push.vector", b1.dispatch_row_bytes, 0.0)
+    assert (b1._roles["combine"].push > b0.rates.push) is (fc * rc * cong > 1) is faster
 
 
 def test_retime_matches_a_fresh_build_per_role():
