@@ -366,9 +366,7 @@ def test_fused_profile_round_trip_and_errors(tmp_path):
 
 # Row tiles 64 and 128 (git 6760a48 and d561924, 20 iterations; all rows held out): the sweep of
 # 72 uniform configs, and its re-run with hot:0.5 added (144 configs).
-ROWTILE = tuple(
-    PROFILES / f"h200x2-layer-sweep-rowtile{s}-2026-11-30.csv" for s in ("", "-rerun")
-)
+ROWTILE = tuple(PROFILES / f"h200x2-layer-sweep-rowtile{s}-2026-11-30.csv" for s in ("", "-rerun"))
 
 
 def test_row_tile_sweeps_held_out():
