@@ -269,7 +269,7 @@ class LayerBuilder:
         probe ceilings cap it, as for the probe rates. Assumption: the megakernel's comm SMs
         reuse the standalone kernels' copy loops, so their measured per-SM efficiency carries
         over to the fused layer. Nothing else of the profile is used: its per-call costs
-        (``call_fixed_us``, ``handshake_us``, ``host_floor_us``, ``schedule_us_per_token``)
+        (``call_fixed_us``, ``handshake_us``, ``host_floor_us``, the schedule kernel's terms)
         belong to standalone launches; the megakernel is one launch and the layer models its
         own flags and fences. Caveat: the factors were fitted with the standalone model's byte
         accounting (the received rows' local writes, the slot reduce of the combine), which the

@@ -74,13 +74,12 @@ __all__ = [
 GROUP_KEYS = ("model", "tokens_per_rank", "skew", "what", "scope")
 # minibatch, row_tile: layer CSVs only
 CONFIG_KEYS = ("impl", "mode", "engine", "sms", "minibatch", "row_tile")
-# The calibration subset: a mok row is a FIT row iff its tokens_per_rank is in FIT_TOKENS. All
-# rows of the 2-SM-count target CSV and the pinned 8/16/24/132-SM CSV are 4096-token rows, so
-# the fit uses them plus the broad grid's 4096-token rows (both models, both skews); the grid's
-# 512- and 16384-token rows are validation only (a holdout in problem size: host-bound calls,
-# padding-dominated receive buffers and NVLink-bound streams). NOTE: chosen after the errors of
-# the previous model (fit on DeepSeek-V3 only) had been looked at; it is a holdout by size, not
-# a blind one.
+# The calibration subset: a mok row is a FIT row iff its tokens_per_rank is in FIT_TOKENS. The
+# committed comm profile is fitted on the 4096-token rows of the v4 grid
+# (sim/profiles/h200x2-comm-grid-v4-2026-11-30.csv, both models, both skews); its 512- and
+# 16384-token rows are validation only (a holdout in problem size: host-time-bound calls,
+# padding-dominated receive buffers and NVLink-bound streams). NOTE: chosen after earlier
+# models' errors had been looked at; it is a holdout by size, not a blind one.
 FIT_TOKENS = (4096,)
 TARGETS = {"median_abs_err": 0.05, "max_abs_err": 0.15, "spearman": 0.9, "gap": 0.03}
 
