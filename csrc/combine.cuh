@@ -592,14 +592,7 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
   const int items = block_items(p.num_tokens);
   const bool has_shared = (p.flags & kFlagHasShared) != 0;
   const bool fp32 = (p.flags & kFlagSharedFp32) != 0;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&ring.full[s], 1);
-      mbar_init(&ring.empty[s], 1);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
+  ring_barriers_init<true>(ring, stages);
   if (warp == 0) {
     // Ring invariant as in tma_reduce_rows: batch b overwrites batch b - 2, whose items were
     // all consumed before the producer got past their empty barriers.

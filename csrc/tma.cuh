@@ -147,6 +147,20 @@ __device__ __forceinline__ int block_items(int total) {
              : 0;
 }
 
+// Thread 0 initialises the first `stages` full barriers of `ring` (and its empty barriers when
+// kEmpty), one arrival each; every thread of the block must call it.
+template <bool kEmpty, typename Ring>
+__device__ __forceinline__ void ring_barriers_init(Ring& ring, int stages) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&ring.full[s], 1);
+      if constexpr (kEmpty) mbar_init(&ring.empty[s], 1);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
+
 // ---- copy pipeline --------------------------------------------------------------------------
 struct CopyRing {
   uint64_t full[kMaxStages];
@@ -160,11 +174,7 @@ struct CopyRing {
 // Must be called by every thread of the block; only warp 0 works. `smem`: the dynamic shared
 // memory (stages * align128(row_bytes) bytes).
 __device__ __forceinline__ void copy_ring_init(CopyRing& ring, int stages) {
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) mbar_init(&ring.full[s], 1);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  ring_barriers_init<false>(ring, stages);
 }
 
 // `base`: items this block already moved through `ring` in earlier calls (stage phases carry
@@ -267,14 +277,7 @@ __device__ __forceinline__ void tma_reduce_rows(const Meta& meta, int total, int
   const int64_t cb = reduce_chunk_bytes(row_bytes, slots);
   const int64_t stage_bytes = reduce_stage_bytes(row_bytes, slots);
   const int items = block_items(total) * nch;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&ring.full[s], 1);
-      mbar_init(&ring.empty[s], 1);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
+  ring_barriers_init<true>(ring, stages);
   if (warp == 0) {
     // Same ring invariant as tma_copy_rows: an item's meta is read by its consumer before the
     // stage is freed, and at most `stages` items are between load and free.
