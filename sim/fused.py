@@ -422,14 +422,6 @@ def _recv_layout(plan: RoutingPlan, d: int) -> np.ndarray:
     return mask
 
 
-def _region_starts(plan: RoutingPlan, d: int) -> np.ndarray:
-    """[num_local_experts] int64: the first padded receive row of each local expert of rank d
-    (regions padded to ``plan.row_tile``, in expert order: sim.schedule)."""
-    rows = plan.expert_counts.sum(axis=1).reshape(plan.num_ranks, plan.num_local_experts)[d]
-    padded = -(-rows // plan.row_tile) * plan.row_tile
-    return (np.cumsum(padded) - padded).astype(np.int64)
-
-
 @dataclass(frozen=True)
 class _Case:
     """Everything of one (workload, mode, SMs, minibatch, row tile) that no fused knob
@@ -499,7 +491,7 @@ def _case(
                 shape.intermediate,
                 shape.shared_intermediate,
                 interleave,
-                _region_starts(plan, d),
+                plan.region_starts[d],
             )
         )
         layout = _recv_layout(plan, d)

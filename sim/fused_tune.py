@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from sim.config import Workload
-from sim.fused import FusedProfile, fused_layer, row_tile_of
+from sim.fused import ROW_TILES, FusedProfile, fused_layer, row_tile_of
 from sim.topology import get_topology
 
 __all__ = [
@@ -43,7 +43,7 @@ __all__ = [
 # 256 down columns, 128 SwiGLU columns; regions padded to 64 or 128 rows); sim does not import
 # mok.functional (torch).
 FUSED_BLOCK_ROWS, FUSED_HIDDEN_TILE, FUSED_INTER_TILE = 128, 256, 128
-FUSED_ROW_TILES = (64, 128)
+FUSED_ROW_TILES = ROW_TILES  # the fused layer's region paddings (sim.fused)
 FUSED_DISPATCH_MODES = ("pull", "dedup_pull")
 
 FUSED_TUNE_SPACE = {

@@ -137,6 +137,7 @@ class RoutingPlan:
         self.src = src
         self.pos = pos
         self.padded_rows = padded_by_rank.sum(axis=1)
+        self.region_starts = starts.astype(np.int64)  # [R, L] first padded row of each region
         self.expert_counts = counts
         self._rounds: dict[int, RoundCounts] = {}
 

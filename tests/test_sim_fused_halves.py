@@ -17,7 +17,6 @@ from sim.fused import (
     FusedProfile,
     _case,
     _plan,
-    _region_starts,
     _tile_us,
     fused_layer,
     kblock_us,
@@ -361,7 +360,7 @@ def test_row_tile_64_on_the_benchmark_routing():
         for rt, rows in zip((128, 64), padded[m], strict=True):
             _, plan = _plan(m, 4096, 2, prof.topology, "uniform", rt)
             assert plan.padded_rows[0] == rows
-            starts = _region_starts(plan, 0)
+            starts = plan.region_starts[0]
             assert starts[0] == 0 and np.all(starts % rt == 0) and starts[-1] < rows
         c = _case(m, 4096, 2, "uniform", "dedup_pull", 16, 4096, prof.comm_profile, "h200x2", 64)
         o = c.orders[0]
