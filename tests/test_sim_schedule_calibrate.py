@@ -20,6 +20,7 @@ from sim.calibrate import (
 from sim.gemm import gemm_us
 from sim.hardware import GpuProfile, list_gpus, load_gpu
 from sim.schedule import RoutingPlan
+from tests import tolerances as tol
 
 PROFILES = Path(str(resources.files("sim") / "profiles"))
 PROBE = PROFILES / "h200x2-probe-2026-11-29.json"
@@ -113,4 +114,24 @@ def test_calibration_reproduces_the_probe_within_5_percent():
 def test_committed_h200_profile_is_the_fit_of_the_committed_probe():
     fresh = fit_gpu_profile(json.loads(PROBE.read_text())).to_dict()
     committed = json.loads((PROFILES / "h200.json").read_text())
-    assert json.loads(json.dumps(fresh)) == committed
+    tol.assert_json_close(json.loads(json.dumps(fresh)), committed)
+
+
+def test_json_close_is_exact_but_for_float_ulps():
+    """The comparison behind the test above: floats within FIT_RTOL, all else exact."""
+    want = {"name": "h200", "n": 3, "ok": True, "none": None, "v": [1.0, {"x": 2.5}]}
+    few_ulps = {**want, "v": [math.nextafter(1.0, 2.0), {"x": 2.5 * (1 + 4e-16)}]}
+    tol.assert_json_close(few_ulps, want)
+    bad = [
+        ({**want, "v": [1.0, {"x": 2.5 * (1 + 1e-6)}]}, r"\$\.v\[1\]\.x: "),
+        ({**want, "n": 4}, r"\$\.n: got 4, want 3"),
+        ({**want, "n": 3.0}, r"\$\.n: got 3\.0, want 3"),
+        ({**want, "ok": 1}, r"\$\.ok: got 1, want True"),
+        ({**want, "name": "h100"}, r"\$\.name: got 'h100'"),
+        ({k: v for k, v in want.items() if k != "none"}, r"\$: missing keys \['none'\]"),
+        ({**want, "v": [1.0]}, r"\$\.v: length 1 != 2"),
+        ({**want, "v": [1, {"x": 2.5}]}, r"\$\.v\[0\]: got 1 \(int\), want 1\.0"),
+    ]
+    for got, msg in bad:
+        with pytest.raises(AssertionError, match=msg):
+            tol.assert_json_close(got, want)
