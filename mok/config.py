@@ -22,6 +22,13 @@ COMBINE_MODES = ("push", "pull")
 MAX_COMM_SMS = 132  # H200 / H100 SXM; the launch also checks the actual device
 
 
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
 @dataclass(frozen=True)
 class MoKConfig:
     """Configuration of the mok layer (identical on every rank of the group).
@@ -40,6 +47,11 @@ class MoKConfig:
     capacity_factor: receive-buffer rows per rank = capacity_factor * num_tokens * num_topk
         plus padding. Overflow raises :class:`mok.MoKCapacityError`; nothing is dropped.
     wait_timeout_ms: bound of every spin-wait; expiry raises :class:`mok.MoKTimeoutError`.
+    max_tokens: the most tokens one rank passes in one call. The workspace is sized for it
+        once; every call with 0..max_tokens tokens per rank (ranks may differ) reuses it
+        without allocating or synchronising. 0: the largest count any rank passes in the first
+        call. More tokens than that in a later call raise :class:`mok.MoKCapacityError` on
+        every rank.
     """
 
     dispatch_mode: str = "dedup_pull"
@@ -51,6 +63,7 @@ class MoKConfig:
     row_tile: int = 128
     capacity_factor: float = 2.0
     wait_timeout_ms: float = 10_000.0
+    max_tokens: int = 0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> MoKConfigError:
@@ -93,9 +106,12 @@ class MoKConfig:
                 f"macrobatch_size must be >= minibatch_size={self.minibatch_size} and a "
                 f"multiple of it (found {mb})"
             )
+        mt = self.max_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 0:
+            raise bad(f"max_tokens must be an int >= 0 (found {mt!r})")
         for name in ("capacity_factor", "wait_timeout_ms"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
                 raise bad(f"{name} must be a finite number (found {v!r})")
             if v <= 0:
                 raise bad(f"{name} must be > 0 (found {v})")
@@ -124,38 +140,80 @@ class MoKConfig:
     @classmethod
     def from_json(cls, source: str | Path | dict) -> MoKConfig:
         """Read ``{"format": "mok-config/1", "config": {...}}`` from a path, a JSON string or a
-        dict. Unknown keys are an error that names them and lists the supported ones."""
+        dict. Unknown keys are an error that names them and lists the supported ones. Every
+        malformed source (empty, of another type, a missing file or a directory, text that is
+        not JSON or not a JSON object, fields of the wrong type or out of range) raises
+        :class:`MoKConfigError`."""
+        expect = (
+            f"expected a path to a {CONFIG_FORMAT} JSON file, its JSON text or a dict as "
+            "MoKConfig.to_dict returns"
+        )
         if isinstance(source, dict):
-            data = source
-        else:
-            text = str(source)
-            if not text.lstrip().startswith("{"):
+            data, where = source, "config"
+        elif isinstance(source, (str, Path)) or hasattr(source, "__fspath__"):
+            is_text = isinstance(source, str)
+            if is_text and not source.strip():
+                raise MoKConfigError(f"config source is an empty or blank string; {expect}")
+            if is_text and source.lstrip().startswith(("{", "[")):
+                text, where = source, "config"
+            else:
                 try:
-                    text = Path(source).read_text()
-                except OSError as e:
-                    raise MoKConfigError(f"cannot read config file {source!s}: {e}") from None
+                    path = Path(source)
+                    text, where = path.read_text(), f"config file {str(path)!r}"
+                except IsADirectoryError:
+                    raise MoKConfigError(
+                        f"config path {str(source)!r} is a directory; {expect}"
+                    ) from None
+                except FileNotFoundError:
+                    try:  # names no file: still JSON text if a scalar such as "5" or "null"
+                        json.loads(source)
+                    except (TypeError, ValueError, RecursionError):
+                        raise MoKConfigError(
+                            f"config file {str(source)!r} does not exist; {expect}"
+                        ) from None
+                    text, where = source, "config"
+                except (OSError, TypeError, ValueError) as e:  # permissions, NUL, not UTF-8
+                    why = getattr(e, "strerror", None) or str(e)
+                    raise MoKConfigError(
+                        f"cannot read config file {str(source)!r}: {why}; {expect}"
+                    ) from None
             try:
                 data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise MoKConfigError(f"config is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise MoKConfigError(f"config JSON must be an object (found {type(data).__name__})")
-        fmt = data.get("format")
-        if fmt != CONFIG_FORMAT:
+            except (ValueError, RecursionError) as e:
+                raise MoKConfigError(f"{where} is not valid JSON ({e}); {expect}") from None
+        else:
             raise MoKConfigError(
-                f"config format {fmt!r} is not supported; expected {CONFIG_FORMAT!r} "
+                f"config source must be a path, a JSON string or a dict (found "
+                f"{type(source).__name__} {source!r:.80}); {expect}"
+            )
+        if not isinstance(data, dict):
+            raise MoKConfigError(
+                f"{where} JSON must be an object (found {type(data).__name__}); {expect}"
+            )
+        fmt = data.get("format")
+        if not isinstance(fmt, str) or fmt != CONFIG_FORMAT:
+            raise MoKConfigError(
+                f"config format {fmt!r:.80} is not supported; expected {CONFIG_FORMAT!r} "
                 "(as written by `mok-sim tune --emit-config` or MoKConfig.to_json)"
             )
         # The simulator's tune output also carries what it was tuned for and its prediction.
         allowed = {"format", "config", "workload", "predicted_us", "breakdown"}
-        extra = sorted(set(data) - allowed)
+        extra = sorted((k for k in data if k not in allowed), key=repr)
         if extra:
             raise MoKConfigError(f"unknown top-level keys {extra}; supported: {sorted(allowed)}")
         body = data.get("config")
         if not isinstance(body, dict):
-            raise MoKConfigError("config JSON needs a 'config' object with the MoKConfig fields")
+            raise MoKConfigError(
+                f"config JSON needs a 'config' object with the MoKConfig fields (found "
+                f"{type(body).__name__})"
+            )
         names = [f.name for f in fields(cls)]
-        unknown = sorted(set(body) - set(names))
+        unknown = sorted((k for k in body if k not in names), key=repr)
         if unknown:
             raise MoKConfigError(f"unknown MoKConfig keys {unknown}; supported: {', '.join(names)}")
-        return cls(**body)
+        try:
+            return cls(**body)
+        except MoKConfigError:
+            raise
+        except (TypeError, ValueError, ArithmeticError) as e:  # e.g. an int too large for a float
+            raise MoKConfigError(f"MoKConfig: invalid field value ({e}) in {body!r:.300}") from None

@@ -21,6 +21,8 @@ popularity weights (vectorised rejection of repeats), so every token's experts a
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,7 @@ __all__ = [
     "PRESETS",
     "get_shape",
     "Skew",
+    "SKEW_SYNTAX",
     "RoutingTrace",
     "make_routing",
     "imbalance",
@@ -95,6 +98,20 @@ def get_shape(name: str) -> ModelShape:
         ) from None
 
 
+SKEW_SYNTAX = (
+    "uniform, zipf:ALPHA (finite, >= 0), hot:SHARE[:NUM_HOT] (SHARE in [0, 1], NUM_HOT an "
+    "integer >= 1), each optionally followed by @CORRELATION (in [0, 1])"
+)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class Skew:
     """How routing is skewed. See the module docstring for the meaning of each kind."""
@@ -108,8 +125,14 @@ class Skew:
     KINDS = ("uniform", "zipf", "hot")
 
     def __post_init__(self) -> None:
-        if self.kind not in self.KINDS:
+        if not isinstance(self.kind, str) or self.kind not in self.KINDS:
             raise ValueError(f"unknown skew kind {self.kind!r}; supported: {', '.join(self.KINDS)}")
+        for name in ("alpha", "hot_share", "rank_correlation"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise ValueError(f"skew {name} must be a finite number (found {v!r})")
+        if not _is_int(self.hot_experts):
+            raise ValueError(f"hot_experts must be an integer (found {self.hot_experts!r})")
         if self.alpha < 0:
             raise ValueError(f"zipf alpha must be >= 0 (found {self.alpha})")
         if self.hot_experts < 1:
@@ -122,27 +145,33 @@ class Skew:
     @classmethod
     def parse(cls, text: str) -> Skew:
         """Parse ``uniform``, ``zipf:ALPHA``, ``hot:SHARE`` or ``hot:SHARE:NUM_HOT``; an optional
-        ``@CORR`` suffix sets the per-rank correlation (``zipf:1.2@0.5``)."""
-        corr = 0.0
+        ``@CORR`` suffix sets the per-rank correlation (``zipf:1.2@0.5``). Every number must be
+        finite and in range (:data:`SKEW_SYNTAX`); anything else raises a ValueError that names
+        the spec and the supported forms."""
+        if not isinstance(text, str):
+            raise ValueError(
+                f"a skew spec must be a string (found {type(text).__name__} {text!r}); "
+                f"supported: {SKEW_SYNTAX}"
+            )
         body = text.strip()
+        corr = None
         if "@" in body:
-            body, c = body.split("@", 1)
-            corr = float(c)
+            body, corr = body.split("@", 1)
         parts = body.split(":")
+        kw: dict = {}
         try:
+            if corr is not None:
+                kw["rank_correlation"] = float(corr)
             if parts[0] == "uniform" and len(parts) == 1:
-                return cls("uniform", rank_correlation=corr)
+                return cls("uniform", **kw)
             if parts[0] == "zipf" and len(parts) == 2:
-                return cls("zipf", alpha=float(parts[1]), rank_correlation=corr)
+                return cls("zipf", alpha=float(parts[1]), **kw)
             if parts[0] == "hot" and len(parts) in (2, 3):
                 n = int(parts[2]) if len(parts) == 3 else 1
-                return cls("hot", hot_share=float(parts[1]), hot_experts=n, rank_correlation=corr)
+                return cls("hot", hot_share=float(parts[1]), hot_experts=n, **kw)
         except ValueError as e:
-            raise ValueError(f"cannot parse skew {text!r}: {e}") from None
-        raise ValueError(
-            f"cannot parse skew {text!r}; expected uniform, zipf:ALPHA, hot:SHARE[:NUM_HOT], "
-            "each optionally followed by @CORRELATION"
-        )
+            raise ValueError(f"cannot parse skew {text!r}: {e}; supported: {SKEW_SYNTAX}") from None
+        raise ValueError(f"cannot parse skew {text!r}; supported: {SKEW_SYNTAX}")
 
     def label(self) -> str:
         base = {
@@ -222,7 +251,8 @@ class RoutingTrace:
 def _popularity(num_experts: int, skew: Skew, rng: np.random.Generator) -> np.ndarray:
     """Unnormalised expert popularity [num_experts] float64 for uniform / zipf."""
     if skew.kind == "zipf":
-        w = 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** skew.alpha
+        with np.errstate(over="ignore"):  # a large alpha: the tail underflows to 0
+            w = 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** skew.alpha
         return w[rng.permutation(num_experts)]
     return np.ones(num_experts)
 
@@ -273,22 +303,37 @@ def make_routing(
     """Generate a routing trace of ``num_tokens`` tokens per rank on ``num_ranks`` ranks.
 
     Weights are a softmax over the chosen experts' random logits (sum to 1 per token), float32.
+    ``num_tokens`` may be 0 (empty ``[0, num_topk]`` arrays). ``skew`` is a :class:`Skew` or a
+    spec :meth:`Skew.parse` reads; ``seed`` an integer >= 0. Bad arguments raise ValueError.
     """
     if isinstance(skew, str):
         skew = Skew.parse(skew)
-    if num_tokens < 0 or num_ranks < 1 or num_experts < 1:
+    elif not isinstance(skew, Skew):
         raise ValueError(
-            f"need num_tokens >= 0, num_ranks >= 1, num_experts >= 1 (found {num_tokens}, "
-            f"{num_ranks}, {num_experts})"
+            f"skew must be a Skew or a spec string (found {type(skew).__name__} {skew!r}); "
+            f"supported specs: {SKEW_SYNTAX}"
+        )
+    args = {"num_tokens": num_tokens, "num_experts": num_experts, "num_topk": num_topk}
+    args.update(num_ranks=num_ranks, seed=seed)
+    for name, v in args.items():
+        if not _is_int(v):
+            raise ValueError(f"{name} must be an integer (found {type(v).__name__} {v!r})")
+    if num_tokens < 0 or num_ranks < 1 or num_experts < 1 or seed < 0:
+        raise ValueError(
+            f"need num_tokens >= 0, num_ranks >= 1, num_experts >= 1, seed >= 0 (found "
+            f"{num_tokens}, {num_ranks}, {num_experts}, {seed})"
         )
     if not 1 <= num_topk <= num_experts:
         raise ValueError(f"num_topk must be in [1, num_experts={num_experts}] (found {num_topk})")
+    num_tokens, num_experts, num_topk = int(num_tokens), int(num_experts), int(num_topk)
+    num_ranks, seed = int(num_ranks), int(seed)
     rng = np.random.default_rng(seed)
     hot = skew.kind == "hot"
-    if hot and skew.hot_experts + num_topk - 1 > num_experts:
+    # a token that skips the hot experts still needs num_topk distinct cold ones
+    if hot and skew.hot_experts + num_topk > num_experts:
         raise ValueError(
-            f"hot routing needs hot_experts + num_topk - 1 <= num_experts ({skew.hot_experts} + "
-            f"{num_topk} - 1 > {num_experts})"
+            f"hot routing {skew.label()!r} needs hot_experts + num_topk <= num_experts "
+            f"({skew.hot_experts} + {num_topk} > {num_experts})"
         )
     base = _popularity(num_experts, skew, rng)
     base = base / base.sum()

@@ -19,6 +19,8 @@ import platform
 import statistics
 import time
 
+from sim.cli_args import int_arg, skew_arg
+
 __all__ = ["main"]
 
 WORKLOAD = dict(shape="kimi-k2", tokens_per_rank=4096, ep=64, topology="gb300-nvl72")
@@ -42,9 +44,9 @@ def _sweep_configs(n: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--sweep-configs", type=int, default=500)
-    p.add_argument("--jobs", type=int, default=None, help="sweep workers (default: CPUs)")
-    p.add_argument("--skew", default="uniform")
+    p.add_argument("--sweep-configs", type=int_arg(1), default=500)
+    p.add_argument("--jobs", type=int_arg(1), default=None, help="sweep workers (default: CPUs)")
+    p.add_argument("--skew", type=skew_arg, default="uniform")
     p.add_argument("--quick", action="store_true", help="skip the SimPy run, 40-config sweep")
     p.add_argument("--csv", help="append result rows to this CSV")
     a = p.parse_args(argv)

@@ -23,9 +23,21 @@ import sys
 import time
 from pathlib import Path
 
+from sim.cli_args import (
+    PROBE_KINDS,
+    CliError,
+    check_paths,
+    combine_modes_arg,
+    dispatch_modes_arg,
+    int_arg,
+    int_list,
+    positive_float,
+    read_probe,
+    skew_arg,
+)
 from sim.config import COMBINE_MODES, DISPATCH_MODES, SimConfig, Workload
 
-__all__ = ["main", "DEFAULT_JOBS", "format_table"]
+__all__ = ["main", "build_parser", "CliError", "DEFAULT_JOBS", "format_table"]
 
 # The embedded default job: the same question on the rack we design for and on the box we rent.
 DEFAULT_JOBS = (
@@ -35,22 +47,19 @@ DEFAULT_JOBS = (
 DEFAULT_CONFIG = SimConfig(num_comm_sms=24, minibatch_size=4096, macrobatch_size=16384)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _strs(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
-
-
 def _add_workload(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--shape", default="deepseek-v3", help="model preset (mok.workload.PRESETS)")
-    g.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    g.add_argument("--ep", type=int, default=8, help="expert-parallel ranks")
+    g.add_argument("--tokens", type=int_arg(1), default=4096, help="tokens per rank")
+    g.add_argument("--ep", type=int_arg(1), default=8, help="expert-parallel ranks")
     g.add_argument("--topology", default="hgx-h200", help="topology preset, e.g. gb300-nvl72x2")
-    g.add_argument("--skew", default="uniform", help="uniform | zipf:A | hot:SHARE[:N][@CORR]")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--skew",
+        type=skew_arg,
+        default="uniform",
+        help="uniform | zipf:A | hot:SHARE[:N], each with an optional @CORR",
+    )
+    g.add_argument("--seed", type=int_arg(0), default=0)
 
 
 def _add_config(p: argparse.ArgumentParser, single: bool = True) -> None:
@@ -58,10 +67,10 @@ def _add_config(p: argparse.ArgumentParser, single: bool = True) -> None:
     if single:
         g.add_argument("--dispatch", default="pull", choices=DISPATCH_MODES)
         g.add_argument("--combine", default="push", choices=COMBINE_MODES)
-        g.add_argument("--sms", type=int, default=24, help="communication SMs")
-        g.add_argument("--minibatch", type=int, default=4096, help="rows per rank per round")
-        g.add_argument("--ring-slots", type=int, default=4, help="macrobatch / minibatch")
-    g.add_argument("--row-tile", type=int, default=128)
+        g.add_argument("--sms", type=int_arg(1), default=24, help="communication SMs")
+        g.add_argument("--minibatch", type=int_arg(1), default=4096, help="rows per rank per round")
+        g.add_argument("--ring-slots", type=int_arg(1), default=4, help="macrobatch / minibatch")
+    g.add_argument("--row-tile", type=int_arg(1), default=128)
     g.add_argument("--mechanism", default="tma", choices=("tma", "st"))
     g.add_argument("--dtype", default="bf16", choices=("bf16", "mxfp8"))
     g.add_argument("--granularity", default="round", choices=("round", "peer"))
@@ -180,14 +189,12 @@ def _cmd_sweep(a) -> int:
     from sim.sweep import grid, rank_rows, sweep
 
     wl, base = _workload(a), _base_config(a, single=False)
-    configs = grid(
-        _strs(a.dispatch),
-        _strs(a.combine),
-        _ints(a.sms),
-        _ints(a.minibatch),
-        _ints(a.ring_slots),
-        base,
-    )
+    configs = grid(a.dispatch, a.combine, a.sms, a.minibatch, a.ring_slots, base)
+    if not configs:
+        raise ValueError(
+            f"no configuration to sweep: --dispatch {','.join(a.dispatch)} x --combine "
+            f"{','.join(a.combine)} (dedup_pull runs only with the push combine)"
+        )
     t0 = time.perf_counter()
     rows = sweep(wl, configs, jobs=a.jobs, progress=not a.quiet)
     dt = time.perf_counter() - t0
@@ -218,11 +225,11 @@ def _tune_space(a) -> dict[str, list]:
     """The config axes the user narrowed with --sms / --minibatch / --dispatch."""
     space = {}
     if a.sms:
-        space["num_comm_sms"] = _ints(a.sms)
+        space["num_comm_sms"] = list(a.sms)
     if a.minibatch:
-        space["minibatch_size"] = _ints(a.minibatch)
+        space["minibatch_size"] = list(a.minibatch)
     if a.dispatch:
-        space["dispatch_mode"] = _strs(a.dispatch)
+        space["dispatch_mode"] = list(a.dispatch)
     return space
 
 
@@ -327,13 +334,18 @@ def _cmd_trace(a) -> int:
 def _cmd_calibrate(a) -> int:
     from sim.calibrate import fit_gpu_profile
 
-    probe = json.loads(Path(a.probe).read_text())
+    probe = read_probe(a.probe)
     over = {}
     if a.num_sms:
         over["num_sms"] = a.num_sms
     if a.nvlink_gbps:
         over["nvlink_gbps_per_direction"] = a.nvlink_gbps
-    prof = fit_gpu_profile(probe, a.name, **over)
+    try:
+        prof = fit_gpu_profile(probe, a.name, **over)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise CliError(
+            f"cannot fit {a.probe}: a malformed probe JSON ({type(e).__name__}: {e}); {PROBE_KINDS}"
+        ) from None
     prof.save(a.out)
     fit = prof.fit
     print(
@@ -353,18 +365,24 @@ def _cmd_calibrate(a) -> int:
 
 def _cmd_validate(a) -> int:
     from sim.results import write_csv
-    from sim.validate import format_report, is_layer_csv, read_rows, summarise
+    from sim.validate import MeasuredCSVError, format_report, read_measured, summarise
 
-    tables = [read_rows(p) for p in a.measured]
-    layer = [is_layer_csv(t) for t in tables]
-    if any(layer) and not all(layer):
+    tables = []
+    for path in a.measured:
+        try:
+            tables.append(read_measured(path))
+        except MeasuredCSVError as e:
+            raise CliError(str(e)) from None
+    kinds = {kind for kind, _ in tables}
+    if len(kinds) > 1:
         raise ValueError(
             "mix of layer CSVs (mok.bench layer / sweep) and comm CSVs (mok.bench comm): "
             "validate them in separate runs"
         )
-    rows = [r for t in tables for r in t]
+    layer = kinds == {"layer"}
+    rows = [r for _, t in tables for r in t]
     names = ", ".join(map(str, a.measured))
-    records = _validate_layer(a, rows) if all(layer) else _validate_comm(a, rows)
+    records = _validate_layer(a, rows) if layer else _validate_comm(a, rows)
     summary = summarise(records)
     print(f"{names}: {len(rows)} rows")
     print(format_report(records, summary, rows=a.rows))
@@ -374,7 +392,7 @@ def _cmd_validate(a) -> int:
     if a.plot:
         from sim.plots import layer_validation, validation_scatter
 
-        fig = layer_validation(records) if all(layer) else validation_scatter(records)
+        fig = layer_validation(records) if layer else validation_scatter(records)
         fig.savefig(a.plot, dpi=110)
         print(f"wrote {a.plot}")
     return 0
@@ -436,12 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="grid over policy x comm SMs x minibatch x ring size")
     _add_workload(s)
     _add_config(s, single=False)
-    s.add_argument("--dispatch", default=",".join(DISPATCH_MODES))
-    s.add_argument("--combine", default=",".join(COMBINE_MODES))
-    s.add_argument("--sms", default="16,24,32")
-    s.add_argument("--minibatch", default="2048,4096")
-    s.add_argument("--ring-slots", default="2,4")
-    s.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPUs)")
+    s.add_argument("--dispatch", type=dispatch_modes_arg, default=",".join(DISPATCH_MODES))
+    s.add_argument("--combine", type=combine_modes_arg, default=",".join(COMBINE_MODES))
+    s.add_argument("--sms", type=int_list(1), default="16,24,32")
+    s.add_argument("--minibatch", type=int_list(1), default="2048,4096")
+    s.add_argument("--ring-slots", type=int_list(1), default="2,4")
+    s.add_argument("--jobs", type=int_arg(1), default=None, help="worker processes (default: CPUs)")
     s.add_argument("--out", default="mok-sim-sweep.csv")
     s.add_argument("--heatmap", help="PNG heatmap of comm SMs x minibatch")
     s.add_argument("--quiet", action="store_true")
@@ -466,13 +484,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(t, single=False)
     # resolved per layer: see the description (row tile: 128 unfused, searched fused)
     t.set_defaults(topology=None, ep=None, row_tile=None)
-    t.add_argument("--sms", help="comm SMs to try (default 8,16,24,32,48)")
-    t.add_argument("--minibatch", help="minibatch sizes to try (default 1024..8192)")
+    t.add_argument("--sms", type=int_list(1), help="comm SMs to try (default 8,16,24,32,48)")
     t.add_argument(
-        "--dispatch", help="dispatch modes to try (default: all; with --fused pull,dedup_pull)"
+        "--minibatch", type=int_list(1), help="minibatch sizes to try (default 1024..8192)"
+    )
+    t.add_argument(
+        "--dispatch",
+        type=dispatch_modes_arg,
+        help="dispatch modes to try (default: all; with --fused pull,dedup_pull)",
     )
     t.add_argument("--emit-config", help="write the JSON here (mok.MoKConfig.from_json)")
-    t.add_argument("--jobs", type=int, default=None, help="worker processes (unfused model)")
+    t.add_argument("--jobs", type=int_arg(1), default=None, help="worker processes (unfused model)")
     t.add_argument("--quiet", action="store_true")
     f = t.add_argument_group("fused layer")
     f.add_argument(
@@ -488,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="mok-fused-h200x2",
         help="fused-layer profile name under sim/profiles or a JSON path",
     )
-    f.add_argument("--top", type=int, default=5, help="with --fused: rows of the table")
+    f.add_argument("--top", type=int_arg(1), default=5, help="with --fused: rows of the table")
 
     tr = sub.add_parser("trace", help="Chrome trace (Perfetto) of one run")
     _add_workload(tr)
@@ -499,11 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--links", help="link utilisation PNG")
 
     cal = sub.add_parser("calibrate", help="fit a GPU profile from a probe JSON")
-    cal.add_argument("probe")
+    cal.add_argument("probe", help="probe JSON (python -m mok.bench probe)")
     cal.add_argument("--name", default="h200")
     cal.add_argument("--out", default="gpu-profile.json")
-    cal.add_argument("--num-sms", type=int, default=None)
-    cal.add_argument("--nvlink-gbps", type=float, default=None, help="datasheet, per direction")
+    cal.add_argument("--num-sms", type=int_arg(1), default=None)
+    cal.add_argument(
+        "--nvlink-gbps", type=positive_float, default=None, help="datasheet, per direction"
+    )
 
     v = sub.add_parser("validate", help="predict a measured mok kernel sweep and score it")
     v.add_argument(
@@ -524,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--save-profile", help="with --refit: write the refitted profile here")
 
     b = sub.add_parser("bench", help="simulator speed benchmark (same as python -m sim.bench)")
-    b.add_argument("--sweep-configs", type=int, default=500)
+    b.add_argument("--sweep-configs", type=int_arg(1), default=500)
     b.add_argument("--quick", action="store_true")
     return p
 
@@ -542,12 +566,20 @@ _COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; bad arguments exit 2 (argparse), a bad path or input file and a
+    workload or config the simulator rejects print one line on stderr and return 2."""
     args = build_parser().parse_args(argv)
     try:
+        check_paths(args)
         return _COMMANDS[args.cmd](args)
+    except CliError as e:
+        print(f"mok-sim: {e}", file=sys.stderr)
+    except OSError as e:  # a file that went away or a disk that filled up after the checks
+        name = e.filename if e.filename is not None else "a file"
+        print(f"mok-sim: cannot access {name}: {e.strerror or e}", file=sys.stderr)
     except ValueError as e:
         print(f"mok-sim: error: {e}", file=sys.stderr)
-        return 2
+    return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

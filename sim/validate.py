@@ -38,6 +38,7 @@ the run-to-run noise is noise-limited.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -52,6 +53,10 @@ from sim.phases import KernelProfile, predict_row
 
 __all__ = [
     "read_rows",
+    "read_measured",
+    "MeasuredCSVError",
+    "MEASURED_COLUMNS",
+    "MEASURED_KINDS",
     "rerun_spearman",
     "validate_rows",
     "summarise",
@@ -91,6 +96,103 @@ def read_rows(*paths: str | Path) -> list[dict]:
         with open(path, newline="") as f:
             out += [{**row, "_source": Path(path).name} for row in csv.DictReader(f)]
     return out
+
+
+# The measured CSVs validate reads, by kind, and the columns each needs. A comm CSV has a `what`
+# column (schedule / dispatch / combine); a layer CSV an `impl` and a `minibatch` column, no
+# `what` (as :func:`is_layer_csv`).
+MEASURED_COLUMNS = {
+    "comm": ("model", "tokens_per_rank", "skew", "what", "impl", "mode", "sms", "median_us"),
+    "layer": ("model", "tokens_per_rank", "skew", "impl", "mode", "sms", "minibatch", "median_us"),
+}
+MEASURED_KINDS = (
+    "comm kernel rows (the CSV of `mok.bench comm`: columns "
+    + ", ".join(MEASURED_COLUMNS["comm"])
+    + ") and fused-layer rows (the CSVs of `mok.bench layer` / `sweep`: columns "
+    + ", ".join(MEASURED_COLUMNS["layer"])
+    + ")"
+)
+# integer columns of every row (other libraries' rows hold 0 where a knob does not apply)
+_INT_COLUMNS = {
+    "comm": ("tokens_per_rank", "sms"),
+    "layer": ("tokens_per_rank", "sms", "minibatch"),
+}
+
+
+class MeasuredCSVError(ValueError):
+    """A file that is not a measured CSV :func:`read_measured` reads (:data:`MEASURED_KINDS`)."""
+
+
+def _columns_text(cols: Sequence[str], most: int = 8) -> str:
+    shown = ", ".join(repr(c) for c in cols[:most])
+    return shown + (f", ... ({len(cols)} columns)" if len(cols) > most else "")
+
+
+def read_measured(path: str | Path) -> tuple[str, list[dict]]:
+    """(kind, rows) of one measured CSV: kind ``comm`` (``mok.bench comm``) or ``layer``
+    (``mok.bench layer`` / ``sweep``), rows tagged with the file name (``_source``) as
+    :func:`read_rows`. Raises :class:`MeasuredCSVError` (one line: the file, what is wrong,
+    :data:`MEASURED_KINDS`) for a file it cannot read, that is not a CSV of either kind, has no
+    rows, or has a row whose ``median_us`` is not a positive finite number or whose integer
+    columns are not integers."""
+    name = str(path)
+
+    def bad(why: str) -> MeasuredCSVError:
+        return MeasuredCSVError(f"{name} {why}; mok-sim validate reads {MEASURED_KINDS}")
+
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError:
+        raise bad("is not a text file (not UTF-8)") from None
+    except OSError as e:
+        raise MeasuredCSVError(
+            f"cannot read {name}: {e.strerror or e}; mok-sim validate reads {MEASURED_KINDS}"
+        ) from None
+    if not text.strip():
+        raise bad("is empty")
+    if text.lstrip()[0] in "{[":
+        raise bad("is JSON, not a measured CSV")
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        cols = list(reader.fieldnames or [])
+        rows = list(reader)
+    except csv.Error as e:
+        raise bad(f"is not a readable CSV ({e})") from None
+    if "median_us" not in cols and ("layer_us" in cols or "predicted_us" in cols):
+        raise bad(
+            "is a mok-sim output CSV (predictions, not measurements; its columns: "
+            f"{_columns_text(cols)})"
+        )
+    if "what" in cols:
+        kind = "comm"
+    elif "impl" in cols and "minibatch" in cols:
+        kind = "layer"
+    else:
+        raise bad(f"is not a measured CSV (its columns: {_columns_text(cols)})")
+    missing = [c for c in MEASURED_COLUMNS[kind] if c not in cols]
+    if missing:
+        raise bad(f"looks like a {kind} CSV but lacks the columns {', '.join(missing)}")
+    if not rows:
+        raise bad("has a header but no rows")
+    for i, row in enumerate(rows):
+        where = f"row {i + 1}"
+        if None in row or None in row.values():
+            more = "more" if None in row else "fewer"
+            raise bad(f"{where} has {more} fields than its header ({len(cols)})")
+        v = row["median_us"]
+        try:
+            ok = math.isfinite(float(v)) and float(v) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise bad(f"{where}: median_us {v!r} is not a positive finite number")
+        for c in _INT_COLUMNS[kind]:
+            try:
+                int(row[c])
+            except ValueError:
+                raise bad(f"{where}: {c} {row[c]!r} is not an integer") from None
+    source = Path(path).name
+    return kind, [{**row, "_source": source} for row in rows]
 
 
 def is_fit_row(row: dict) -> bool:

@@ -11,7 +11,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from sim import plots
-from sim.cli import main
+from sim.cli import build_parser, main
 from sim.config import SimConfig, Workload
 from sim.model import simulate
 from sim.trace import chrome_trace
@@ -122,6 +122,23 @@ def test_bad_arguments_report_an_error(capsys):
     assert "unknown topology" in capsys.readouterr().err
 
 
+def test_list_arguments_are_parsed_by_the_parser(capsys):
+    a = build_parser().parse_args(["sweep", "--sms", "8,,16", "--dispatch", "pull, push"])
+    assert a.sms == [8, 16] and a.dispatch == ["pull", "push"]
+    assert a.minibatch == [2048, 4096] and a.ring_slots == [2, 4]  # the defaults, parsed
+    assert build_parser().parse_args(["tune"]).sms is None
+    with pytest.raises(SystemExit):
+        main(["sweep", "--combine", "push,gather"])
+    assert (
+        "argument --combine: expected a comma-separated list of combine modes (push, pull), "
+        "found 'push,gather'" in capsys.readouterr().err
+    )
+    assert main(["sweep", *SMALL, "--dispatch", "dedup_pull", "--combine", "pull"]) == 2
+    assert "no configuration to sweep: --dispatch dedup_pull x --combine pull" in (
+        capsys.readouterr().err
+    )
+
+
 def test_plots_return_figures():
     res = simulate(
         Workload("tiny", 256, 8, "hgx-h200"),
@@ -137,7 +154,9 @@ def test_plots_return_figures():
     assert chrome_trace(res)["traceEvents"]
 
 
-@pytest.mark.parametrize("sub", ["compare", "sweep", "tune", "trace", "calibrate", "bench"])
+@pytest.mark.parametrize(
+    "sub", ["compare", "sweep", "tune", "trace", "calibrate", "validate", "bench"]
+)
 def test_help_for_every_subcommand(sub, capsys):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])

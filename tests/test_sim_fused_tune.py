@@ -36,6 +36,7 @@ def test_fused_tune_emits_a_config_that_round_trips(tmp_path, capsys):
         **doc["config"],
         "capacity_factor": 2.0,
         "wait_timeout_ms": 10_000.0,
+        "max_tokens": 0,
     }
     assert loaded.dispatch_mode in ("pull", "dedup_pull") and loaded.combine_mode == "push"
     assert loaded.row_tile in (64, 128) and loaded.macrobatch_size == 0

@@ -1,7 +1,18 @@
+import re
+
 import numpy as np
 import pytest
 
-from mok.workload import PRESETS, ModelShape, RoutingTrace, Skew, get_shape, imbalance, make_routing
+from mok.workload import (
+    PRESETS,
+    SKEW_SYNTAX,
+    ModelShape,
+    RoutingTrace,
+    Skew,
+    get_shape,
+    imbalance,
+    make_routing,
+)
 
 
 def _distinct_rows(idx: np.ndarray) -> bool:
@@ -97,3 +108,53 @@ def test_trace_roundtrip_and_no_pickle(tmp_path):
     np.savez(bad, topk_idx=np.array([object()], dtype=object), meta_json=np.array("{}"))
     with pytest.raises(ValueError, match="pickle"):
         RoutingTrace.load(bad)
+
+
+def test_zero_and_one_tokens():
+    for n in (0, 1):
+        for skew in ("uniform", "zipf:1.2@0.5", "hot:0.5:2"):
+            t = make_routing(n, 16, 4, num_ranks=3, skew=skew, seed=1)
+            assert t.topk_idx.shape == t.topk_weights.shape == (3 * n, 4)
+            assert t.topk_idx.dtype == np.int64 and t.topk_weights.dtype == np.float32
+            assert t.num_tokens == n and t.per_rank().shape == (3, n, 4)
+
+
+def test_hot_routing_needs_room_for_the_cold_slots():
+    # every token that skips the hot experts draws num_topk distinct cold ones
+    t = make_routing(200, 8, 4, skew="hot:1.0:4", seed=0)
+    assert _distinct_rows(t.topk_idx) and (t.topk_idx >= 4).any(axis=1).all()
+    with pytest.raises(ValueError, match=r"'hot:0.5:5' needs hot_experts \+ num_topk <= num_ex"):
+        make_routing(10, 8, 4, skew="hot:0.5:5")
+    with pytest.raises(ValueError, match=r"\(4 \+ 1 > 4\)"):
+        make_routing(10, 4, 1, skew="hot:0.5:4")
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("zipf:nan", "skew alpha must be a finite number (found nan)"),
+        ("zipf:inf", "skew alpha must be a finite number (found inf)"),
+        ("zipf:-0.5", "zipf alpha must be >= 0 (found -0.5)"),
+        ("hot:nan", "skew hot_share must be a finite number (found nan)"),
+        ("hot:0.5:0", "hot_experts must be >= 1 (found 0)"),
+        ("uniform@nan", "skew rank_correlation must be a finite number (found nan)"),
+        ("zipf:1@x", "could not convert string to float: 'x'"),
+    ],
+)
+def test_skew_specs_with_bad_numbers_name_the_spec(spec, why):
+    match = re.escape(f"cannot parse skew {spec!r}: {why}; supported: {SKEW_SYNTAX}")
+    with pytest.raises(ValueError, match=match):
+        Skew.parse(spec)
+    with pytest.raises(ValueError, match=match):
+        make_routing(10, 16, 2, skew=spec)
+
+
+def test_skew_fields_must_be_finite_numbers():
+    with pytest.raises(ValueError, match=r"skew alpha must be a finite number \(found nan\)"):
+        Skew("zipf", alpha=float("nan"))
+    with pytest.raises(ValueError, match=r"skew hot_share must be a finite number \(found '0.5'\)"):
+        Skew("hot", hot_share="0.5")
+    with pytest.raises(ValueError, match=r"hot_experts must be an integer \(found 1.0\)"):
+        Skew("hot", hot_experts=1.0)
+    with pytest.raises(ValueError, match=r"a skew spec must be a string \(found int 3\)"):
+        Skew.parse(3)
