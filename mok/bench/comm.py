@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mok.bench.env import disable_multicast
+
 CEILING_GBPS = 370.0
 MODELS = {"deepseek-v3": (7168, 256), "qwen3-30b-a3b": (2048, 128)}
 
@@ -94,7 +96,9 @@ def _sha() -> str:
 
 
 def init_dist() -> dict:
-    """Join the torchrun group (NCCL, one GPU per process); the metadata every CSV row carries."""
+    """Join the torchrun group (NCCL, one GPU per process, NVLink multicast off); the metadata
+    every CSV row carries."""
+    disable_multicast()  # before NCCL starts
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))

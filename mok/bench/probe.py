@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mok.bench.comm import _sha, _timeit
+from mok.bench.env import disable_multicast
 from mok.bench.probe_results import METHODS, SECTIONS, ProbeResults
 from mok.errors import MoKError, MoKTimeoutError, MoKUnsupportedError
 
@@ -153,11 +154,7 @@ def _init_dist() -> tuple[int, int, torch.device]:
             f"the probe needs a CUDA GPU (torch.cuda.is_available() is False; torch "
             f"{torch.__version__}); the simulator's committed profiles need none"
         )
-    # NOTE: NVLink multicast stays off: it can take a shared host's GPUs out of service, and
-    # nothing here needs it (symmetric memory is used for plain peer mappings only).
-    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    disable_multicast()  # before NCCL starts
     if "RANK" not in os.environ:  # plain `python -m mok.bench probe`: a world of one
         os.environ.update(
             RANK="0",

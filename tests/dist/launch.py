@@ -7,14 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from mok.bench.env import NO_MULTICAST  # every worker starts with NVLink multicast off
 
-# NOTE: NVLink multicast stays off on shared GPU hosts; mok never needs it.
-NO_MULTICAST = {
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def skip_unless_gpus(n: int) -> None:
