@@ -16,6 +16,10 @@ The same algorithm the kernels run, written with collectives so it can be read a
    token's destination ranks), and the home rank sums those in ascending rank order;
 6. ``out = shared(x) + fixed-order sum`` (:func:`reference.moe.combine`).
 
+Ranks may hold different numbers of tokens, zero included; the all-gathered routing is padded to
+the largest count (see :func:`reference.schedule.build_schedule`). ``num_topk`` may be 0 (the
+layer is then the shared expert alone).
+
 Point-to-point exchanges are written as ``all_to_all_single`` of raw bytes, so data that only
 moves arrives bitwise identical. Pull is modelled as request-then-reply: the requester decides
 which rows travel and where they land, which is what distinguishes pull from push.
@@ -69,11 +73,14 @@ class EPForward:
     recv: torch.Tensor  # [P, hidden] dispatched rows in schedule order (input dtype)
     y: torch.Tensor  # [P, hidden] expert outputs (carrier dtype; padding rows zero)
     slots: torch.Tensor  # [num_tokens * num_topk, hidden] combine slots on the home rank
-    topk_weights_all: torch.Tensor  # [num_ranks, num_tokens, num_topk]
+    topk_weights_all: torch.Tensor  # [num_ranks, max num_tokens, num_topk], zero padded
+    num_tokens_all: torch.Tensor  # [num_ranks] token count of each rank
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+    """Rows of ``t`` as raw bytes, [rows, bytes per row] (also for zero rows)."""
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
 def _exchange(
@@ -92,7 +99,7 @@ def _exchange(
     out = torch.empty(int(recv_counts.sum()), payload.shape[1], dtype=torch.uint8)
     dist.all_to_all_single(out, payload, recv_counts.tolist(), send_counts.tolist(), group=group)
     src = torch.repeat_interleave(torch.arange(world), recv_counts)
-    out = out.view(send.dtype).reshape(-1, *send.shape[1:])
+    out = out.view(send.dtype).reshape(out.shape[0], *send.shape[1:])
     return out, src
 
 
@@ -128,8 +135,10 @@ def _push(
     payload = torch.cat([_as_bytes(rows), _as_bytes(index.to(torch.int64)[:, None])], dim=1)
     got, _ = _exchange(payload, dest, group)
     nb = math.prod(into.shape[1:]) * into.element_size()  # rows have into's dtype and width
-    where = got[:, nb:].contiguous().view(torch.int64).squeeze(1)
-    into[where] = got[:, :nb].contiguous().view(into.dtype).reshape(-1, *into.shape[1:])
+    # NOTE: a copy, not .contiguous(): with one row (or none) the slice is already contiguous
+    # at byte offset nb, which an int64 view rejects unless nb is a multiple of 8.
+    where = got[:, nb:].clone(memory_format=torch.contiguous_format).view(torch.int64).squeeze(1)
+    into[where] = got[:, :nb].contiguous().view(into.dtype).reshape(len(got), *into.shape[1:])
     return into
 
 
@@ -150,11 +159,15 @@ def _gather_signature(t: torch.Tensor, group, what: list[str]) -> None:
 
 
 def _check_capacity(
-    topk_all: torch.Tensor, num_experts: int, row_tile: int, max_recv_rows: int | None
+    topk_all: torch.Tensor,
+    tokens: torch.Tensor,
+    num_experts: int,
+    row_tile: int,
+    max_recv_rows: int | None,
 ) -> None:
     if max_recv_rows is None:
         return
-    offsets = required_rows(topk_all, num_experts, row_tile)  # [R, L + 1]
+    offsets = required_rows(topk_all, num_experts, row_tile, tokens)  # [R, L + 1]
     num_local = offsets.shape[1] - 1
     for r in range(offsets.shape[0]):
         if int(offsets[r, -1]) > max_recv_rows:
@@ -173,6 +186,14 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.stack(parts)
+
+
+def _all_gather_padded(t: torch.Tensor, tokens: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``t`` ([its num_tokens, ...]), zero padded to the largest count:
+    [num_ranks, max(tokens), ...]."""
+    padded = torch.zeros(int(tokens.max()), *t.shape[1:], dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return _all_gather(padded, group)
 
 
 _DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -274,13 +295,14 @@ def _prologue(x, topk_idx, topk_weights, local_weights, num_experts, row_tile, m
             f"rank {rank} holds {local_weights.num_experts} experts, expected "
             f"num_experts / num_ranks = {num_experts // world}"
         )
-    names = ["num_tokens", "hidden", "num_topk", "num_experts", "x dtype", "row_tile", "shared"]
-    sig = [x.shape[0], x.shape[1], topk_idx.shape[1], num_experts, _DTYPE_CODES.get(x.dtype, -1)]
+    names = ["hidden", "num_topk", "num_experts", "x dtype", "row_tile", "shared"]
+    sig = [x.shape[1], topk_idx.shape[1], num_experts, _DTYPE_CODES.get(x.dtype, -1)]
     _gather_signature(sig + [row_tile, int(local_weights.has_shared)], group, names)
     validate_layer_inputs(x, topk_idx, topk_weights, local_weights, num_experts)
-    topk_all = _all_gather(topk_idx.to(torch.int64), group)
-    weights_all = _all_gather(topk_weights.to(carrier(mode)), group)
-    return rank, topk_all, weights_all
+    tokens = _all_gather(torch.tensor(x.shape[0], dtype=torch.int64), group)  # [R]
+    topk_all = _all_gather_padded(topk_idx.to(torch.int64), tokens, group)
+    weights_all = _all_gather_padded(topk_weights.to(carrier(mode)), tokens, group)
+    return rank, topk_all, weights_all, tokens
 
 
 def ep_forward(
@@ -299,18 +321,19 @@ def ep_forward(
 ) -> EPForward:
     """Expert-parallel forward on this rank.
 
-    x: [num_tokens, hidden] this rank's tokens; topk_idx, topk_weights: [num_tokens, num_topk]
+    x: [num_tokens, hidden] this rank's tokens (the count may differ between ranks, 0
+    included); topk_idx, topk_weights: [num_tokens, num_topk]
     local_weights: this rank's experts (``MoEWeights.shard``) plus the replicated shared expert.
     ``max_recv_rows`` bounds the receive buffer (rows, padding included); exceeding it raises
     :class:`CapacityError` on every rank alike.
     """
     mode = check_mode(compute_dtype)
     _check_modes(dispatch_mode, combine_mode)
-    rank, topk_all, weights_all = _prologue(
+    rank, topk_all, weights_all, tokens = _prologue(
         x, topk_idx, topk_weights, local_weights, num_experts, row_tile, mode, group
     )
-    _check_capacity(topk_all, num_experts, row_tile, max_recv_rows)
-    s = build_schedule(topk_all, num_experts, rank, row_tile)
+    _check_capacity(topk_all, tokens, num_experts, row_tile, max_recv_rows)
+    s = build_schedule(topk_all, num_experts, rank, row_tile, tokens)
     recv, _ = _dispatch(x, s, dispatch_mode, group)
     y, _ = _expert_compute(recv, s, local_weights, mode)
     if dispatch_mode == "dedup_pull":
@@ -324,8 +347,8 @@ def ep_forward(
         slots = _combine_to_slots(y, s, combine_mode, group)
         weights = topk_weights
     shared_y = shared_forward(x, local_weights, mode)
-    out = combine(slots.view(s.num_tokens, s.num_topk, -1), weights, shared_y, mode)
-    return EPForward(out.to(output_dtype(mode)), s, recv, y, slots, weights_all)
+    out = combine(slots.view(s.num_tokens, s.num_topk, x.shape[1]), weights, shared_y, mode)
+    return EPForward(out.to(output_dtype(mode)), s, recv, y, slots, weights_all, tokens)
 
 
 def _dedup_slots_filled(s: Schedule, topk_idx: torch.Tensor) -> torch.Tensor:
@@ -357,10 +380,10 @@ def ep_backward(
     order (shared first, then k).
     """
     mode = check_mode(compute_dtype)
-    rank, topk_all, weights_all = _prologue(
+    rank, topk_all, weights_all, tokens = _prologue(
         x, topk_idx, topk_weights, local_weights, num_experts, row_tile, mode, group
     )
-    s = build_schedule(topk_all, num_experts, rank, row_tile)
+    s = build_schedule(topk_all, num_experts, rank, row_tile, tokens)
     recv, _ = _dispatch(x, s, "pull", group)  # replay of the forward dispatch
     drecv, _ = _dispatch(grad_out, s, "pull", group)  # reverse combine
     row_w = _row_weights(s, weights_all)

@@ -48,13 +48,14 @@ def route(
     router_logits: [num_tokens, num_experts] float
     Returns topk_idx [num_tokens, num_topk] int64 (distinct experts, highest score first; ties
     go to the lower expert id) and topk_weights [num_tokens, num_topk] float32 (scores of the
-    chosen experts, renormalised to sum to 1 when ``normalize``).
+    chosen experts, renormalised to sum to 1 when ``normalize``). ``num_tokens`` and
+    ``num_topk`` may be 0 (empty results).
     """
     if score not in ("softmax", "sigmoid"):
         raise ValueError(f"unknown router score {score!r}; supported: 'softmax', 'sigmoid'")
-    if router_logits.ndim != 2 or not 1 <= num_topk <= router_logits.shape[1]:
+    if router_logits.ndim != 2 or not 0 <= num_topk <= router_logits.shape[1]:
         raise ValueError(
-            f"router_logits must be [num_tokens, num_experts] with 1 <= num_topk <= num_experts "
+            f"router_logits must be [num_tokens, num_experts] with 0 <= num_topk <= num_experts "
             f"(found shape {tuple(router_logits.shape)}, num_topk={num_topk})"
         )
     logits = router_logits.double()
@@ -147,7 +148,8 @@ def combine(
 
     slots: [num_tokens, num_topk, hidden] expert outputs in slot order (token * num_topk + k)
     topk_weights: [num_tokens, num_topk]; shared_y: [num_tokens, hidden] or None
-    Returns [num_tokens, hidden] in the carrier dtype, rounded for storage.
+    Returns [num_tokens, hidden] in the carrier dtype, rounded for storage; with num_topk == 0
+    it is the shared expert's output (zeros without one).
     """
     mode = check_mode(compute_dtype)
     c = carrier(mode)
@@ -187,7 +189,8 @@ def moe_forward(
 
     x: [num_tokens, hidden]; topk_idx: [num_tokens, num_topk] int; topk_weights: [num_tokens,
     num_topk] float. Returns [num_tokens, hidden] in fp64 / fp32 / bf16 (bf16 for "mxfp8").
-    Differentiable by autograd in fp64/fp32 (used to check :func:`moe_backward`).
+    Differentiable by autograd in fp64/fp32 (used to check :func:`moe_backward`). Zero tokens
+    give [0, hidden]; num_topk == 0 gives the shared expert's output alone (zeros without one).
     """
     mode = check_mode(compute_dtype)
     validate_layer_inputs(x, topk_idx, topk_weights, weights)
@@ -200,7 +203,7 @@ def moe_forward(
             y, _ = expert_ffn(x[tok], weights.w_gate[e], weights.w_up[e], weights.w_down[e], mode)
             slots = slots.index_put((tok * num_topk + k,), y)
     shared_y = shared_forward(x, weights, mode)
-    out = combine(slots.view(num_tokens, num_topk, -1), topk_weights, shared_y, mode)
+    out = combine(slots.view(num_tokens, num_topk, weights.hidden), topk_weights, shared_y, mode)
     return out.to(output_dtype(mode))
 
 
@@ -291,6 +294,6 @@ def finish_backward(
         grads.d_shared_w_gate, grads.d_shared_w_up, grads.d_shared_w_down = sdg, sdu, sdd
     num_topk = grads.d_topk_weights.shape[1]
     ones_w = torch.ones(num_tokens, num_topk, dtype=c)
-    dx = combine(dx_slots.view(num_tokens, num_topk, -1), ones_w, acc, mode)
+    dx = combine(dx_slots.view(num_tokens, num_topk, x.shape[1]), ones_w, acc, mode)
     grads.dx = dx.to(output_dtype(mode))
     return grads

@@ -22,11 +22,14 @@ expert-contiguous row to its dedup row. Its combine pushes one partial sum per (
 slot ``token * num_topk + j`` of the home rank, ``j`` being the ordinal of ``d`` among the token's
 distinct destination ranks in ascending order.
 
-Everything here is vectorised: no Python loop over tokens.
+Ranks may hold different numbers of tokens, zero included (``num_tokens_all``): the routing is
+then padded to the largest count and the padding rows are ignored. Everything here is
+vectorised: no Python loop over tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +47,7 @@ __all__ = [
 class Schedule:
     """The schedule seen from one rank (as destination for pull, as source for push).
 
-    Shapes (``L`` local experts, ``R`` ranks, ``N`` tokens per rank, ``K`` = num_topk,
+    Shapes (``L`` local experts, ``R`` ranks, ``N`` tokens of this rank, ``K`` = num_topk,
     ``P`` padded receive rows on this rank, ``D`` dedup rows on this rank). All int64 on CPU.
     """
 
@@ -145,39 +148,47 @@ class _Routing:
     """All-gathered routing flattened to (source rank, src_index) entries, plus global counts."""
 
     num_ranks: int
-    num_tokens: int
+    num_tokens: int  # N, the largest token count of any rank (the padded width)
     num_topk: int
     num_local: int
-    expert: torch.Tensor  # [R, N * K] global expert of each entry
+    expert: torch.Tensor  # [R, N * K] global expert of each entry (0 in padding)
+    real: torch.Tensor  # [R, N * K] bool, False for the padding past a rank's token count
+    tokens: torch.Tensor  # [R] token count of each rank
     counts: torch.Tensor  # [E, R] rows from source r for expert e
     offsets: torch.Tensor  # [R, L + 1] padded region starts on each destination
 
 
-def _prepare(topk_idx_all: torch.Tensor, num_experts: int, row_tile: int) -> _Routing:
+def _prepare(
+    topk_idx_all: torch.Tensor, num_experts: int, row_tile: int, tokens: torch.Tensor
+) -> _Routing:
     num_ranks, num_tokens, num_topk = topk_idx_all.shape
     num_local = num_experts // num_ranks
+    real = (torch.arange(num_tokens) < tokens[:, None]).repeat_interleave(num_topk, dim=1)
     e = topk_idx_all.reshape(num_ranks, num_tokens * num_topk).to(torch.int64)
+    e = torch.where(real, e, 0)
     src = torch.arange(num_ranks).unsqueeze(1)
-    counts = torch.bincount((e * num_ranks + src).reshape(-1), minlength=num_experts * num_ranks)
+    counts = torch.bincount((e * num_ranks + src)[real], minlength=num_experts * num_ranks)
     counts = counts.reshape(num_experts, num_ranks)
     padded = _round_up(counts.sum(dim=1), row_tile).reshape(num_ranks, num_local)
     offsets = torch.zeros(num_ranks, num_local + 1, dtype=torch.int64)
     offsets[:, 1:] = torch.cumsum(padded, dim=1)
-    return _Routing(num_ranks, num_tokens, num_topk, num_local, e, counts, offsets)
+    return _Routing(num_ranks, num_tokens, num_topk, num_local, e, real, tokens, counts, offsets)
 
 
 def _rank_view(g: _Routing, rank: int, num_experts: int, row_tile: int) -> Schedule:
     num_ranks, num_tokens, num_topk, num_local = g.num_ranks, g.num_tokens, g.num_topk, g.num_local
+    own_tokens = int(g.tokens[rank])
 
     # Push side: where each of this rank's (token, k) rows lands.
-    own = g.expert[rank]
+    own = g.expert[rank, : own_tokens * num_topk]
     own_occ = _occurrence(own, num_experts)  # entries are in src_index order
     own_dst = own // num_local
     own_pos = _round_robin_position(own, own_occ, torch.full_like(own, rank), g.counts)
     own_index = g.offsets[own_dst, own % num_local] + own_pos
 
     # Pull side: every entry of any source whose expert lives here.
-    src_r, src_i = (g.expert // num_local == rank).nonzero(as_tuple=True)  # source-major order
+    here = (g.expert // num_local == rank) & g.real
+    src_r, src_i = here.nonzero(as_tuple=True)  # source-major order
     e = g.expert[src_r, src_i]
     occ = _occurrence(e * num_ranks + src_r, num_experts * num_ranks)
     rows = g.offsets[rank, e % num_local] + _round_robin_position(e, occ, src_r, g.counts)
@@ -215,7 +226,7 @@ def _rank_view(g: _Routing, rank: int, num_experts: int, row_tile: int) -> Sched
         rank=rank,
         num_ranks=num_ranks,
         num_experts=num_experts,
-        num_tokens=num_tokens,
+        num_tokens=own_tokens,
         num_topk=num_topk,
         row_tile=row_tile,
         counts=counts,
@@ -223,8 +234,8 @@ def _rank_view(g: _Routing, rank: int, num_experts: int, row_tile: int) -> Sched
         offsets=g.offsets[rank],
         src_rank=src_rank,
         src_index=src_index,
-        dst_rank=own_dst.reshape(num_tokens, num_topk),
-        dst_index=own_index.reshape(num_tokens, num_topk),
+        dst_rank=own_dst.reshape(own_tokens, num_topk),
+        dst_index=own_index.reshape(own_tokens, num_topk),
         dedup_src_rank=dedup_src_rank,
         dedup_src_token=dedup_src_token,
         dedup_slot=dedup_slot,
@@ -232,13 +243,19 @@ def _rank_view(g: _Routing, rank: int, num_experts: int, row_tile: int) -> Sched
     )
 
 
-def _check_args(topk_idx_all: torch.Tensor, num_experts: int, row_tile: int) -> None:
+def _check_args(
+    topk_idx_all: torch.Tensor,
+    num_experts: int,
+    row_tile: int,
+    num_tokens_all: Sequence[int] | torch.Tensor | None,
+) -> torch.Tensor:
+    """Check the arguments; returns the token count of every rank, [num_ranks] int64."""
     if topk_idx_all.ndim != 3:
         raise ValueError(
             "topk_idx_all must be [num_ranks, num_tokens, num_topk] (found shape "
             f"{tuple(topk_idx_all.shape)})"
         )
-    num_ranks = topk_idx_all.shape[0]
+    num_ranks, width = topk_idx_all.shape[:2]
     if num_experts % num_ranks:
         raise ValueError(
             f"num_experts={num_experts} is not divisible by num_ranks={num_ranks}; expert "
@@ -246,42 +263,68 @@ def _check_args(topk_idx_all: torch.Tensor, num_experts: int, row_tile: int) -> 
         )
     if row_tile < 1:
         raise ValueError(f"row_tile must be >= 1 (found {row_tile})")
-    validate_routing(topk_idx_all, num_experts, "topk_idx_all")
+    if num_tokens_all is None:
+        validate_routing(topk_idx_all, num_experts, "topk_idx_all")
+        return torch.full((num_ranks,), width, dtype=torch.int64)
+    tokens = torch.as_tensor(num_tokens_all, dtype=torch.int64).reshape(-1).cpu()
+    if tokens.numel() != num_ranks or bool(((tokens < 0) | (tokens > width)).any()):
+        raise ValueError(
+            f"num_tokens_all must hold one count in [0, {width}] per rank for topk_idx_all of "
+            f"shape {tuple(topk_idx_all.shape)} (found {tokens.tolist()})"
+        )
+    for r in range(num_ranks):  # the padding past each rank's count is not routing
+        validate_routing(topk_idx_all[r, : int(tokens[r])], num_experts, f"topk_idx_all[{r}]")
+    return tokens
 
 
 def build_all_schedules(
-    topk_idx_all: torch.Tensor, num_experts: int, row_tile: int = 128
+    topk_idx_all: torch.Tensor,
+    num_experts: int,
+    row_tile: int = 128,
+    num_tokens_all: Sequence[int] | torch.Tensor | None = None,
 ) -> list[Schedule]:
     """Schedules of every rank from the all-gathered routing.
 
-    topk_idx_all: [num_ranks, num_tokens, num_topk] int — routing of every rank's tokens
+    topk_idx_all: [num_ranks, num_tokens, num_topk] int — routing of every rank's tokens.
+    num_tokens_all: token count of each rank when they differ (rank ``r``'s tokens are the first
+    ``num_tokens_all[r]`` rows of ``topk_idx_all[r]``, the rest is padding and ignored); None:
+    every rank has ``num_tokens``.
     """
-    _check_args(topk_idx_all, num_experts, row_tile)
-    g = _prepare(topk_idx_all.cpu(), num_experts, row_tile)
+    tokens = _check_args(topk_idx_all, num_experts, row_tile, num_tokens_all)
+    g = _prepare(topk_idx_all.cpu(), num_experts, row_tile, tokens)
     return [_rank_view(g, r, num_experts, row_tile) for r in range(topk_idx_all.shape[0])]
 
 
 def build_schedule(
-    topk_idx_all: torch.Tensor, num_experts: int, rank: int, row_tile: int = 128
+    topk_idx_all: torch.Tensor,
+    num_experts: int,
+    rank: int,
+    row_tile: int = 128,
+    num_tokens_all: Sequence[int] | torch.Tensor | None = None,
 ) -> Schedule:
     """The schedule of one rank from the all-gathered routing.
 
-    topk_idx_all: [num_ranks, num_tokens, num_topk] int — routing of every rank's tokens
+    topk_idx_all: [num_ranks, num_tokens, num_topk] int — routing of every rank's tokens;
+    num_tokens_all: as in :func:`build_all_schedules`.
     """
-    _check_args(topk_idx_all, num_experts, row_tile)
+    tokens = _check_args(topk_idx_all, num_experts, row_tile, num_tokens_all)
     if not 0 <= rank < topk_idx_all.shape[0]:
         raise ValueError(f"rank {rank} outside [0, num_ranks={topk_idx_all.shape[0]})")
-    g = _prepare(topk_idx_all.cpu(), num_experts, row_tile)
+    g = _prepare(topk_idx_all.cpu(), num_experts, row_tile, tokens)
     return _rank_view(g, rank, num_experts, row_tile)
 
 
 def required_rows(
-    topk_idx_all: torch.Tensor, num_experts: int, row_tile: int = 128
+    topk_idx_all: torch.Tensor,
+    num_experts: int,
+    row_tile: int = 128,
+    num_tokens_all: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Padded region starts of every rank, [num_ranks, num_local_experts + 1]; the last column
     is the receive-buffer rows each rank needs. Cheap: counts only, no positions.
 
-    topk_idx_all: [num_ranks, num_tokens, num_topk] int
+    topk_idx_all: [num_ranks, num_tokens, num_topk] int; num_tokens_all: as in
+    :func:`build_all_schedules`.
     """
-    _check_args(topk_idx_all, num_experts, row_tile)
-    return _prepare(topk_idx_all.cpu(), num_experts, row_tile).offsets
+    tokens = _check_args(topk_idx_all, num_experts, row_tile, num_tokens_all)
+    return _prepare(topk_idx_all.cpu(), num_experts, row_tile, tokens).offsets

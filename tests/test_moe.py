@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mok.workload import ModelShape, get_shape, make_routing
-from reference.moe import moe_backward, moe_forward, route
+from reference.moe import moe_backward, moe_forward, output_dtype, route
 from reference.weights import MoEWeights
 from tests import tolerances as tol
 
@@ -153,3 +153,101 @@ def test_bad_inputs_are_explained():
         moe_forward(x, idx, tw, w, torch.float16)
     with pytest.raises(ValueError, match="w_up has shape"):
         MoEWeights(w.w_gate, w.w_up[:, :5], w.w_down)
+
+
+ALL_MODES = [torch.float64, torch.float32, torch.bfloat16, "mxfp8"]
+# small shapes, with and without a shared expert (hidden a multiple of the MXFP8 block)
+SMALL = [ModelShape("small", 8, 32, 48, 3, shared_intermediate=16), SHAPES[1]]
+
+
+def _dtypes(mode) -> tuple[torch.dtype, torch.dtype]:
+    """(dtype of x and the weights, dtype of the router weights) of a mode."""
+    if mode in (torch.float64, torch.float32):
+        return mode, mode
+    return torch.bfloat16, torch.float32
+
+
+def _empty_routing(num_tokens: int, num_topk: int, dtype: torch.dtype):
+    idx = torch.zeros(num_tokens, num_topk, dtype=torch.int64)
+    return idx, torch.zeros(num_tokens, num_topk, dtype=dtype)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=str)
+@pytest.mark.parametrize("shape", SMALL, ids=lambda s: s.name)
+def test_zero_tokens(shape, mode):
+    """No tokens: an empty output and empty activation gradients, zero weight gradients."""
+    wdtype, dtype = _dtypes(mode)
+    w = MoEWeights.random(shape, dtype=wdtype)
+    h = shape.hidden
+    for k in (shape.num_topk, 0):
+        x = torch.zeros(0, h, dtype=w.w_gate.dtype)
+        idx, tw = _empty_routing(0, k, dtype)
+        out = moe_forward(x, idx, tw, w, mode)
+        assert out.shape == (0, h) and out.dtype == output_dtype(mode)
+        g = moe_backward(torch.zeros(0, h, dtype=x.dtype), x, idx, tw, w, mode)
+        assert g.dx.shape == (0, h) and g.dx.dtype == output_dtype(mode)
+        assert g.d_topk_weights.shape == (0, k)
+        for got, want in [(g.dw_gate, w.w_gate), (g.dw_up, w.w_up), (g.dw_down, w.w_down)]:
+            assert got.shape == want.shape and not bool(got.any())
+        shared = [g.d_shared_w_gate, g.d_shared_w_up, g.d_shared_w_down]
+        if w.has_shared:
+            assert [t.shape for t in shared] == [
+                w.shared_w_gate.shape,
+                w.shared_w_up.shape,
+                w.shared_w_down.shape,
+            ]
+            assert not any(bool(t.any()) for t in shared)
+        else:
+            assert shared == [None, None, None]
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=str)
+@pytest.mark.parametrize("shape", SMALL, ids=lambda s: s.name)
+def test_zero_topk_is_the_shared_expert_alone(shape, mode):
+    """num_topk == 0: the layer is its shared expert (zero without one), bitwise the layer whose
+    router weights are all zero; the routed weight gradients are zero."""
+    wdtype, dtype = _dtypes(mode)
+    x, idx, tw, w = _case(shape, 24, wdtype)
+    tw = tw.to(dtype)
+    none_idx, none_w = _empty_routing(24, 0, dtype)
+    zero_w = torch.zeros_like(tw)
+    out = moe_forward(x, none_idx, none_w, w, mode)
+    assert out.shape == (24, shape.hidden) and out.dtype == output_dtype(mode)
+    assert torch.equal(out, moe_forward(x, idx, zero_w, w, mode))
+    assert bool(out.any()) == w.has_shared
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(x.dtype)
+    g = moe_backward(go, x, none_idx, none_w, w, mode)
+    ref = moe_backward(go, x, idx, zero_w, w, mode)
+    assert g.d_topk_weights.shape == (24, 0)
+    assert torch.equal(g.dx, ref.dx) and g.dx.shape == x.shape
+    assert bool(g.dx.any()) == w.has_shared
+    for got in (g.dw_gate, g.dw_up, g.dw_down):
+        assert got.shape[0] == shape.num_experts and not bool(got.any())
+    if w.has_shared:
+        assert torch.equal(g.d_shared_w_gate, ref.d_shared_w_gate)
+        assert torch.equal(g.d_shared_w_down, ref.d_shared_w_down)
+
+
+def test_zero_topk_backward_matches_autograd():
+    x, _, _, w = _case(SMALL[0], 12, torch.float64)
+    idx, tw = _empty_routing(12, 0, torch.float64)
+    params = [w.shared_w_gate, w.shared_w_up, w.shared_w_down]
+    for p in params:
+        p.requires_grad_(True)
+    xs = x.clone().requires_grad_(True)
+    out = moe_forward(xs, idx, tw, w, torch.float64)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=out.dtype)
+    out.backward(go)
+    with torch.no_grad():
+        g = moe_backward(go, x, idx, tw, w, torch.float64)
+    got = [g.dx, g.d_shared_w_gate, g.d_shared_w_up, g.d_shared_w_down]
+    for a, b in zip(got, [xs.grad] + [p.grad for p in params], strict=True):
+        torch.testing.assert_close(a, b, rtol=tol.FP64_RTOL, atol=tol.FP64_ATOL)
+
+
+def test_route_zero_tokens_and_zero_topk():
+    for n, k in [(0, 2), (0, 0), (3, 0)]:
+        idx, w = route(torch.randn(n, 6, generator=torch.Generator().manual_seed(0)), k)
+        assert idx.shape == (n, k) and w.shape == (n, k) and w.dtype == torch.float32
+    with pytest.raises(ValueError, match="0 <= num_topk <= num_experts"):
+        route(torch.zeros(2, 6), 7)
