@@ -243,7 +243,7 @@ struct PartialsMeta {
       w[j] = fw[j];
       n = j + 1;
     }
-    const int64_t prow = static_cast<int64_t>(p.sched[p.o_dedup_src_rank + row]) * p.num_tokens +
+    const int64_t prow = static_cast<int64_t>(p.sched[p.o_dedup_src_rank + row]) * p.max_tokens +
                          p.sched[p.o_dedup_src_token + row];
     init = 0;
     out = reinterpret_cast<uint64_t>(c->sym(p.rank, p.off_partials) + prow * rb);
@@ -263,7 +263,7 @@ struct DedupSumMeta {
     uint32_t mask = 0;
     for (int k = 0; k < K; ++k) mask |= 1u << dr[k];
     int n = 0;
-    const int64_t prow = static_cast<int64_t>(p.rank) * p.num_tokens + t;
+    const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + t;
     for (int d = 0; d < p.num_ranks; ++d) {
       if (!((mask >> d) & 1u)) continue;
       src[n] = reinterpret_cast<uint64_t>(c->sym(d, p.off_partials) + prow * rb);
@@ -446,6 +446,7 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gwarp = blockIdx.x * kCommWarps + warp;
   const int nwarps = gridDim.x * kCommWarps;
+  // NOTE: N counts this rank's tokens (the loop); partial rows are laid out by max_tokens.
   const int N = p.num_tokens, R = p.num_ranks;
   const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
   const int n16 = static_cast<int>(rb / 16);
@@ -475,7 +476,7 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
       const int t = gwarp + i * nwarps;
       if (lane == 0) stage_mask[warp][s] = mask;
       uint8_t* st = ring + s * stage_bytes + lane * 16;
-      const int64_t prow = static_cast<int64_t>(p.rank) * N + t;
+      const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + t;
       int q = 0;
       for (int d = 0; d < R; ++d) {
         if (!((mask >> d) & 1u)) continue;
@@ -604,7 +605,7 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
         const int slot = it % kMetaRing;
         const int t = static_cast<int>(blockIdx.x) + it * static_cast<int>(gridDim.x);
         const uint32_t mask = token_owner_mask(p, t);
-        const int64_t prow = static_cast<int64_t>(p.rank) * p.num_tokens + t;
+        const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + t;
         int n = 0;
         uint32_t peer = 0;
         for (int d = 0; d < p.num_ranks; ++d) {

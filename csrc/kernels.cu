@@ -156,11 +156,17 @@ int launch_layer(const Params& p, const LayerArgs& a, int grid, void* stream_ptr
   LayerKernelArgs k{};
   k.p = p;
   k.a = a;
-  const int64_t N = p.num_tokens, H = p.hidden, I = a.inter, Is = a.shared_inter;
+  const int64_t H = p.hidden, I = a.inter, Is = a.shared_inter;
   const int64_t L = p.num_local_experts;
   const int64_t recv_rows = a.ring_rows < p.capacity ? a.ring_rows : p.capacity;
   const uint8_t* sym = reinterpret_cast<const uint8_t*>(p.sym_base[p.rank]);
-  bool ok = encode_map(&k.maps[kMapX], p.in0, N, H, kTileM) &&
+  // NOTE: a tensor map needs at least one row. Without tokens (or with more than the workspace
+  // holds, when the kernel exits at once) the x map points at the symmetric x buffer, which
+  // no tile then reads.
+  const bool has_x = p.num_tokens > 0 && p.num_tokens <= p.max_tokens;
+  const int64_t N = has_x ? p.num_tokens : 1;
+  const void* x = has_x ? p.in0 : static_cast<const void*>(sym + p.off_x);
+  bool ok = encode_map(&k.maps[kMapX], x, N, H, kTileM) &&
             encode_map(&k.maps[kMapRecv], sym + p.off_recv, recv_rows, H, kTileM) &&
             encode_map(&k.maps[kMapH], a.h, a.ring_rows, I, kTileM) &&
             encode_map(&k.maps[kMapGate], a.w_gate, L * I, H, 128) &&

@@ -97,7 +97,7 @@ struct Counters {
     dn_mb = gu_mb + mbs;
     gu_rb = dn_mb + mbs;
     sh_rb = gu_rb + (p.capacity + kTileM - 1) / kTileM;
-    staged = sh_rb + (p.num_tokens + kTileM - 1) / kTileM;
+    staged = sh_rb + (p.max_tokens + kTileM - 1) / kTileM;  // fixed layout: any call's count
     pulled = staged + 1;
     next_tile = pulled + 1;  // workers claim tiles in order from here
     total = next_tile + 1;

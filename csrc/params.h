@@ -50,6 +50,17 @@ enum ErrorCode : int {
   kErrBadExpert = 3,
   kErrDuplicateExpert = 4,
   kErrUnsupported = 5,  // the kernel was built without a path for this GPU
+  kErrTooManyTokens = 6,  // a rank passed more tokens than the workspace holds
+};
+
+// Words per (parity, rank) of the routing status every rank publishes with its routing:
+// input error code, its detail (flat index of the first bad entry, or the token count), and
+// the rank's token count in this call.
+enum RouteStatus : int {
+  kRouteCode = 0,
+  kRouteDetail = 1,
+  kRouteTokens = 2,
+  kRouteStatusWords = 4,
 };
 
 // Fields of the host-visible error record (int64 each).
@@ -105,9 +116,12 @@ enum Flags : int {
 };
 
 struct Params {
-  // Shapes (identical on every rank).
+  // Shapes (identical on every rank, except num_tokens).
   int32_t rank;
   int32_t num_ranks;
+  // NOTE: this rank's tokens in this call (0..max_tokens, may differ between ranks: the
+  // schedule all-gathers every rank's count with its routing). Buffers indexed by token are
+  // laid out for max_tokens rows per rank (the workspace's size; the last field).
   int32_t num_tokens;
   int32_t num_topk;
   int32_t num_experts;
@@ -126,28 +140,28 @@ struct Params {
   // Symmetric memory: base address of each rank's allocation and byte offsets inside it.
   uint64_t sym_base[kMaxRanks];
   int64_t off_signals;       // uint64 [kNumSignals][kMaxRanks]
-  int64_t off_route_status;  // int32 [2][kMaxRanks][2] (code, detail)
-  int64_t off_route_idx;     // int32 [2][num_ranks][num_tokens * num_topk]
-  int64_t off_route_w;       // fp32  [2][num_ranks][num_tokens * num_topk]
-  int64_t off_x;             // [num_tokens][row_bytes]
+  int64_t off_route_status;  // int32 [2][kMaxRanks][kRouteStatusWords]
+  int64_t off_route_idx;     // int32 [2][num_ranks][max_tokens * num_topk]
+  int64_t off_route_w;       // fp32  [2][num_ranks][max_tokens * num_topk]
+  int64_t off_x;             // [max_tokens][row_bytes]
   int64_t off_recv;          // [capacity][row_bytes]
-  int64_t off_slots;         // bf16 [num_tokens * num_topk][hidden]
+  int64_t off_slots;         // bf16 [max_tokens * num_topk][hidden]
   int64_t off_y;             // bf16 [capacity][hidden]
-  int64_t off_partials;      // bf16 [num_ranks * num_tokens][hidden], row src_rank * N + token
+  int64_t off_partials;      // bf16 [num_ranks * max_tokens][hidden], row src_rank * max + token
   // Local schedule storage (int32) and element offsets inside it.
   int32_t* sched;
   int64_t o_counts;           // [num_experts][num_ranks] (M, all experts)
   int64_t o_offsets;          // [num_ranks][num_local_experts + 1] (S of every rank)
   int64_t o_src_rank;         // [capacity]
   int64_t o_src_index;        // [capacity]
-  int64_t o_dst_rank;         // [num_tokens * num_topk]
-  int64_t o_dst_index;        // [num_tokens * num_topk]
-  int64_t o_dedup_src_rank;   // [num_ranks * num_tokens]
-  int64_t o_dedup_src_token;  // [num_ranks * num_tokens]
-  int64_t o_dedup_slot;       // [num_ranks * num_tokens]
+  int64_t o_dst_rank;         // [max_tokens * num_topk]
+  int64_t o_dst_index;        // [max_tokens * num_topk]
+  int64_t o_dedup_src_rank;   // [num_ranks * max_tokens]
+  int64_t o_dedup_src_token;  // [num_ranks * max_tokens]
+  int64_t o_dedup_slot;       // [num_ranks * max_tokens]
   int64_t o_fanout;           // [capacity]
-  int64_t o_fan_rows;         // [num_ranks * num_tokens][num_topk], -1 terminated
-  int64_t o_fan_w;            // fp32 bits [num_ranks * num_tokens][num_topk]
+  int64_t o_fan_rows;         // [num_ranks * max_tokens][num_topk], -1 terminated
+  int64_t o_fan_w;            // fp32 bits [num_ranks * max_tokens][num_topk]
   int64_t o_hist;             // [num_ranks][num_chunks][num_experts]
   int64_t o_dhist;            // [num_ranks][num_chunks]
   int64_t o_dcount;           // [num_ranks]
@@ -160,6 +174,10 @@ struct Params {
   const void* in2;
   const void* in3;
   void* out0;
+  // NOTE: appended last: fields added in the middle shift the layout the fused kernel reads
+  // from its constant bank, and ptxas (nvcc 13.0) then serialises its wgmma pipeline.
+  int32_t max_tokens;  // token rows per rank of every per-token buffer (the workspace's size)
+  int32_t pad0;
 };
 
 // Operands of the fused layer (layer.cu) beyond Params. Plain C++: mok/_ext.py mirrors it.

@@ -3,7 +3,8 @@
 // The table equals reference/schedule.py bitwise (as int32). One cooperative launch, four phases
 // separated by grid barriers:
 //   0. validate this rank's routing and push it (int32 experts, fp32 weights) into every rank's
-//      route buffer; signal kSigRoute; wait for every rank's routing;
+//      route buffer, with the status word (input error, token count); signal kSigRoute; wait
+//      for every rank's routing;
 //   1. per (source rank, chunk of tokens): histogram over experts, and the tokens with an expert
 //      on this rank (dedup rows);
 //   2. exclusive scan of the histograms over chunks -> counts M[e, r] and per-chunk bases; the
@@ -36,13 +37,18 @@ __device__ __forceinline__ int round_robin_pos(const int32_t* counts, int num_ra
 }
 
 // in0: topk_idx [num_tokens, num_topk] int32; in1: topk_weights [num_tokens, num_topk] fp32.
+// num_tokens may exceed max_tokens: then nothing is read and every rank reports the count.
 // Dynamic shared memory: kScheduleWarps * num_experts int32.
 __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params p) {
   extern __shared__ int32_t smem[];
   const Ctx c(p);
   if (c.aborted()) return;
-  const int R = p.num_ranks, N = p.num_tokens, K = p.num_topk, E = p.num_experts;
+  // NOTE: NK is the stride of a rank's routing in the route buffer (max_tokens rows); every
+  // loop over a rank's tokens stops at that rank's own count.
+  const int R = p.num_ranks, N = p.max_tokens, K = p.num_topk, E = p.num_experts;
   const int L = p.num_local_experts, me = p.rank, NK = N * K;
+  const bool too_many = p.num_tokens > N;
+  const int my_nk = too_many ? 0 : p.num_tokens * K;
   const int par = static_cast<int>(p.epoch & 1);
   const int gtid = blockIdx.x * blockDim.x + threadIdx.x;
   const int gthreads = gridDim.x * blockDim.x;
@@ -52,7 +58,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params
   // ---- phase 0: validate and all-gather the routing --------------------------------------
   const int32_t* topk_idx = static_cast<const int32_t*>(p.in0);
   const float* topk_w = static_cast<const float*>(p.in1);
-  for (int i = gtid; i < NK; i += gthreads) {
+  for (int i = gtid; i < my_nk; i += gthreads) {
     const int32_t e = topk_idx[i];
     const float w = topk_w[i];
     int bad = (e < 0 || e >= E) ? kErrBadExpert : kErrNone;
@@ -70,33 +76,41 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params
   }
   if (!grid_sync(c)) return;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const int bad = meta[kMetaBadInput];
-    const int detail = meta[kMetaBadDetail];
+    const int bad = too_many ? kErrTooManyTokens : meta[kMetaBadInput];
+    const int detail = too_many ? p.num_tokens : meta[kMetaBadDetail];
     meta[kMetaBadInput] = 0;
     meta[kMetaBadDetail] = 0x7fffffff;
     for (int r = 0; r < R; ++r) {
-      int32_t* st = reinterpret_cast<int32_t*>(c.sym(r, p.off_route_status));
-      st[(par * kMaxRanks + me) * 2 + 0] = bad;
-      st[(par * kMaxRanks + me) * 2 + 1] = detail;
+      int32_t* st = reinterpret_cast<int32_t*>(c.sym(r, p.off_route_status)) +
+                    (par * kMaxRanks + me) * kRouteStatusWords;
+      st[kRouteCode] = bad;
+      st[kRouteDetail] = detail;
+      st[kRouteTokens] = too_many ? 0 : p.num_tokens;
     }
   }
   // NOTE: one signal per rank and epoch (block 0 only): the wait target is the epoch.
   if (blockIdx.x == 0) block_signal_all(c, kSigRoute);
   if (!block_wait_all(c, kSigRoute, static_cast<uint64_t>(p.epoch))) return;
-  {
-    const int32_t* st = reinterpret_cast<const int32_t*>(c.sym(me, p.off_route_status));
-    for (int r = 0; r < R; ++r) {
-      const int bad = st[(par * kMaxRanks + r) * 2];
-      if (bad) {
-        if (threadIdx.x == 0) {
-          const int detail = st[(par * kMaxRanks + r) * 2 + 1];
+  const int32_t* status =
+      reinterpret_cast<const int32_t*>(c.sym(me, p.off_route_status)) + par * kMaxRanks * kRouteStatusWords;
+  for (int r = 0; r < R; ++r) {
+    const int32_t* st = status + r * kRouteStatusWords;
+    const int bad = st[kRouteCode];
+    if (bad) {
+      if (threadIdx.x == 0) {
+        const int detail = st[kRouteDetail];
+        if (bad == kErrTooManyTokens) {
+          record_error(c, bad, 0, r, detail, N, 0);
+        } else {
           const int32_t* ri = reinterpret_cast<const int32_t*>(c.sym(me, p.off_route_idx));
           record_error(c, bad, 0, r, ri[(par * R + r) * NK + detail], E, detail);
         }
-        return;
       }
+      return;
     }
   }
+  // Tokens of rank r in this call (the status and the routing came with its signal).
+  auto tokens_of = [&](int r) { return status[r * kRouteStatusWords + kRouteTokens]; };
   const int32_t* route = reinterpret_cast<const int32_t*>(c.sym(me, p.off_route_idx)) + par * R * NK;
   const float* route_w = reinterpret_cast<const float*>(c.sym(me, p.off_route_w)) + par * R * NK;
 
@@ -106,7 +120,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params
   const int C = p.chunk_tokens, NC = p.num_chunks;
   for (int q = blockIdx.x; q < R * NC; q += gridDim.x) {
     const int r = q / NC, ch = q % NC;
-    const int t0 = ch * C, t1 = min(N, t0 + C);
+    const int t0 = ch * C, t1 = min(tokens_of(r), t0 + C);
     for (int e = threadIdx.x; e < E; e += blockDim.x) smem[e] = 0;
     __shared__ int dedup_rows;
     if (threadIdx.x == 0) dedup_rows = 0;
@@ -204,7 +218,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params
   const unsigned lt_mask = (1u << lane) - 1;
   for (int q = blockIdx.x * kScheduleWarps + warp; q < R * NC; q += gridDim.x * kScheduleWarps) {
     const int r = q / NC, ch = q % NC;
-    const int t0 = ch * C, t1 = min(N, t0 + C);
+    const int t0 = ch * C, t1 = min(tokens_of(r), t0 + C);
     for (int e = lane; e < E; e += 32) running[e] = hist[(r * NC + ch) * E + e];
     int drun = dhist[r * NC + ch];
     __syncwarp();

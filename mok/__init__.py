@@ -31,14 +31,16 @@ __all__ = [
     "MoKCapacityError",
     "Workspace",
     "get_workspace",
+    "cached_workspaces",
     "clear_workspaces",
+    "check",
 ]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # Workspace pulls in torch; keep `import mok` light and lazy.
-    if name in ("Workspace", "get_workspace", "clear_workspaces"):
+    if name in ("Workspace", "get_workspace", "cached_workspaces", "clear_workspaces", "check"):
         from mok import workspace
 
         return getattr(workspace, name)

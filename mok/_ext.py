@@ -51,7 +51,17 @@ KERNELS = {
 FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED, FLAG_VECTOR, FLAG_NO_FANOUT = 1, 2, 4, 8, 16
 FLAG_SKIP_LOCAL, FLAG_GATHER, FLAG_DEDUP = 32, 64, 128
 FLAG_STAMPS, NUM_STAMPS = 256, 4  # per-block phase stamps (csrc/sync.cuh stamp())
-META = {"num_rows": 0, "num_dedup": 1, "abort": 2, "err_claim": 3, "bad_detail": 7}
+META = {
+    "num_rows": 0,
+    "num_dedup": 1,
+    "abort": 2,
+    "err_claim": 3,
+    "bar_count": 4,
+    "bar_gen": 5,
+    "bad_input": 6,
+    "bad_detail": 7,
+    "last_count": 8,
+}
 SIGNALS = [
     "route_ready",
     "x_ready",
@@ -82,6 +92,9 @@ LOCAL_WAITS = {
     107: "layer GEMM pipeline stage",
 }
 ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT, ERR_UNSUPPORTED = 1, 2, 3, 4, 5
+ERR_TOO_MANY_TOKENS = 6
+# Routing status words per (parity, rank) (csrc/params.h RouteStatus).
+ROUTE_STATUS_WORDS = 4
 
 _I32 = ctypes.c_int32
 _I64 = ctypes.c_int64
@@ -158,6 +171,8 @@ class Params(ctypes.Structure):
         ("in2", _U64),
         ("in3", _U64),
         ("out0", _U64),
+        ("max_tokens", _I32),
+        ("pad0", _I32),
     ]
 
 

@@ -61,6 +61,11 @@ class DeviceSchedule:
     topk_idx: torch.Tensor  # [num_tokens, num_topk] int32 (this rank's routing)
     topk_weights: torch.Tensor  # [num_tokens, num_topk] fp32
 
+    @property
+    def num_tokens(self) -> int:
+        """This rank's tokens in this call (0..ws.max_tokens; ranks may differ)."""
+        return self.topk_idx.shape[0]
+
     def _v(self, name: str, n: int) -> torch.Tensor:
         return self.ws.sched_view(name, n)
 
@@ -100,8 +105,8 @@ class DeviceSchedule:
         return self._rows("fanout")
 
     def _nk(self, name: str) -> torch.Tensor:  # [num_tokens, num_topk]
-        s = self.ws.shapes
-        return self._v(name, s.num_tokens * s.num_topk).view(s.num_tokens, s.num_topk)
+        n, k = self.num_tokens, self.ws.shapes.num_topk
+        return self._v(name, n * k).view(n, k)
 
     @property
     def dst_rank(self) -> torch.Tensor:
@@ -111,8 +116,8 @@ class DeviceSchedule:
     def dst_index(self) -> torch.Tensor:
         return self._nk("dst_index")
 
-    def _dedup(self, name: str) -> torch.Tensor:  # [num_ranks * num_tokens]
-        return self._v(name, self.ws.num_ranks * self.ws.shapes.num_tokens)
+    def _dedup(self, name: str) -> torch.Tensor:  # [num_ranks * max_tokens]
+        return self._v(name, self.ws.num_ranks * self.ws.max_tokens)
 
     @property
     def dedup_src_rank(self) -> torch.Tensor:
@@ -182,17 +187,30 @@ def build_schedule(
 ) -> DeviceSchedule:
     """All-gather the routing into symmetric memory and build this rank's schedule on the GPU.
 
+    ``num_tokens`` may be anything from 0 to ``ws.max_tokens`` and differ between ranks.
     Expert ids out of range or repeated within a token are detected on the device and raised
-    (as :class:`mok.MoKInputError`) by the next mok call or :meth:`Workspace.check`.
+    (as :class:`mok.MoKInputError`, on every rank) by the next mok call or
+    :meth:`Workspace.check`; the workspace then recovers (the call after the one that raised
+    runs normally). More than ``ws.max_tokens`` tokens raise :class:`mok.MoKCapacityError`
+    here, and on the other ranks at their next mok call.
     """
     s = ws.shapes
-    shape = (s.num_tokens, s.num_topk)
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.ndim != 2:
+        found = tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx)
+        raise MoKInputError(f"topk_idx must have shape (num_tokens, {s.num_topk}) (found {found})")
+    shape = (topk_idx.shape[0], s.num_topk)
     _check_tensor("topk_idx", topk_idx, shape, (torch.int32, torch.int64), ws.device)
     floats = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
     _check_tensor("topk_weights", topk_weights, shape, floats, ws.device)
+    if topk_idx.dtype == torch.int64:
+        # NOTE: ids outside int32 would wrap into range; clamped, the device check sees them.
+        topk_idx = topk_idx.clamp(-(2**31), 2**31 - 1)
     idx = topk_idx.to(torch.int32).contiguous()
     w = topk_weights.to(torch.float32).contiguous()
     ops.build_schedule(idx, w, ws.sched, ws.id)
+    if idx.shape[0] > ws.max_tokens:
+        # Every rank learns of it in this schedule build; this rank knows now.
+        ws.check()
     return DeviceSchedule(ws, idx, w)
 
 
@@ -252,7 +270,8 @@ def dispatch(
         raise MoKInputError("fan_out=False needs mode='dedup_pull'")
     if skip_local and fan_out:
         raise MoKInputError("skip_local=True needs mode='dedup_pull' and fan_out=False")
-    _check_tensor("x", x, (ws.shapes.num_tokens, ws.shapes.hidden), (ws.shapes.dtype,), ws.device)
+    n = schedule.num_tokens
+    _check_tensor("x", x, (n, ws.shapes.hidden), (ws.shapes.dtype,), ws.device)
     x = x.contiguous()
     out = ws.recv_buffer if fan_out else ws.dedup_buffer
     ops.dispatch(x, ws.sched, out, ws.id, mode, fan_out, engine, skip_local)
@@ -272,7 +291,7 @@ def fanout(
     ws = schedule.ws
     engine = _engine(ws, engine)
     R, s = ws.num_ranks, ws.shapes
-    _check_tensor("dedup", dedup, (R * s.num_tokens, s.hidden), (s.dtype,), ws.device)
+    _check_tensor("dedup", dedup, (R * s.max_tokens, s.hidden), (s.dtype,), ws.device)
     recv = ws.recv_buffer
     ops.fanout(dedup.contiguous(), ws.sched, recv, ws.id, engine, skip_local)
     return recv
@@ -308,12 +327,12 @@ def combine(
         _check_tensor(
             "shared_y",
             shared_y,
-            (s.num_tokens, s.hidden),
+            (schedule.num_tokens, s.hidden),
             (torch.bfloat16, torch.float32),
             ws.device,
         )
         shared_y = shared_y.contiguous()
-    out = torch.empty(s.num_tokens, s.hidden, dtype=torch.bfloat16, device=ws.device)
+    out = torch.empty(schedule.num_tokens, s.hidden, dtype=torch.bfloat16, device=ws.device)
     kernel_mode = "dedup_push" if dedup else mode
     ops.combine(
         y.contiguous(),
@@ -361,12 +380,12 @@ def dedup_sum(
         _check_tensor(
             "shared_y",
             shared_y,
-            (s.num_tokens, s.hidden),
+            (schedule.num_tokens, s.hidden),
             (torch.bfloat16, torch.float32),
             ws.device,
         )
         shared_y = shared_y.contiguous()
-    out = torch.empty(s.num_tokens, s.hidden, dtype=torch.bfloat16, device=ws.device)
+    out = torch.empty(schedule.num_tokens, s.hidden, dtype=torch.bfloat16, device=ws.device)
     ops.dedup_sum(ws.sched, shared_y, out, ws.id, engine)
     return out
 
@@ -378,7 +397,7 @@ _FUSED_BLOCK_ROWS, _FUSED_HIDDEN_TILE, _FUSED_INTER_TILE = 128, 256, 128
 _FUSED_ROW_TILES = (64, 128)
 
 
-def _check_fused(ws: Workspace, weights, x: torch.Tensor) -> None:
+def _check_fused(ws: Workspace, weights, x: torch.Tensor, num_tokens: int) -> None:
     """Raise a clear error for everything the fused layer does not support (yet)."""
     cap = torch.cuda.get_device_capability(ws.device)
     if cap != (9, 0):
@@ -438,7 +457,7 @@ def _check_fused(ws: Workspace, weights, x: torch.Tensor) -> None:
         _check_tensor(f"weights.{name}", t, shape, (torch.bfloat16,), ws.device)
         if not t.is_contiguous() or t.data_ptr() % 16:
             raise MoKInputError(f"weights.{name} must be contiguous and 16-byte aligned")
-    _check_tensor("x", x, (s.num_tokens, H), (torch.bfloat16,), ws.device)
+    _check_tensor("x", x, (num_tokens, H), (torch.bfloat16,), ws.device)
     if not x.is_contiguous() or x.data_ptr() % 16:
         raise MoKInputError("x must be contiguous and 16-byte aligned")
 
@@ -459,7 +478,7 @@ def forward(
     :func:`mok.layer_trace.new_trace` that the kernel fills with per-tile timestamps.
     """
     ws = schedule.ws
-    _check_fused(ws, weights, x)
+    _check_fused(ws, weights, x, schedule.num_tokens)
     out = torch.empty_like(x)
     ops.layer_forward(
         x,

@@ -93,7 +93,8 @@ def build_schedule(
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
     ws.epochs["route"] += 1
-    p = ws.params("route")
+    ws.note_schedule()
+    p = ws.params("route", topk_idx.shape[0])
     p.in0, p.in1 = topk_idx.data_ptr(), topk_weights.data_ptr()
     ws.launch("schedule", p, ws.schedule_blocks())
 
@@ -121,7 +122,7 @@ def dispatch(
     ws.raise_if_failed()
     family = "recv" if mode == "push" else "x"
     ws.epochs[family] += 1
-    p = ws.params(family)
+    p = ws.params(family, x.shape[0])
     p.in0, p.out0 = x.data_ptr(), recv.data_ptr()
     if mode != "push" and x.data_ptr() != ws.x_buffer.data_ptr():
         p.flags |= _ext.FLAG_STAGE
@@ -202,7 +203,7 @@ def dedup_sum(
     ws.raise_if_failed()
     if ws.epochs["partials"] == 0:
         raise MoKInputError("mok: dedup_sum before any dedup_partials on this workspace")
-    p = ws.params("partials")
+    p = ws.params("partials", out.shape[0])
     p.out0 = out.data_ptr()
     if shared_y is not None:
         p.in2 = shared_y.data_ptr()
@@ -237,7 +238,7 @@ def combine(
     ws.raise_if_failed()
     family = "y" if mode == "pull" else "slots"
     ws.epochs[family] += 1
-    p = ws.params(family)
+    p = ws.params(family, out.shape[0])
     p.in0, p.in1, p.in3, p.out0 = (
         y.data_ptr(),
         topk_weights.data_ptr(),
@@ -286,7 +287,7 @@ def layer_forward(
     shared_inter = 0 if shared_w_gate is None else shared_w_gate.shape[0]
     bufs = ws.layer_buffers(inter, shared_inter)
     ws.epochs["layer"] += 1
-    p = ws.params("layer")
+    p = ws.params("layer", x.shape[0])
     p.in0, p.in1, p.out0 = x.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
     if ws.config.dispatch_mode == "dedup_pull":
         p.flags |= _ext.FLAG_DEDUP

@@ -4,14 +4,25 @@ One symmetric allocation per rank (``torch.distributed._symmetric_memory.empty``
 ``rendezvous``; no multicast) holds, at fixed byte offsets: the signal pad, the all-gathered
 routing, the x buffer (pull dispatch reads peers' rows from it), the receive buffer (push
 dispatch stores into peers'), the combine slots (push combine) and the expert-output buffer
-(pull combine). Workspaces are cached per (group, device, shapes, dtype, config); creating one is
-collective and happens once, outside the steady state. Steady-state calls only bump host-side
-epoch counters and launch kernels: no host synchronisation.
+(pull combine). Workspaces are cached per (group, device, hidden, top-k, experts, dtype,
+config); creating one is collective and happens once, outside the steady state. A workspace is
+sized for ``max_tokens`` tokens per rank (``MoKConfig.max_tokens``, or the largest count any rank
+passes when it is created) and serves every call with 0..max_tokens tokens per rank; the ranks'
+counts may differ. Steady-state calls only bump host-side epoch counters and launch kernels: no
+host synchronisation.
+
+Errors the kernels find in the inputs (a bad expert id, a full receive buffer, more tokens than
+``max_tokens``) are found by every rank in the same schedule build; every later kernel of the
+workspace returns at once. The host raises the error at the next mok call (or
+:meth:`Workspace.check`) and puts the workspace back into the state it had right after that
+schedule build, so the next call runs normally. A timeout leaves the peers' state unknown: the
+workspace stays unusable until :func:`clear_workspaces`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -20,13 +31,19 @@ from mok import _ext
 from mok.config import MoKConfig
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError, MoKUnsupportedError
 
-__all__ = ["Workspace", "get_workspace", "clear_workspaces"]
+__all__ = ["Workspace", "get_workspace", "cached_workspaces", "clear_workspaces", "check"]
 
 _ALIGN = 256
 _CHUNK_TOKENS = 64
 _SCHEDULE_BLOCKS = 64
+# Distinct layer shapes / configs held at once (each holds its buffers until cleared).
+MAX_WORKSPACES = 16
+# Schedule builds whose host state is kept for the recovery after an input error (the host may
+# run this many schedule builds ahead of the device before it sees the error).
+_SNAPSHOTS = 64
 _cache: dict[tuple, Workspace] = {}
 _by_handle: dict[int, Workspace] = {}
+_next_id = 1
 
 
 def _align(n: int) -> int:
@@ -35,7 +52,7 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Shapes:
-    num_tokens: int
+    max_tokens: int  # token rows per rank of every per-token buffer (any call: 0..max_tokens)
     hidden: int
     num_topk: int
     num_experts: int
@@ -63,7 +80,7 @@ class Workspace:
         self.num_ranks = dist.get_world_size(group) if distributed else 1
         R, N, H, K, E = (
             self.num_ranks,
-            shapes.num_tokens,
+            shapes.max_tokens,
             shapes.hidden,
             shapes.num_topk,
             shapes.num_experts,
@@ -74,6 +91,8 @@ class Workspace:
             )
         if E % R:
             raise MoKInputError(f"num_experts={E} is not divisible by num_ranks={R}")
+        if N < 1:
+            raise MoKInputError(f"a workspace holds at least 1 token per rank (max_tokens={N})")
         if not 1 <= K <= _ext.MAX_TOPK:
             raise MoKInputError(f"num_topk must be in [1, {_ext.MAX_TOPK}] (found {K})")
         elem = torch.empty((), dtype=shapes.dtype).element_size()
@@ -89,7 +108,7 @@ class Workspace:
         self.sym_off, sym_bytes = _layout(
             [
                 ("signals", _ext.NUM_SIGNALS * _ext.MAX_RANKS * 8),
-                ("route_status", 2 * _ext.MAX_RANKS * 2 * 4),
+                ("route_status", 2 * _ext.MAX_RANKS * _ext.ROUTE_STATUS_WORDS * 4),
                 ("route_idx", 2 * R * N * K * 4),
                 ("route_w", 2 * R * N * K * 4),
                 ("x", N * self.row_bytes),
@@ -168,10 +187,14 @@ class Workspace:
         self._dedup_buffer: torch.Tensor | None = None
         self.broken: Exception | None = None
         self._params_base: bytes | None = None
+        # Epochs right after each recent schedule build, by route epoch (input-error recovery).
+        self._snapshots: OrderedDict[int, dict[str, int]] = OrderedDict()
         # Diagnostics: an int64 CUDA tensor [num_comm_sms, NUM_STAMPS] here makes the dedup pull
         # dispatch and dedup_sum kernels write each block's phase times (globaltimer ns) into it.
         self.stamps: torch.Tensor | None = None
-        self.id = len(_by_handle) + 1
+        global _next_id
+        self.id = _next_id
+        _next_id += 1
         _by_handle[self.id] = self
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if config.num_comm_sms > sms:
@@ -186,10 +209,15 @@ class Workspace:
         return self.sym[off : off + nbytes].view(dtype).view(shape)
 
     @property
+    def max_tokens(self) -> int:
+        """Most tokens one rank may pass in one call."""
+        return self.shapes.max_tokens
+
+    @property
     def x_buffer(self) -> torch.Tensor:
-        """[num_tokens, hidden] symmetric x buffer: write tokens here to skip the staging copy
-        of pull dispatch."""
-        return self.sym_view("x", self.shapes.dtype, (self.shapes.num_tokens, self.shapes.hidden))
+        """[max_tokens, hidden] symmetric x buffer: write a call's tokens into its first rows and
+        pass ``x_buffer[:num_tokens]`` to skip the staging copy of pull dispatch."""
+        return self.sym_view("x", self.shapes.dtype, (self.shapes.max_tokens, self.shapes.hidden))
 
     @property
     def recv_buffer(self) -> torch.Tensor:
@@ -204,17 +232,17 @@ class Workspace:
 
     @property
     def partials_buffer(self) -> torch.Tensor:
-        """[num_ranks * num_tokens, hidden] bf16 dedup partials (row src_rank * num_tokens +
+        """[num_ranks * max_tokens, hidden] bf16 dedup partials (row src_rank * max_tokens +
         token) that this rank's experts produced for the dedup pull combine."""
-        R, N, H = self.num_ranks, self.shapes.num_tokens, self.shapes.hidden
+        R, N, H = self.num_ranks, self.shapes.max_tokens, self.shapes.hidden
         return self.sym_view("partials", torch.bfloat16, (R * N, H))
 
     @property
     def dedup_buffer(self) -> torch.Tensor:
-        """[num_ranks * num_tokens, hidden] local buffer of the dedup dispatch without fan-out
+        """[num_ranks * max_tokens, hidden] local buffer of the dedup dispatch without fan-out
         (row i = dedup row i; rows past num_dedup_rows unspecified). Allocated on first use."""
         if self._dedup_buffer is None:
-            R, N, H = self.num_ranks, self.shapes.num_tokens, self.shapes.hidden
+            R, N, H = self.num_ranks, self.shapes.max_tokens, self.shapes.hidden
             self._dedup_buffer = torch.empty(R * N, H, dtype=self.shapes.dtype, device=self.device)
         return self._dedup_buffer
 
@@ -223,21 +251,31 @@ class Workspace:
         return self.sched[off : off + length]
 
     # ---- launches ------------------------------------------------------------------------
-    def params(self, family: str | None) -> _ext.Params:
+    def params(self, family: str | None, num_tokens: int | None = None) -> _ext.Params:
         """A fresh Params for one launch: the workspace's fixed fields (built once, then
-        copied: host time per call matters) with the family's current epoch."""
+        copied: host time per call matters) with the family's current epoch and this rank's
+        token count (default max_tokens)."""
         if self._params_base is None:
             self._params_base = bytes(self._fixed_params())
         p = _ext.Params.from_buffer_copy(self._params_base)
         p.epoch = self.epochs[family] if family else 0
+        if num_tokens is not None:
+            p.num_tokens = num_tokens
         return p
+
+    def note_schedule(self) -> None:
+        """Keep the host state right after a schedule build (see :meth:`raise_if_failed`)."""
+        self._snapshots[self.epochs["route"]] = dict(self.epochs)
+        while len(self._snapshots) > _SNAPSHOTS:
+            self._snapshots.popitem(last=False)
 
     def _fixed_params(self) -> _ext.Params:
         s, p = self.shapes, _ext.Params()
-        p.rank, p.num_ranks, p.num_tokens, p.num_topk = (
+        p.rank, p.num_ranks, p.num_tokens, p.max_tokens, p.num_topk = (
             self.rank,
             self.num_ranks,
-            s.num_tokens,
+            s.max_tokens,
+            s.max_tokens,
             s.num_topk,
         )
         p.num_experts, p.num_local_experts = s.num_experts, self.num_local_experts
@@ -282,7 +320,7 @@ class Workspace:
         key = (inter, shared_inter)
         bufs = self._layer_buffers.get(key)
         if bufs is None:
-            N, H, dev = self.shapes.num_tokens, self.shapes.hidden, self.device
+            N, H, dev = self.shapes.max_tokens, self.shapes.hidden, self.device
             words = self._ext.layer_counters(bytes(self.params("layer")))
             bufs = {
                 "h": torch.empty(self.ring_rows, inter, dtype=torch.bfloat16, device=dev),
@@ -299,25 +337,50 @@ class Workspace:
 
     # ---- errors --------------------------------------------------------------------------
     def raise_if_failed(self) -> None:
-        """Raise the error a kernel recorded (reads host memory; no device synchronisation)."""
+        """Raise the error a kernel recorded (reads host memory; no device synchronisation
+        unless there is one).
+
+        Input errors (bad expert ids, a full receive buffer, too many tokens) are found by
+        every rank in the same schedule build, and every later kernel of the workspace returned
+        at once without touching a peer. So each rank can, on its own, wait for its kernels,
+        clear the error, and go back to the epochs it had right after that build: the next
+        call runs normally on every rank. Timeouts stay: the workspace is unusable after one.
+        """
         if self.broken is not None:
             raise self.broken
         rec = self.error.tolist()
         if rec[0] == 0:
             return
-        self.broken = self._decode(rec)
-        raise self.broken
+        code, epoch = rec[0], rec[6]
+        snapshot = self._snapshots.get(epoch)
+        recoverable = code in _RECOVERABLE and snapshot is not None
+        err = self._decode(rec, recoverable)
+        if not recoverable:
+            self.broken = err
+            raise err
+        torch.cuda.synchronize(self.device)
+        meta = self.sched_off["meta"]
+        for word in ("abort", "err_claim", "bar_count", "bad_input", "last_count"):
+            self.sched[meta + _ext.META[word]] = 0
+        self.sched[meta + _ext.META["bad_detail"]] = 2**31 - 1
+        self.error.zero_()
+        self.epochs = dict(snapshot)
+        self._snapshots.clear()
+        self._snapshots[epoch] = dict(snapshot)
+        raise err
 
     def check(self) -> None:
         """Synchronise the device, then raise any recorded error (for tests and debugging)."""
         torch.cuda.synchronize(self.device)
         self.raise_if_failed()
 
-    def _decode(self, rec: list[int]) -> Exception:
+    def _decode(self, rec: list[int], recovered: bool = False) -> Exception:
         code, wait, peer, observed, expected, rank, epoch, extra = rec
         where = f"rank {rank}, epoch {epoch}"
         tail = (
-            " The workspace is unusable now; call mok.clear_workspaces() on every rank and "
+            " Every rank raises it; the workspace has recovered and the next call runs normally."
+            if recovered
+            else " The workspace is unusable now; call mok.clear_workspaces() on every rank and "
             "rebuild it."
         )
         if code == _ext.ERR_TIMEOUT:
@@ -343,6 +406,12 @@ class Workspace:
                 f"(capacity_factor={self.config.capacity_factor:g}); the overflow starts at "
                 f"expert {extra}. Raise capacity_factor; mok never drops tokens ({where}).{tail}"
             )
+        if code == _ext.ERR_TOO_MANY_TOKENS:
+            return MoKCapacityError(
+                f"mok: rank {peer} passed {observed} tokens but the workspace holds at most "
+                f"{expected} per rank (sized by MoKConfig.max_tokens, or by the first call when "
+                f"it is 0); set max_tokens to the largest batch ({where}).{tail}"
+            )
         if code in (_ext.ERR_BAD_EXPERT, _ext.ERR_DUP_EXPERT):
             K = self.shapes.num_topk
             what = (
@@ -360,6 +429,15 @@ class Workspace:
                 f"needs sm_90a (Hopper).{tail}"
             )
         return MoKUnsupportedError(f"mok: kernel error code {code} on {where}: {rec}")
+
+
+# Errors every rank finds in the same schedule build (see Workspace.raise_if_failed).
+_RECOVERABLE = (
+    _ext.ERR_BAD_EXPERT,
+    _ext.ERR_DUP_EXPERT,
+    _ext.ERR_CAPACITY,
+    _ext.ERR_TOO_MANY_TOKENS,
+)
 
 
 def _group_key(group) -> tuple:
@@ -381,17 +459,33 @@ def get_workspace(
     group=None,
     device: torch.device | int | str | None = None,
 ) -> Workspace:
-    """The cached workspace of these shapes and config (created collectively on first use)."""
+    """The cached workspace of this layer shape and config (created collectively on first use).
+
+    ``num_tokens`` is this rank's token count of the call at hand; it matters only when the
+    workspace is created with ``config.max_tokens == 0``: then it is sized for the largest
+    ``num_tokens`` any rank passes (one collective, at creation). Later calls of any count up
+    to the workspace's ``max_tokens`` reuse it; more raise :class:`mok.MoKCapacityError` on
+    every rank (from the schedule build).
+    """
     config = config or MoKConfig()
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    shapes = Shapes(num_tokens, hidden, num_topk, num_experts, dtype)
-    key = (_group_key(group), device.index, shapes, config)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise MoKInputError(f"num_tokens must be an int >= 0 (found {num_tokens!r})")
+    key = (_group_key(group), device.index, hidden, num_topk, num_experts, dtype, config)
     ws = _cache.get(key)
     if ws is None:
-        _check_same_everywhere(key, group)
+        if len(_cache) >= MAX_WORKSPACES:
+            raise MoKInputError(
+                f"mok holds {len(_cache)} workspaces (one per layer shape, dtype, config and "
+                f"group), the most it keeps; call mok.clear_workspaces() on every rank, or use "
+                "fewer distinct configs"
+            )
+        most = _check_same_everywhere(key, group, num_tokens)
+        max_tokens = config.max_tokens or max(1, most)
+        shapes = Shapes(max_tokens, hidden, num_topk, num_experts, dtype)
         ws = Workspace(shapes, config, group, device)
         _cache[key] = ws
     return ws
@@ -401,8 +495,21 @@ def workspace_by_id(handle: int) -> Workspace:
     return _by_handle[handle]
 
 
+def cached_workspaces() -> list[Workspace]:
+    """The workspaces mok holds now (each keeps its GPU memory until clear_workspaces)."""
+    return list(_cache.values())
+
+
+def check() -> None:
+    """Wait for the GPU, then raise the first error any cached workspace recorded (so that it
+    is attributed to the call just made; the next mok call would raise it otherwise)."""
+    for ws in list(_cache.values()):
+        ws.check()
+
+
 def clear_workspaces() -> None:
-    """Drop every cached workspace (collective when distributed: call on every rank)."""
+    """Drop every cached workspace and free its memory (collective when distributed: call on
+    every rank)."""
     import gc
 
     _cache.clear()
@@ -413,25 +520,28 @@ def clear_workspaces() -> None:
         torch.cuda.empty_cache()
 
 
-def _check_same_everywhere(key: tuple, group) -> None:
+def _check_same_everywhere(key: tuple, group, num_tokens: int) -> int:
+    """Check that every rank creates the same workspace; the largest token count of any rank."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return
+        return num_tokens
     world = dist.get_world_size(group)
     mine = repr(key[2:])
     # NOTE: only on workspace creation (once per shape/config), never in the steady state.
     t = torch.tensor(list(mine.encode()), dtype=torch.uint8)
-    n = torch.tensor([t.numel()], dtype=torch.int64)
+    n = torch.tensor([t.numel(), num_tokens], dtype=torch.int64)
     dev = torch.device("cuda", torch.cuda.current_device())
     ns = [torch.empty_like(n, device=dev) for _ in range(world)]
     dist.all_gather(ns, n.to(dev), group=group)
-    size = max(int(x.item()) for x in ns)
+    lengths = [int(x[0].item()) for x in ns]
+    size = max(lengths)
     pad = torch.zeros(size, dtype=torch.uint8, device=dev)
     pad[: t.numel()] = t.to(dev)
     parts = [torch.empty_like(pad) for _ in range(world)]
     dist.all_gather(parts, pad, group=group)
-    texts = [bytes(p[: int(k.item())].tolist()).decode() for p, k in zip(parts, ns, strict=True)]
+    texts = [bytes(p[:k].tolist()).decode() for p, k in zip(parts, lengths, strict=True)]
     if any(x != mine for x in texts):
         diff = "; ".join(f"rank {r}: {x}" for r, x in enumerate(texts))
         raise MoKInputError(f"ranks disagree on the layer's shapes or config: {diff}")
+    return max(int(x[1].item()) for x in ns)

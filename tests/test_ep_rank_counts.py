@@ -84,6 +84,8 @@ def _constants() -> dict[str, int]:
         "kErrBadExpert": _ext.ERR_BAD_EXPERT,
         "kErrDuplicateExpert": _ext.ERR_DUP_EXPERT,
         "kErrUnsupported": _ext.ERR_UNSUPPORTED,
+        "kErrTooManyTokens": _ext.ERR_TOO_MANY_TOKENS,
+        "kRouteStatusWords": _ext.ROUTE_STATUS_WORDS,
     }
     c |= {f"kKernel{_camel(k)}": v for k, v in _ext.KERNELS.items()}
     c |= {f"kMeta{_camel(k)}": v for k, v in _ext.META.items()}
@@ -230,14 +232,14 @@ def fake_group(monkeypatch):
 def _sym_extents(ws) -> dict[str, int]:
     """Bytes past each symmetric region's start that the kernels touch (largest index + 1),
     from their index expressions, every rank and parity included."""
-    R, N, K = ws.num_ranks, ws.shapes.num_tokens, ws.shapes.num_topk
+    R, N, K = ws.num_ranks, ws.shapes.max_tokens, ws.shapes.num_topk
     H, NK, cap = ws.shapes.hidden, N * K, ws.capacity
     M, par = _ext.MAX_RANKS, 1  # the odd parity of the double-buffered route area
     return {
         # sync.cuh my_signal / peer_signal: kind * kMaxRanks + peer
         "signals": ((_ext.NUM_SIGNALS - 1) * M + (R - 1) + 1) * 8,
-        # schedule.cuh phase 0: st[(par * kMaxRanks + me) * 2 + 1]
-        "route_status": ((par * M + R - 1) * 2 + 1 + 1) * 4,
+        # schedule.cuh phase 0: status[(par * kMaxRanks + me) * kRouteStatusWords + word]
+        "route_status": ((par * M + R - 1) * _ext.ROUTE_STATUS_WORDS + 2 + 1) * 4,
         # schedule.cuh phase 0: [(par * R + me) * NK + i]
         "route_idx": ((par * R + R - 1) * NK + NK - 1 + 1) * 4,
         "route_w": ((par * R + R - 1) * NK + NK - 1 + 1) * 4,
@@ -255,7 +257,7 @@ def _sym_extents(ws) -> dict[str, int]:
 
 def _sched_extents(ws) -> dict[str, int]:
     """int32 elements past each schedule region's start that the kernels touch."""
-    R, N, K, E = ws.num_ranks, ws.shapes.num_tokens, ws.shapes.num_topk, ws.shapes.num_experts
+    R, N, K, E = ws.num_ranks, ws.shapes.max_tokens, ws.shapes.num_topk, ws.shapes.num_experts
     L, NC, cap = ws.num_local_experts, ws.num_chunks, ws.capacity
     D = R * N  # most dedup rows a rank can hold (test_dedup_rows_reach_num_ranks_times_tokens)
     return {
@@ -360,6 +362,7 @@ def test_deepseek_v3_ep8_shape_fits_int32_indices_and_int64_offsets(fake_group):
         "rank": R - 1,
         "num_ranks": R,
         "num_tokens": N,
+        "max_tokens": N,
         "num_topk": K,
         "num_experts": E,
         "num_local_experts": E // R,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import mok
 from mok import functional as mf
+from mok.bench.env import disable_multicast
 from mok.workload import ModelShape, make_routing
 from reference.moe import moe_forward as ref_moe_forward
 from reference.weights import MoEWeights
@@ -194,6 +195,7 @@ def timeout_case(dev):
 
 
 def main() -> int:
+    disable_multicast()
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", action="store_true")
     ap.add_argument("--quick", action="store_true")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import mok
 from mok import functional as mf
+from mok.bench.env import disable_multicast
 from mok.workload import ModelShape, make_routing
 from reference import ep as ref_ep
 from reference.moe import combine as ref_combine
@@ -253,6 +254,7 @@ def error_cases(dev):
     bad_idx = idx.clone()
     if rank == 0:
         bad_idx[5, 2] = E
+    good = s.to_host()
     mf.build_schedule(bad_idx, w, ws)
     try:
         ws.check()
@@ -262,6 +264,21 @@ def error_cases(dev):
             f"rank 0 routes token 5 (k=2) to expert {E} outside [0, num_experts={E})" in str(e),
             str(e),
         )
+        check("has recovered" in str(e), str(e))
+    # Every rank recovered on its own: the next good call works everywhere.
+    again = mf.build_schedule(idx, w, ws).to_host()
+    for f in FIELDS:
+        check(torch.equal(again[f], good[f]), f"schedule.{f} after recovery differs")
+    # More tokens than the workspace holds on rank 0 only: every rank raises, then recovers.
+    big = N + 1 if rank == 0 else N
+    try:
+        mf.build_schedule(idx[:1].repeat(big, 1), w[:1].repeat(big, 1), ws)
+        ws.check()
+        check(False, "too many tokens not detected")
+    except mok.MoKCapacityError as e:
+        check(f"rank 0 passed {N + 1} tokens but the workspace holds at most {N}" in str(e), str(e))
+    again = mf.build_schedule(idx, w, ws).to_host()
+    check(torch.equal(again["src_index"], good["src_index"]), "schedule after too many tokens")
     # Capacity: every token to experts 0..K-1 overflows a small receive buffer on rank 0 (row
     # tile 16 keeps the padding allowance small); every rank raises the same error.
     cfg2 = mok.MoKConfig(num_comm_sms=4, capacity_factor=0.1, row_tile=16, wait_timeout_ms=5000.0)
@@ -272,6 +289,62 @@ def error_cases(dev):
         check(False, "capacity overflow not detected")
     except mok.MoKCapacityError as e:
         check("rank 0 must receive" in str(e) and "never drops tokens" in str(e), str(e))
+
+
+def varying_case(dev):
+    """Ranks pass different token counts (zero on one rank at some steps) to one workspace: each
+    rank's output meets the BF16 rule against the reference of its own tokens, and the fused
+    layer's equals, bitwise, its rows of the call where every rank passes all tokens (the
+    unfused path's torch GEMMs pick kernels by row count)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mok.clear_workspaces()
+    shape = ModelShape("mok-vary", 32, 512, 256, 4, shared_intermediate=256)
+    N, E = 600, shape.num_experts
+    w = MoEWeights.random(shape, seed=SEED, dtype=torch.float32, device=dev).to(torch.bfloat16)
+    t = make_routing(N, E, shape.num_topk, world, "hot:0.5", seed=SEED + 5)
+    sl = slice(rank * N, (rank + 1) * N)
+    idx = torch.from_numpy(t.topk_idx)[sl].to(dev)
+    tw = torch.from_numpy(t.topk_weights)[sl].to(dev)
+    x = tokens(rank, N, shape.hidden).to(dev)
+    lw = local_weights(w, dev)
+    steps = [[N] * world, [0] + [N] * (world - 1), [N] + [0] * (world - 1), [0] * world]
+    steps += [[(37 * (s + 1) * (r + 2)) % (N + 1) for r in range(world)] for s in range(8)]
+    for fused, dm, cm in (
+        (True, "dedup_pull", "push"),
+        (True, "pull", "push"),
+        (False, "pull", "pull"),
+        (False, "dedup_pull", "push"),
+    ):
+        cfg = mok.MoKConfig(
+            dispatch_mode=dm,
+            combine_mode=cm,
+            num_comm_sms=8,
+            max_tokens=N,
+            minibatch_size=256,
+            wait_timeout_ms=20000.0,
+        )
+        full = None
+        for counts in steps:
+            n = counts[rank]
+            out = mf.moe_forward(x[:n], idx[:n], tw[:n], lw, E, cfg, fused=fused)
+            mok.check()
+            if full is None:
+                full = out
+                oracle = ref_moe_forward(
+                    x.double(), idx, tw.double(), w.to(torch.float64), torch.float64
+                ).cpu()
+                ref_b = ref_moe_forward(x, idx, tw, w, torch.bfloat16).cpu()
+            check(out.shape == (n, shape.hidden), f"varying {counts}: shape {tuple(out.shape)}")
+            tol.assert_bf16_rule(out.cpu(), ref_b[:n], oracle[:n])
+            if fused:
+                check(torch.equal(out, full[:n]), f"varying {dm} fused {counts} differs")
+        check(len(mok.cached_workspaces()) == 1, "one workspace for every count")
+        mok.clear_workspaces()
+
+
+def local_weights(w: MoEWeights, dev) -> MoEWeights:
+    lw = w.shard(dist.get_rank(), dist.get_world_size())
+    return MoEWeights(*(None if v is None else v.to(dev).contiguous() for v in vars(lw).values()))
 
 
 def timeout_case(dev):
@@ -303,6 +376,7 @@ def timeout_case(dev):
 
 
 def main() -> int:
+    disable_multicast()
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", action="store_true")
     ap.add_argument("--quick", action="store_true")
@@ -328,6 +402,8 @@ def main() -> int:
             mok.clear_workspaces()
         layer_case(dev)
         print(f"rank {rank}: layer ok", flush=True)
+        varying_case(dev)
+        print(f"rank {rank}: varying token counts ok", flush=True)
         error_cases(dev)
         print(f"rank {rank}: errors ok", flush=True)
     dist.barrier()

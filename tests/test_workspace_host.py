@@ -1,0 +1,138 @@
+"""The workspace's host logic without a GPU: one workspace per layer shape and config for any
+token count, its size, the cache bound, and the recovery after an input error the device
+reported (epochs back to the state right after the failing schedule build)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok
+from mok import _ext, workspace
+from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
+from tests.test_ep_rank_counts import fake_group  # noqa: F401 - fixture
+
+H, K, E = 512, 4, 16
+
+
+class _Recorder:
+    """Stands in for Workspace in get_workspace: records how it was built."""
+
+    built: list = []
+
+    def __init__(self, shapes, config, group, device):
+        self.shapes, self.config = shapes, config
+        _Recorder.built.append(shapes)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.shapes.max_tokens
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    monkeypatch.setattr(workspace, "Workspace", _Recorder)
+    monkeypatch.setattr(workspace, "_cache", {})
+    _Recorder.built = []
+    return _Recorder
+
+
+def _get(n, config=None):
+    return mok.get_workspace(n, H, K, E, torch.bfloat16, config, device="cuda:0")
+
+
+def test_one_workspace_for_every_token_count(recorder):
+    ws = _get(300)
+    for n in [0, 1, 17, 299, 300, 301, 4096]:  # more than 300 is the device's error to report
+        assert _get(n) is ws
+    assert [s.max_tokens for s in recorder.built] == [300]
+
+
+def test_max_tokens_from_the_config_wins_over_the_first_call(recorder):
+    ws = _get(10, mok.MoKConfig(max_tokens=8192))
+    assert ws.max_tokens == 8192
+    other = _get(0)  # another config (the default): another workspace
+    assert other is not ws and other.max_tokens == 1
+    assert _get(0, mok.MoKConfig(max_tokens=8192)) is ws
+
+
+def test_a_first_call_without_tokens_still_sizes_one_row(recorder):
+    assert _get(0).max_tokens == 1
+
+
+def test_token_count_must_be_a_non_negative_int(recorder):
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(MoKInputError, match="num_tokens must be an int >= 0"):
+            _get(bad)
+
+
+def test_the_cache_is_bounded(recorder):
+    for i in range(workspace.MAX_WORKSPACES):
+        _get(64, mok.MoKConfig(num_comm_sms=1 + i))
+    with pytest.raises(MoKInputError, match="the most it keeps; call mok.clear_workspaces"):
+        _get(64, mok.MoKConfig(num_comm_sms=100))
+    assert _get(64, mok.MoKConfig(num_comm_sms=3)) is not None  # cached ones still served
+
+
+def _record(ws, code, epoch, observed=16, expected=16, extra=9):
+    ws.error[:] = torch.tensor([code, 0, 0, observed, expected, ws.rank, epoch, extra])
+
+
+def _schedule_build(ws, *families):
+    """What ops.build_schedule does to the host state, then the bumps of later launches."""
+    ws.epochs["route"] += 1
+    ws.note_schedule()
+    for f in families:
+        ws.epochs[f] += 1
+
+
+@pytest.mark.parametrize(
+    "code,err,text",
+    [
+        (_ext.ERR_BAD_EXPERT, MoKInputError, "to expert 16 outside"),
+        (_ext.ERR_DUP_EXPERT, MoKInputError, "twice"),
+        (_ext.ERR_CAPACITY, MoKCapacityError, "never drops tokens"),
+        (_ext.ERR_TOO_MANY_TOKENS, MoKCapacityError, "passed 16 tokens but the workspace"),
+    ],
+)
+def test_input_errors_recover_to_the_state_after_the_failing_schedule(
+    fake_group,  # noqa: F811
+    code,
+    err,
+    text,
+):
+    ws = fake_group(2, 1, 64, H, K, E)
+    _schedule_build(ws, "x", "slots")  # a good call
+    _schedule_build(ws, "x")  # the bad call's schedule, then its dispatch
+    failing = ws.epochs["route"]
+    after = dict(ws.epochs, x=ws.epochs["x"] - 1)
+    _schedule_build(ws, "slots", "layer")  # launched before the host saw the error
+    _record(ws, code, failing)
+    with pytest.raises(err, match=text) as e:
+        ws.raise_if_failed()
+    assert "has recovered and the next call runs normally" in str(e.value)
+    assert ws.epochs == after
+    assert ws.error.tolist() == [0] * 8 and ws.broken is None
+    ws.raise_if_failed()  # nothing left to raise
+    _schedule_build(ws, "x")
+    assert ws.epochs["route"] == failing + 1
+
+
+def test_timeouts_leave_the_workspace_broken(fake_group):  # noqa: F811
+    ws = fake_group(2, 0, 64, H, K, E)
+    _schedule_build(ws, "x")
+    _record(ws, _ext.ERR_TIMEOUT, ws.epochs["x"], observed=0, expected=1)
+    for _ in range(2):
+        with pytest.raises(MoKTimeoutError, match="unusable now; call mok.clear_workspaces"):
+            ws.raise_if_failed()
+
+
+def test_an_error_older_than_the_kept_snapshots_is_not_recovered(fake_group):  # noqa: F811
+    ws = fake_group(1, 0, 64, H, K, E)
+    _schedule_build(ws)
+    old = ws.epochs["route"]
+    for _ in range(workspace._SNAPSHOTS):
+        _schedule_build(ws)
+    _record(ws, _ext.ERR_BAD_EXPERT, old)
+    with pytest.raises(MoKInputError, match="unusable now"):
+        ws.raise_if_failed()
