@@ -19,8 +19,12 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,notebooks]"
 	touch $@
 
+# The demo's chart goes under build/ (git-ignored), not into the checkout's root.
+DEMO_PNG ?= build/mok-sim-default.png
+
 demo: setup
-	$(BIN)/mok-sim
+	mkdir -p $(dir $(DEMO_PNG))
+	$(BIN)/mok-sim --out $(DEMO_PNG)
 
 lint: setup
 	$(BIN)/ruff check .
