@@ -150,7 +150,7 @@ __device__ __forceinline__ void reduce_tokens(const Ctx& c, int mode, WarpTerms&
 template <bool kDedup>
 __global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const Params p) {
   const Ctx c(p);
-  if (c.aborted()) return;
+  if (block_aborted(c)) return;
   // NOTE: my slots are free once this kernel runs: the previous reduce that read them is an
   // earlier kernel on this stream.
   if (blockIdx.x == 0) block_signal_all(c, kSigSlotsFree);
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const Params
 // already lives there); in1, in2, out0 as combine_push_kernel.
 __global__ void __launch_bounds__(kCommThreads) combine_pull_kernel(const Params p) {
   const Ctx c(p);
-  if (c.aborted()) return;
+  if (block_aborted(c)) return;
   if (p.flags & kFlagStage) {
     if (!block_wait_all(c, kSigYConsumed, static_cast<uint64_t>(p.epoch - 1) * gridDim.x))
       return;
@@ -385,7 +385,7 @@ __device__ __forceinline__ void warp_reduce_rows(const Meta& meta, int total, in
 // "partials"), after every rank finished reading the previous epoch's partials.
 __global__ void __launch_bounds__(kCommThreads) dedup_partials_kernel(const Params p) {
   const Ctx c(p);
-  if (c.aborted()) return;
+  if (block_aborted(c)) return;
   if (!block_wait_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch - 1))) return;
   const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
   const int slots = partials_slots(p.num_topk);
@@ -737,7 +737,7 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
 __global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p) {
   const Ctx c(p);
   stamp(p, 0);
-  if (c.aborted()) return;
+  if (block_aborted(c)) return;
   if (!block_wait_all(c, kSigPartReady, static_cast<uint64_t>(p.epoch))) return;
   stamp(p, 1);
   const int64_t rb = static_cast<int64_t>(p.hidden) * 2;

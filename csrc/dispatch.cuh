@@ -167,7 +167,7 @@ __device__ __forceinline__ void raise_ready(const Ctx& c, int mb) {
 // kFlagStage, else x already lives in the symmetric x buffer).
 __global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const Params p) {
   const Ctx c(p);
-  if (c.aborted()) return;
+  if (block_aborted(c)) return;
   if (!publish_x(c)) return;
   const int32_t* src_rank = p.sched + p.o_src_rank;
   const int32_t* src_index = p.sched + p.o_src_index;
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const Param
 __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const Params p) {
   const Ctx c(p);
   stamp(p, 0);
-  if (c.aborted()) return;
+  if (block_aborted(c)) return;
   if (!publish_x(c)) return;
   stamp(p, 1);
   const int32_t* d_src_rank = p.sched + p.o_dedup_src_rank;
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const
 // own dedup rows are read from my x buffer (which holds this epoch's tokens after the dispatch).
 __global__ void __launch_bounds__(kCommThreads) fanout_kernel(const Params p) {
   const Ctx c(p);
-  if (c.aborted()) return;
+  if (block_aborted(c)) return;
   const int num_dedup = p.sched[p.o_meta + kMetaNumDedup];
   const uint8_t* dedup = static_cast<const uint8_t*>(p.in0);
   uint8_t* recv = static_cast<uint8_t*>(p.out0);
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kCommThreads) fanout_kernel(const Params p) {
 // rank (off_recv). Source side: each token row is read once and stored to its k receive rows.
 __global__ void __launch_bounds__(kCommThreads) dispatch_push_kernel(const Params p) {
   const Ctx c(p);
-  if (c.aborted()) return;
+  if (block_aborted(c)) return;
   // NOTE: my receive buffer is free once this kernel runs: its previous readers are earlier
   // kernels on this stream.
   if (blockIdx.x == 0) block_signal_all(c, kSigRecvFree);

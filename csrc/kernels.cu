@@ -35,6 +35,14 @@ cudaError_t launch_cooperative(Kernel kernel, const Params& params, int grid, in
                                      dim3(threads), args, smem, stream);
 }
 
+// The launch's result. NOTE: a refused launch also leaves its error as the thread's last CUDA
+// error; it is cleared here, or the next kernel launch check (torch's) would report it as its own.
+int finish_launch(cudaError_t e) {
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) cudaGetLastError();
+  return static_cast<int>(e);
+}
+
 // Dynamic shared memory of the bulk-copy row pipelines (0 on the vector path).
 size_t copy_smem(const Params& p) {
   const int stages = copy_stages(p.row_bytes);
@@ -99,8 +107,7 @@ int launch(int kind, const Params& params, int grid, void* stream_ptr) {
     default:
       return static_cast<int>(cudaErrorInvalidValue);
   }
-  if (e == cudaSuccess) e = cudaGetLastError();
-  return static_cast<int>(e);
+  return finish_launch(e);
 }
 
 uint64_t host_device_pointer(void* host_ptr, int* err) {
@@ -180,15 +187,14 @@ int launch_layer(const Params& p, const LayerArgs& a, int grid, void* stream_ptr
   }
   if (!ok) return static_cast<int>(cudaErrorInvalidValue);
   cudaError_t e = cudaMemsetAsync(a.counters, 0, sizeof(uint32_t) * Counters(p).total, stream);
-  if (e != cudaSuccess) return static_cast<int>(e);
+  if (e != cudaSuccess) return finish_launch(e);
   e = cudaFuncSetAttribute(layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kLayerSmem);
-  if (e != cudaSuccess) return static_cast<int>(e);
+  if (e != cudaSuccess) return finish_launch(e);
   // NOTE: cooperative, so every block is co-resident (the roles spin on each other's counters).
   void* args[] = {&k};
   e = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(layer_kernel), dim3(grid),
                                   dim3(kLayerThreads), args, kLayerSmem, stream);
-  if (e == cudaSuccess) e = cudaGetLastError();
-  return static_cast<int>(e);
+  return finish_launch(e);
 }
 
 }  // namespace mok

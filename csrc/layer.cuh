@@ -248,14 +248,18 @@ static __device__ __noinline__ bool wait_count(const Ctx& c, const uint32_t* ptr
 
 // Waits for phase `parity` of a pipeline barrier, bounded like every other wait: false when
 // the block's abort flag is raised, another block aborted, or the timeout expired (recorded).
+// `drain`: the producer finishing a tile after an abort; it waits for the consumers (which
+// always free their stages: they wait for nothing but the producer) and gives up only on the
+// timeout, so that they are never left inside a tile waiting for a stage nobody fills.
 __device__ __forceinline__ bool pipe_wait(const Ctx& c, uint64_t* bar, uint32_t parity,
-                                          volatile int* abort_flag, int64_t extra) {
+                                          volatile int* abort_flag, int64_t extra,
+                                          bool drain = false) {
   if (mbar_try_wait(bar, parity)) return true;
   const uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   while (!mbar_try_wait(bar, parity)) {
     if ((++spins & 1023) == 0) {
-      if (*abort_flag || c.aborted()) return false;
+      if (!drain && (*abort_flag || c.aborted())) return false;
       if (globaltimer_ns() - start > c.p.timeout_ns) {
         record_error(c, kErrTimeout, kWaitLayerPipeline, c.p.rank, parity, 0, extra);
         *abort_flag = 1;
@@ -299,7 +303,8 @@ __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __e
 
 // ---- communication blocks ------------------------------------------------------------------
 
-__device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
+// False when the block stopped on an abort or a timeout (the same answer for all its threads).
+__device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
                                            const TileOrder& o, int slots) {
   const Params& p = c.p;
   const int C = a.num_comm_blocks;
@@ -312,7 +317,7 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
   __shared__ int ok;
 
   // Stage x once every peer finished reading the previous call's rows.
-  if (!block_wait_all(c, kSigLayerXConsumed, static_cast<uint64_t>(p.epoch - 1) * C)) return;
+  if (!block_wait_all(c, kSigLayerXConsumed, static_cast<uint64_t>(p.epoch - 1) * C)) return false;
   uint8_t* xs = c.sym(p.rank, p.off_x);
   const uint8_t* x = static_cast<const uint8_t*>(p.in0);
   for (int t = gwarp; t < p.num_tokens; t += nwarps)
@@ -325,9 +330,9 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
     ok = wait_count(c, counters + cnt.staged, C, kWaitLayerStaged, 0);
   }
   __syncthreads();
-  if (!ok) return;
+  if (!ok) return false;
   if (blk == 0) block_signal_all(c, kSigLayerXReady);
-  if (!block_wait_all(c, kSigLayerXReady, static_cast<uint64_t>(p.epoch))) return;
+  if (!block_wait_all(c, kSigLayerXReady, static_cast<uint64_t>(p.epoch))) return false;
   Tracer tr(a, 0);
   if (threadIdx.x == 0) tr.add(kEvStaged, 0, 0);
 
@@ -350,7 +355,7 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
       ok = wait_count(c, counters + cnt.pulled, C, kWaitLayerPulled, 0);
     }
     __syncthreads();
-    if (!ok) return;
+    if (!ok) return false;
     if (threadIdx.x == 0) tr.add(kEvPulled, 0, 0);
   }
   const int32_t* src_rank = p.sched + p.o_src_rank;
@@ -366,7 +371,7 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
         ok = wait_count(c, counters + cnt.gu_mb + mb - slots, target, kWaitLayerRecvFree, mb);
       }
       __syncthreads();
-      if (!ok) return;
+      if (!ok) return false;
     }
     const int r0 = mb * o.mb_rows, r1 = min(o.num_rows, r0 + o.mb_rows);
     for (int row = r0 + gwarp; row < r1; row += nwarps) {
@@ -393,6 +398,10 @@ __device__ __forceinline__ void layer_comm(const Ctx& c, const LayerArgs& a,
     }
   }
   block_signal_all(c, kSigLayerXConsumed);
+  // NOTE: one read of the abort word for the block (ok is shared), after the barrier above.
+  if (threadIdx.x == 0) ok = !c.aborted();
+  __syncthreads();
+  return ok != 0;
 }
 
 // ---- compute workers -----------------------------------------------------------------------
@@ -500,25 +509,38 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
   Tile t;
   int stage = 0;
   uint32_t phase = 0;
+  // NOTE: how the producer stops. The consumers' stage waits are plain spins (no branch may
+  // leave their MMA loop while a wgmma group is in flight), so they must never be left inside a
+  // tile: once the producer has published a tile's first stage it completes every stage of that
+  // tile, without data after an abort (drain waits, which only the timeout ends), and the
+  // consumers stop at the tile's end on the abort flag. Between tiles it publishes the end
+  // marker instead.
   for (;;) {
     // Tiles are claimed in order, one at a time, by whichever worker is free: every tile's
     // dependencies come earlier in the order and are claimed already, so claims cannot
     // deadlock, and which SM computes a tile does not change its bits.
-    const int i = static_cast<int>(atom_add_relaxed_gpu(next_tile, 1u));
-    if (!cur.find(i, t)) {
-      // End of work: one stage carries the end marker to the consumers.
-      if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, -1)) {
-        *abort_flag = 1;
-        return;
+    const int i = *abort_flag ? -1 : static_cast<int>(atom_add_relaxed_gpu(next_tile, 1u));
+    if (i < 0 || !cur.find(i, t)) {
+      // End of work (or an abort between tiles): one stage carries the end marker.
+      if (pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, -1, true)) {
+        stage_tile[stage] = -1;
+        mbar_arrive(&full[stage]);
       }
-      stage_tile[stage] = -1;
-      mbar_arrive(&full[stage]);
       return;
     }
     const int halves = tile_halves(k.p, o, t);
     tr.add(kEvDepWait, t.kind, i);
-    const bool ready = tile_ready(c, k.a, o, slots, t);
+    bool ready = tile_ready(c, k.a, o, slots, t);
     tr.add(kEvDepDone, t.kind, i);
+    // Tests only (kFlagFault, in3 = 2 * tile + mode): at that tile, mode 0 fails its dependency
+    // wait (as a timeout would), mode 1 its wait for the tile's second stage (as an abort seen
+    // there would).
+    const int64_t fault = (k.p.flags & kFlagFault) ? reinterpret_cast<intptr_t>(k.p.in3) : -1;
+    int fault_stage = fault == 2 * i + 1 ? 1 : -1;
+    if (fault == 2 * i) {
+      record_error(c, kErrFault, 0, k.p.rank, i, 0, i);
+      ready = false;
+    }
     if (!ready) *abort_flag = 1;
     fence_proxy_async_global();
     // A split block's sub-tiles follow each other, each with the whole 128-row A box (the
@@ -528,18 +550,26 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
       if (halves == 0 ? h > 0 : ((halves >> h) & 1) == 0) continue;
       const TileGeom g = tile_geom(k, t, halves == 0 ? 0 : 64 * h);
       for (int kb = 0; kb < g.k_blocks; ++kb) {
-        if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i)) {
+        if (fault_stage-- == 0) record_error(c, kErrFault, 1, k.p.rank, i, 0, i);
+        if ((c.aborted() && fault_stage == -1) ||
+            !pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i, !ready)) {
+          if (!ready) return;  // a drain wait timed out (recorded): nothing left to do
+          ready = false;
           *abort_flag = 1;
-          return;
+          if (first) {
+            // Nothing of this tile is published yet: the end marker instead.
+            if (pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i, true)) {
+              stage_tile[stage] = -1;
+              mbar_arrive(&full[stage]);
+            }
+            return;
+          }
+          if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i, true)) return;
         }
         if (first) stage_tile[stage] = i;  // published by the arrive below
         first = false;
         if (!ready) {
-          // NOTE: the consumers' stage waits are plain spins (no branch may leave their MMA loop
-          // while a wgmma group is in flight), so after an abort the producer completes the
-          // rest of this tile's stages without data; the consumers then see the abort flag at
-          // the tile's end and stop.
-          mbar_arrive(&full[stage]);
+          mbar_arrive(&full[stage]);  // a stage without data: the tile runs out, then stops
           if (++stage == kStages) stage = 0, phase ^= 1;
           continue;
         }
@@ -751,12 +781,15 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
         case kTileSharedGU:
           red_add_release_gpu(n + cnt.sh_rb + t.rb, 1u);
           break;
+        // NOTE: release, not relaxed: the per-minibatch counts let the communication blocks
+        // overwrite this tile's ring rows (gu_mb) and later gate/up tiles its h rows (dn_mb);
+        // the tile's reads of them must be ordered before.
         case kTileGU:
           red_add_release_gpu(n + cnt.gu_rb + t.rb, 1u);
-          red_add_relaxed_gpu(n + cnt.gu_mb + t.mb, 1u);
+          red_add_release_gpu(n + cnt.gu_mb + t.mb, 1u);
           break;
         case kTileDN:
-          red_add_relaxed_gpu(n + cnt.dn_mb + t.mb, 1u);
+          red_add_release_gpu(n + cnt.dn_mb + t.mb, 1u);
           break;
         default:
           break;
@@ -803,6 +836,8 @@ __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs
                    stage_tile, &abort_flag);
     setmaxnreg_dec<168>();
   }
+  // NOTE: one read of the abort word for the block, so every thread returns the same answer.
+  if (threadIdx.x == 0 && c.aborted()) abort_flag = 1;
   __syncthreads();
   return abort_flag == 0;
 }
@@ -816,6 +851,11 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   const Params& p = k.p;
   const LayerArgs& a = k.a;
   const Ctx c(p);
+  // NOTE: a per-thread read can only split the block if another block aborts right now, and
+  // in this cooperative launch no block can abort before every block has started (aborts come
+  // from waits that time out, and from earlier kernels). block_aborted() here, or at the end
+  // below, makes ptxas (nvcc 13.0) serialise the consumers' wgmma: the roles return shared
+  // answers instead.
   if (c.aborted()) return;
   TileOrder o;
   o.num_rows = p.sched[p.o_meta + kMetaNumRows];
@@ -831,7 +871,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   if (blockIdx.x == 0) block_signal_all(c, kSigLayerSlotsFree);
   bool ok = true;
   if (static_cast<int>(blockIdx.x) < a.num_comm_blocks) {
-    layer_comm(c, a, o, slots);
+    ok = layer_comm(c, a, o, slots);
   } else {
     // Pushes into a peer's slots wait until its previous call's sum has read them.
     ok = block_wait_all(c, kSigLayerSlotsFree, static_cast<uint64_t>(p.epoch));
@@ -842,7 +882,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
       ok = layer_worker(c, k, o, slots, layer_smem);
     }
   }
-  if (!ok || c.aborted()) return;
+  if (!ok) return;
   block_signal_all(c, kSigLayerSlotsFilled);
   if (!block_wait_all(c, kSigLayerSlotsFilled, static_cast<uint64_t>(p.epoch) * gridDim.x))
     return;

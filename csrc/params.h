@@ -51,6 +51,7 @@ enum ErrorCode : int {
   kErrDuplicateExpert = 4,
   kErrUnsupported = 5,  // the kernel was built without a path for this GPU
   kErrTooManyTokens = 6,  // a rank passed more tokens than the workspace holds
+  kErrFault = 7,          // a fault injected for a test (kFlagFault)
 };
 
 // Words per (parity, rank) of the routing status every rank publishes with its routing:
@@ -113,6 +114,7 @@ enum Flags : int {
   kFlagGather = 64,        // dedup_sum: cp.async gather ring (many loads in flight per warp)
   kFlagDedup = 128,        // fused layer: dedup pull (one NVLink row per token and rank)
   kFlagStamps = 256,       // dedup_pull dispatch / dedup_sum: in3 = per-block phase stamps
+  kFlagFault = 512,        // fused layer, tests only: the worker that claims tile (int)in3 fails
 };
 
 struct Params {

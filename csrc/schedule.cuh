@@ -42,7 +42,7 @@ __device__ __forceinline__ int round_robin_pos(const int32_t* counts, int num_ra
 __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params p) {
   extern __shared__ int32_t smem[];
   const Ctx c(p);
-  if (c.aborted()) return;
+  if (block_aborted(c)) return;
   // NOTE: NK is the stride of a rank's routing in the route buffer (max_tokens rows); every
   // loop over a rank's tokens stops at that rank's own count.
   const int R = p.num_ranks, N = p.max_tokens, K = p.num_topk, E = p.num_experts;

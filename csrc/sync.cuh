@@ -34,6 +34,13 @@ struct Ctx {
   }
 };
 
+// The abort word as one answer for the whole block (all threads call it). NOTE: threads that
+// read the word themselves can disagree when another block aborts in between, and a block split
+// that way meets its next barrier with threads missing.
+__device__ __forceinline__ bool block_aborted(const Ctx& c) {
+  return __syncthreads_or(threadIdx.x == 0 && c.aborted()) != 0;
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -237,11 +244,12 @@ static __device__ __noinline__ bool grid_sync(const Ctx& c) {
       }
     }
     __threadfence();
+    if (c.aborted()) ok = 0;  // read once, for the whole block
   }
   __syncthreads();
   const bool result = ok != 0;
   __syncthreads();
-  return result && !c.aborted();
+  return result;
 }
 
 }  // namespace mok

@@ -51,6 +51,7 @@ KERNELS = {
 FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED, FLAG_VECTOR, FLAG_NO_FANOUT = 1, 2, 4, 8, 16
 FLAG_SKIP_LOCAL, FLAG_GATHER, FLAG_DEDUP = 32, 64, 128
 FLAG_STAMPS, NUM_STAMPS = 256, 4  # per-block phase stamps (csrc/sync.cuh stamp())
+FLAG_FAULT = 512  # tests only: a fused-layer worker fails at tile in3
 META = {
     "num_rows": 0,
     "num_dedup": 1,
@@ -93,6 +94,7 @@ LOCAL_WAITS = {
 }
 ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT, ERR_UNSUPPORTED = 1, 2, 3, 4, 5
 ERR_TOO_MANY_TOKENS = 6
+ERR_FAULT = 7
 # Routing status words per (parity, rank) (csrc/params.h RouteStatus).
 ROUTE_STATUS_WORDS = 4
 

@@ -40,6 +40,12 @@ _DISPATCH_KERNELS = {
 }
 
 
+# NOTE: the kernels' per-call epochs are host counters, so a captured launch would replay with
+# the captured epoch; tagged, torch.compile's CUDA graphs (mode="reduce-overhead") leave mok's
+# ops out of the captured partitions, and a direct capture is refused (Workspace.launch).
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else None
+
+
 def _mok_op(name: str, mutates_args: tuple[str, ...]):
     """``torch.library.custom_op`` with an eager fast path.
 
@@ -51,7 +57,7 @@ def _mok_op(name: str, mutates_args: tuple[str, ...]):
     """
 
     def wrap(body):
-        op = torch.library.custom_op(name, mutates_args=mutates_args)(body)
+        op = torch.library.custom_op(name, mutates_args=mutates_args, tags=_TAGS)(body)
         params = list(inspect.signature(body).parameters)
         mutated = tuple(params.index(a) for a in mutates_args)
 
@@ -92,11 +98,10 @@ def build_schedule(
 ) -> None:
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
-    ws.epochs["route"] += 1
-    ws.note_schedule()
-    p = ws.params("route", topk_idx.shape[0])
+    p = ws.params("route", topk_idx.shape[0], advance=True)
     p.in0, p.in1 = topk_idx.data_ptr(), topk_weights.data_ptr()
     ws.launch("schedule", p, ws.schedule_blocks())
+    ws.advance("route")
 
 
 @build_schedule.register_fake
@@ -121,8 +126,7 @@ def dispatch(
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
     family = "recv" if mode == "push" else "x"
-    ws.epochs[family] += 1
-    p = ws.params(family, x.shape[0])
+    p = ws.params(family, x.shape[0], advance=True)
     p.in0, p.out0 = x.data_ptr(), recv.data_ptr()
     if mode != "push" and x.data_ptr() != ws.x_buffer.data_ptr():
         p.flags |= _ext.FLAG_STAGE
@@ -135,6 +139,7 @@ def dispatch(
     if mode == "dedup_pull":
         _stamps(ws, p)
     ws.launch(_DISPATCH_KERNELS[mode], p, ws.config.num_comm_sms)
+    ws.advance(family)
 
 
 @dispatch.register_fake
@@ -178,12 +183,12 @@ def dedup_partials(
 ) -> None:
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
-    ws.epochs["partials"] += 1
-    p = ws.params("partials")
+    p = ws.params("partials", advance=True)
     p.in0 = y.data_ptr()
     if engine == "vector":
         p.flags |= _ext.FLAG_VECTOR
     ws.launch("dedup_partials", p, grid or ws.config.num_comm_sms)
+    ws.advance("partials")
 
 
 @dedup_partials.register_fake
@@ -237,8 +242,7 @@ def combine(
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
     family = "y" if mode == "pull" else "slots"
-    ws.epochs[family] += 1
-    p = ws.params(family, out.shape[0])
+    p = ws.params(family, out.shape[0], advance=True)
     p.in0, p.in1, p.in3, p.out0 = (
         y.data_ptr(),
         topk_weights.data_ptr(),
@@ -254,6 +258,7 @@ def combine(
     if mode == "pull" and y.data_ptr() != ws.y_buffer.data_ptr():
         p.flags |= _ext.FLAG_STAGE
     ws.launch(kernel[mode], p, ws.config.num_comm_sms)
+    ws.advance(family)
 
 
 @combine.register_fake
@@ -286,8 +291,8 @@ def layer_forward(
     inter = w_gate.shape[1]
     shared_inter = 0 if shared_w_gate is None else shared_w_gate.shape[0]
     bufs = ws.layer_buffers(inter, shared_inter)
-    ws.epochs["layer"] += 1
-    p = ws.params("layer", x.shape[0])
+    dedup = ws.dedup_buffer if ws.config.dispatch_mode == "dedup_pull" else None
+    p = ws.params("layer", x.shape[0], advance=True)
     p.in0, p.in1, p.out0 = x.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
     if ws.config.dispatch_mode == "dedup_pull":
         p.flags |= _ext.FLAG_DEDUP
@@ -302,12 +307,15 @@ def layer_forward(
         a.shared_w_up = shared_w_up.data_ptr()
         a.shared_w_down = shared_w_down.data_ptr()
     a.h, a.shared_h = bufs["h"].data_ptr(), bufs["shared_h"].data_ptr()
-    if ws.config.dispatch_mode == "dedup_pull":
-        a.dedup = ws.dedup_buffer.data_ptr()
+    if dedup is not None:
+        a.dedup = dedup.data_ptr()
     a.counters, a.counters_len = bufs["counters"].data_ptr(), bufs["counters"].numel()
     if trace is not None:
         a.trace, a.trace_entries = trace.data_ptr(), trace.shape[2]
+    if ws.fault is not None:
+        p.in3, p.flags = 2 * ws.fault[0] + ws.fault[1], p.flags | _ext.FLAG_FAULT
     ws.launch_layer(p, a)
+    ws.advance("layer")
 
 
 @layer_forward.register_fake

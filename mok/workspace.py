@@ -192,6 +192,9 @@ class Workspace:
         # Diagnostics: an int64 CUDA tensor [num_comm_sms, NUM_STAMPS] here makes the dedup pull
         # dispatch and dedup_sum kernels write each block's phase times (globaltimer ns) into it.
         self.stamps: torch.Tensor | None = None
+        # Tests only: (tile, mode) makes the fused layer's worker that claims that tile fail:
+        # mode 0 its dependency wait, mode 1 its wait for the tile's second pipeline stage.
+        self.fault: tuple[int, int] | None = None
         global _next_id
         self.id = _next_id
         _next_id += 1
@@ -251,17 +254,28 @@ class Workspace:
         return self.sched[off : off + length]
 
     # ---- launches ------------------------------------------------------------------------
-    def params(self, family: str | None, num_tokens: int | None = None) -> _ext.Params:
+    def params(
+        self, family: str | None, num_tokens: int | None = None, advance: bool = False
+    ) -> _ext.Params:
         """A fresh Params for one launch: the workspace's fixed fields (built once, then
-        copied: host time per call matters) with the family's current epoch and this rank's
-        token count (default max_tokens)."""
+        copied: host time per call matters) with the family's current epoch (``advance``: the
+        next one, which :meth:`advance` makes current once the launch went through) and this
+        rank's token count (default max_tokens)."""
         if self._params_base is None:
             self._params_base = bytes(self._fixed_params())
         p = _ext.Params.from_buffer_copy(self._params_base)
-        p.epoch = self.epochs[family] if family else 0
+        p.epoch = (self.epochs[family] + int(advance)) if family else 0
         if num_tokens is not None:
             p.num_tokens = num_tokens
         return p
+
+    def advance(self, family: str) -> None:
+        """Count a launched call of ``family``. NOTE: only after the launch went through: a
+        call that fails before or at its launch leaves every epoch as it was, so the next call
+        waits for the signals the peers really send."""
+        self.epochs[family] += 1
+        if family == "route":
+            self.note_schedule()
 
     def note_schedule(self) -> None:
         """Keep the host state right after a schedule build (see :meth:`raise_if_failed`)."""
@@ -295,12 +309,24 @@ class Workspace:
         return p
 
     def launch(self, kernel: str, p: _ext.Params, grid: int) -> None:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._stream()
         self._ext.launch(_ext.KERNELS[kernel], bytes(p), grid, stream)
 
     def launch_layer(self, p: _ext.Params, args: _ext.LayerArgs) -> None:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._stream()
         self._ext.launch_layer(bytes(p), bytes(args), self.num_sms, stream)
+
+    def _stream(self) -> int:
+        if torch.cuda.is_current_stream_capturing():
+            raise MoKUnsupportedError(
+                "mok's kernels cannot be captured in a CUDA graph (yet): each call's epochs, "
+                "which every cross-rank wait targets, are host counters in the launch "
+                "parameters, so a replay would reuse the captured ones and read stale data. "
+                "Run the layer outside torch.cuda.graph; under torch.compile(mode="
+                "'reduce-overhead') mok's ops are tagged cudagraph_unsafe and run outside the "
+                "captured graphs"
+            )
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     @property
     def num_sms(self) -> int:
@@ -423,6 +449,15 @@ class Workspace:
                 f"mok: topk_idx of rank {peer} routes token {extra // K} (k={extra % K}) to "
                 f"{what}; detected on {where}.{tail}"
             )
+        if code == _ext.ERR_FAULT:
+            return MoKTimeoutError(
+                f"mok: a fault injected by a test stopped the fused layer at tile {extra} "
+                f"({where}).{tail}",
+                wait="injected fault",
+                peer=peer,
+                observed=observed,
+                expected=expected,
+            )
         if code == _ext.ERR_UNSUPPORTED:
             return MoKUnsupportedError(
                 f"mok: the kernel has no code path for this GPU ({where}); the fused layer "
@@ -527,7 +562,10 @@ def _check_same_everywhere(key: tuple, group, num_tokens: int) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return num_tokens
     world = dist.get_world_size(group)
-    mine = repr(key[2:])
+    # NOTE: the launch geometry too: the fused layer runs one block per SM and its fill targets
+    # count the peers' blocks as its own grid.
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    mine = f"{key[2:]!r} with {sms} SMs"
     # NOTE: only on workspace creation (once per shape/config), never in the steady state.
     t = torch.tensor(list(mine.encode()), dtype=torch.uint8)
     n = torch.tensor([t.numel(), num_tokens], dtype=torch.int64)
@@ -543,5 +581,7 @@ def _check_same_everywhere(key: tuple, group, num_tokens: int) -> int:
     texts = [bytes(p[:k].tolist()).decode() for p, k in zip(parts, lengths, strict=True)]
     if any(x != mine for x in texts):
         diff = "; ".join(f"rank {r}: {x}" for r, x in enumerate(texts))
-        raise MoKInputError(f"ranks disagree on the layer's shapes or config: {diff}")
+        raise MoKInputError(
+            f"ranks disagree on the layer's shapes, config or GPU (SM count): {diff}"
+        )
     return max(int(x[1].item()) for x in ns)

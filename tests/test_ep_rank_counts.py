@@ -85,6 +85,7 @@ def _constants() -> dict[str, int]:
         "kErrDuplicateExpert": _ext.ERR_DUP_EXPERT,
         "kErrUnsupported": _ext.ERR_UNSUPPORTED,
         "kErrTooManyTokens": _ext.ERR_TOO_MANY_TOKENS,
+        "kErrFault": _ext.ERR_FAULT,
         "kRouteStatusWords": _ext.ROUTE_STATUS_WORDS,
     }
     c |= {f"kKernel{_camel(k)}": v for k, v in _ext.KERNELS.items()}

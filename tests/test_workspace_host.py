@@ -80,10 +80,9 @@ def _record(ws, code, epoch, observed=16, expected=16, extra=9):
 
 def _schedule_build(ws, *families):
     """What ops.build_schedule does to the host state, then the bumps of later launches."""
-    ws.epochs["route"] += 1
-    ws.note_schedule()
+    ws.advance("route")
     for f in families:
-        ws.epochs[f] += 1
+        ws.advance(f)
 
 
 @pytest.mark.parametrize(
@@ -136,3 +135,54 @@ def test_an_error_older_than_the_kept_snapshots_is_not_recovered(fake_group):  #
     _record(ws, _ext.ERR_BAD_EXPERT, old)
     with pytest.raises(MoKInputError, match="unusable now"):
         ws.raise_if_failed()
+
+
+class _Ext:
+    """Stands in for the extension: records launches, refuses the ones it is told to."""
+
+    def __init__(self):
+        self.launched: list[int] = []
+        self.refuse = False
+
+    def launch(self, kind, params, grid, stream):
+        if self.refuse:
+            raise RuntimeError("mok: launching kernel failed: refused")
+        self.launched.append(kind)
+
+
+def test_an_epoch_advances_only_once_its_launch_went_through(fake_group, monkeypatch):  # noqa: F811
+    from mok import ops
+
+    ws = fake_group(2, 0, 64, H, K, E)
+    ext = _Ext()
+    ws._ext = ext
+    monkeypatch.setattr(ws, "_stream", lambda: 0)
+    monkeypatch.setattr(ws, "raise_if_failed", lambda: None)
+    idx = torch.zeros(64, K, dtype=torch.int32)
+    w = torch.zeros(64, K)
+    x = torch.zeros(64, H, dtype=torch.bfloat16)
+    before = dict(ws.epochs)
+    ext.refuse = True
+    for call in (
+        lambda: ops.build_schedule(idx, w, ws.sched, ws.id),
+        lambda: ops.dispatch(x, ws.sched, x, ws.id, "pull"),
+        lambda: ops.dispatch(x, ws.sched, x, ws.id, "push"),
+        lambda: ops.dedup_partials(x, ws.sched, x, ws.id),
+    ):
+        with pytest.raises(RuntimeError, match="refused"):
+            call()
+    assert ws.epochs == before and not ws._snapshots
+    ext.refuse = False
+    ops.build_schedule(idx, w, ws.sched, ws.id)
+    ops.dispatch(x, ws.sched, x, ws.id, "pull")
+    assert ws.epochs == {**before, "route": 1, "x": 1}
+    assert list(ws._snapshots) == [1]
+
+
+def test_mok_ops_are_tagged_cudagraph_unsafe():
+    from mok import ops
+
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag")
+    for name in ops.__all__:
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.mok, name).default.tags, name

@@ -347,6 +347,87 @@ def local_weights(w: MoEWeights, dev) -> MoEWeights:
     return MoEWeights(*(None if v is None else v.to(dev).contiguous() for v in vars(lw).values()))
 
 
+def concurrency_cases(dev):
+    """Two or more ranks: unequal launch geometry is refused at workspace creation; back-to-back
+    fused calls with changing x while a peer lags on the host give each call's own result; a
+    collective on a side stream that the ranks order differently around the layer (the
+    persistent kernel needs every SM) ends in a timeout on both ranks, not a hang."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mok.clear_workspaces()
+    shape = ModelShape("mok-conc", 16 * world, 512, 256, 4, shared_intermediate=256)
+    N, E = 400, shape.num_experts
+    # Unequal grids: rank 1 reports two SMs fewer.
+    props = torch.cuda.get_device_properties
+    if rank == 1:
+        sms = props(dev).multi_processor_count - 2
+        torch.cuda.get_device_properties = lambda *a, **k: _Props(props(*a, **k), sms)
+    try:
+        mok.get_workspace(N, shape.hidden, 4, E, torch.bfloat16, mok.MoKConfig(), device=dev)
+        check(False, "unequal SM counts accepted")
+    except mok.MoKInputError as e:
+        check("SM count" in str(e), str(e))
+    finally:
+        torch.cuda.get_device_properties = props
+    w = MoEWeights.random(shape, seed=SEED, dtype=torch.float32, device=dev).to(torch.bfloat16)
+    lw = local_weights(w, dev)
+    t = make_routing(N, E, 4, world, "uniform", seed=SEED + 9)
+    sl = slice(rank * N, (rank + 1) * N)
+    idx = torch.from_numpy(t.topk_idx)[sl].to(dev)
+    tw = torch.from_numpy(t.topk_weights)[sl].to(dev)
+    cfg = mok.MoKConfig(num_comm_sms=8, minibatch_size=256, wait_timeout_ms=20000.0)
+    xs = [torch.randn(N, shape.hidden, device=dev).to(torch.bfloat16) for _ in range(6)]
+    want = [mf.moe_forward(x, idx, tw, lw, E, cfg, fused=True) for x in xs]
+    mok.check()
+    dist.barrier()
+    got = []
+    for x in xs:
+        if rank == 1:
+            time.sleep(0.02)  # the host of rank 1 lags; its GPU queue runs dry between calls
+        got.append(mf.moe_forward(x, idx, tw, lw, E, cfg, fused=True))
+    mok.check()
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        check(torch.equal(a, b), f"back-to-back call {i} with a lagging peer differs")
+    # A side-stream collective ordered differently around the layer on the two ranks.
+    mok.clear_workspaces()
+    short = mok.MoKConfig(num_comm_sms=8, minibatch_size=256, wait_timeout_ms=3000.0)
+    mf.moe_forward(xs[0], idx, tw, lw, E, short, fused=True)
+    mok.check()
+    side = torch.cuda.Stream(dev)
+    buf = torch.ones(1 << 20, device=dev)
+    dist.barrier()
+    t0 = time.monotonic()
+    raised = None
+    try:
+        if rank == 0:
+            with torch.cuda.stream(side):
+                dist.all_reduce(buf)
+        mf.moe_forward(xs[1], idx, tw, lw, E, short, fused=True)
+        if rank != 0:
+            with torch.cuda.stream(side):
+                dist.all_reduce(buf)
+        torch.cuda.synchronize(dev)
+        mok.check()
+    except mok.MoKTimeoutError as e:
+        raised = e
+    dt = time.monotonic() - t0
+    print(
+        f"rank {rank}: side-stream collective: {type(raised).__name__} after {dt:.1f}s", flush=True
+    )
+    check(raised is not None, "a collective interleaved differently did not time out")
+    check(dt < 60, f"the interleaved collective took {dt:.0f}s")
+    mok.clear_workspaces()
+
+
+class _Props:
+    """Device properties with another SM count."""
+
+    def __init__(self, props, sms: int):
+        self._props, self.multi_processor_count = props, sms
+
+    def __getattr__(self, name):
+        return getattr(self._props, name)
+
+
 def timeout_case(dev):
     rank = dist.get_rank()
     N, H, K, E = 256, 512, 4, 16
@@ -406,6 +487,9 @@ def main() -> int:
         print(f"rank {rank}: varying token counts ok", flush=True)
         error_cases(dev)
         print(f"rank {rank}: errors ok", flush=True)
+        if dist.get_world_size() > 1:
+            concurrency_cases(dev)
+            print(f"rank {rank}: concurrency ok", flush=True)
     dist.barrier()
     print(f"MOK-WORKER-OK rank={rank}", flush=True)
     dist.destroy_process_group()
