@@ -733,7 +733,8 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
 }
 
 // in2: shared_y [num_tokens, hidden] (bf16 or fp32) or null; out0: out [num_tokens, hidden] bf16.
-// Reads every owner's partials of epoch p.epoch (may run several times per partials epoch).
+// Reads every owner's partials of epoch p.epoch. NOTE: the owners may overwrite them once every
+// rank said "consumed", so only the last sum of an epoch says it (the others carry kFlagKeep).
 __global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p) {
   const Ctx c(p);
   stamp(p, 0);
@@ -755,7 +756,8 @@ __global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p)
     tma_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, p.num_ranks, has_shared, fp32,
                     reduce_stages(rb, slots), dyn_smem);
   stamp(p, 2);
-  if (last_block(c)) block_store_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch));
+  if (last_block(c) && !(p.flags & kFlagKeep))
+    block_store_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch));
   stamp(p, 3);
 }
 

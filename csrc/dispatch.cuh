@@ -157,6 +157,17 @@ __device__ __forceinline__ bool publish_x(const Ctx& c) {
   return block_wait_all(c, kSigXReady, static_cast<uint64_t>(p.epoch));
 }
 
+// One block: returns once every peer finished reading my x buffer in the pull dispatch of
+// epoch p.epoch (each of its blocks signals once; in0 = that dispatch's grid). Launched before
+// the caller writes the next tokens into the x buffer itself (no staging copy), so the write
+// cannot overtake a peer still pulling the previous ones.
+__global__ void __launch_bounds__(32) wait_x_free_kernel(const Params p) {
+  const Ctx c(p);
+  if (block_aborted(c)) return;
+  const uint64_t grid = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p.in0));
+  block_wait_all(c, kSigXConsumed, static_cast<uint64_t>(p.epoch) * grid);
+}
+
 __device__ __forceinline__ void raise_ready(const Ctx& c, int mb) {
   __syncthreads();
   if (threadIdx.x == 0)

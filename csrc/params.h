@@ -102,6 +102,7 @@ enum Kernel : int {
   kKernelFanout = 7,
   kKernelDedupPartials = 8,
   kKernelDedupSum = 9,
+  kKernelWaitXFree = 10,
 };
 
 enum Flags : int {
@@ -115,6 +116,7 @@ enum Flags : int {
   kFlagDedup = 128,        // fused layer: dedup pull (one NVLink row per token and rank)
   kFlagStamps = 256,       // dedup_pull dispatch / dedup_sum: in3 = per-block phase stamps
   kFlagFault = 512,        // fused layer, tests only: the worker that claims tile (int)in3 fails
+  kFlagKeep = 1024,        // dedup_sum: keep the partials (no "consumed" signal: more sums follow)
 };
 
 struct Params {

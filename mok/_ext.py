@@ -47,11 +47,13 @@ KERNELS = {
     "fanout": 7,
     "dedup_partials": 8,
     "dedup_sum": 9,
+    "wait_x_free": 10,
 }
 FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED, FLAG_VECTOR, FLAG_NO_FANOUT = 1, 2, 4, 8, 16
 FLAG_SKIP_LOCAL, FLAG_GATHER, FLAG_DEDUP = 32, 64, 128
 FLAG_STAMPS, NUM_STAMPS = 256, 4  # per-block phase stamps (csrc/sync.cuh stamp())
 FLAG_FAULT = 512  # tests only: a fused-layer worker fails at tile in3
+FLAG_KEEP = 1024  # dedup_sum: more sums of these partials follow (no "consumed" signal)
 META = {
     "num_rows": 0,
     "num_dedup": 1,

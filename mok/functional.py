@@ -247,7 +247,8 @@ def dispatch(
     x: [num_tokens, hidden] (the workspace dtype). Returns the receive buffer [capacity, hidden]
     (a workspace view, valid until the next dispatch): rows ``offsets[l]..offsets[l] +
     tokens_per_expert[l]`` hold local expert l's tokens in schedule order; padding rows and rows
-    past ``num_rows`` are unspecified. Writing x into ``ws.x_buffer`` first saves a copy.
+    past ``num_rows`` are unspecified. Writing x into ``ws.x_buffer`` first saves a copy: call
+    ``ws.wait_x_free()`` before that write (peers may still be pulling the previous rows).
 
     ``dedup_pull`` with ``fan_out=False`` moves one row per (token, destination rank) only and
     returns the dedup buffer [num_ranks * num_tokens, hidden] (row i = dedup row i, see
@@ -260,6 +261,7 @@ def dispatch(
     ``tma`` for rows of at least 8 KiB, else ``vector``.
     """
     ws = schedule.ws
+    ws._standalone("dispatch into a receive buffer of capacity rows")
     mode = mode or ws.config.dispatch_mode
     if mode not in ops._DISPATCH_KERNELS:
         raise MoKInputError(
@@ -289,6 +291,7 @@ def fanout(
     ``skip_local``: the dedup buffer came from ``dispatch(..., skip_local=True)``; this rank's
     own rows are read from the workspace x buffer (which the dispatch filled)."""
     ws = schedule.ws
+    ws._standalone("fan-out into a receive buffer of capacity rows")
     engine = _engine(ws, engine)
     R, s = ws.num_ranks, ws.shapes
     _check_tensor("dedup", dedup, (R * s.max_tokens, s.hidden), (s.dtype,), ws.device)
@@ -314,6 +317,7 @@ def combine(
     home rank reads the partials from the owners). Returns [num_tokens, hidden] bf16.
     """
     ws = schedule.ws
+    ws._standalone("standalone combine")
     s = ws.shapes
     mode = mode or ws.config.combine_mode
     if mode not in ("push", "pull"):
@@ -356,13 +360,17 @@ def dedup_partials(
     num_comm_sms); ``engine``: ``vector`` (16-byte loads, a warp per row) or ``tma`` (bulk
     copies into shared memory, consumer warps)."""
     ws = schedule.ws
+    ws._standalone("dedup partials buffer")
     _check_engine(engine)
     _check_tensor("y", y, (ws.capacity, ws.shapes.hidden), (torch.bfloat16,), ws.device)
     ops.dedup_partials(y.contiguous(), ws.sched, ws.partials_buffer, ws.id, grid or 0, engine)
 
 
 def dedup_sum(
-    schedule: DeviceSchedule, shared_y: torch.Tensor | None = None, engine: str = "auto"
+    schedule: DeviceSchedule,
+    shared_y: torch.Tensor | None = None,
+    engine: str = "auto",
+    release: bool = True,
 ) -> torch.Tensor:
     """Transfer step of the dedup pull combine: the home rank reads its tokens' partials from
     every owner (after their :func:`dedup_partials`) and returns ``bf16(shared_y + partial_0 +
@@ -372,8 +380,11 @@ def dedup_sum(
     when whole rows do not fit, 4 KiB chunks of every term), ``auto`` (``tma`` for rows of at
     least 8 KiB, else ``vector``), or ``gather`` (a warp per row, several row chunks of every
     term in flight through cp.async; slower than ``vector`` on 2x H200, docs/perf-notes.md
-    v3)."""
+    v3). ``release``: this is the last sum of these partials, so their owners may overwrite
+    them with the next :func:`dedup_partials` (a later sum of them raises); pass False to every
+    sum but the last when one set of partials is summed several times."""
     ws = schedule.ws
+    ws._standalone("dedup partials buffer")
     engine = _engine(ws, engine, ops.SUM_ENGINES)
     s = ws.shapes
     if shared_y is not None:
@@ -386,7 +397,7 @@ def dedup_sum(
         )
         shared_y = shared_y.contiguous()
     out = torch.empty(schedule.num_tokens, s.hidden, dtype=torch.bfloat16, device=ws.device)
-    ops.dedup_sum(ws.sched, shared_y, out, ws.id, engine)
+    ops.dedup_sum(ws.sched, shared_y, out, ws.id, engine, release)
     return out
 
 
@@ -548,7 +559,15 @@ def moe_forward(
     if wg.shape[2] != x.shape[1]:
         raise MoKInputError(f"x has hidden={x.shape[1]} but w_gate has hidden={wg.shape[2]}")
     ws = get_workspace(
-        x.shape[0], x.shape[1], topk_idx.shape[1], num_experts, x.dtype, config, group, x.device
+        x.shape[0],
+        x.shape[1],
+        topk_idx.shape[1],
+        num_experts,
+        x.dtype,
+        config,
+        group,
+        x.device,
+        fused=fused,
     )
     if wg.shape[0] != ws.num_local_experts:
         raise MoKInputError(

@@ -183,6 +183,12 @@ def dedup_partials(
 ) -> None:
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
+    if ws.partials_released != ws.epochs["partials"]:
+        raise MoKInputError(
+            "mok: dedup_partials before a releasing dedup_sum of the previous partials (every "
+            "sum ran with release=False): the new partials would wait for the peers' "
+            "'consumed' signal forever; end the previous sums with dedup_sum(..., release=True)"
+        )
     p = ws.params("partials", advance=True)
     p.in0 = y.data_ptr()
     if engine == "vector":
@@ -203,11 +209,18 @@ def dedup_sum(
     out: torch.Tensor,  # [num_tokens, hidden] bf16
     handle: int,
     engine: str = "vector",
+    release: bool = True,
 ) -> None:
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
     if ws.epochs["partials"] == 0:
         raise MoKInputError("mok: dedup_sum before any dedup_partials on this workspace")
+    if ws.partials_released == ws.epochs["partials"]:
+        raise MoKInputError(
+            "mok: dedup_sum after a sum that released these partials (its peers may be "
+            "overwriting them now); run dedup_partials again, or pass release=False to every "
+            "sum of one partials epoch but the last"
+        )
     p = ws.params("partials", out.shape[0])
     p.out0 = out.data_ptr()
     if shared_y is not None:
@@ -219,12 +232,16 @@ def dedup_sum(
         p.flags |= _ext.FLAG_VECTOR
     elif engine == "gather":
         p.flags |= _ext.FLAG_GATHER
+    if not release:
+        p.flags |= _ext.FLAG_KEEP
     _stamps(ws, p)
     ws.launch("dedup_sum", p, ws.config.num_comm_sms)
+    if release:
+        ws.partials_released = ws.epochs["partials"]
 
 
 @dedup_sum.register_fake
-def _(sched, shared_y, out, handle, engine="vector") -> None:
+def _(sched, shared_y, out, handle, engine="vector", release=True) -> None:
     return None
 
 

@@ -70,10 +70,16 @@ def _layout(names_sizes: list[tuple[str, int]], align: int) -> tuple[dict[str, i
 class Workspace:
     """Buffers and state of the layer on one rank. Use :func:`get_workspace`."""
 
-    def __init__(self, shapes: Shapes, config: MoKConfig, group, device: torch.device):
+    def __init__(
+        self, shapes: Shapes, config: MoKConfig, group, device: torch.device, fused: bool = False
+    ):
         import torch.distributed as dist
 
         self.shapes, self.config, self.device = shapes, config, device
+        # A workspace of the fused layer only holds what that kernel touches: a receive buffer
+        # of the ring's rows, and neither the expert-output buffer nor the dedup partials of the
+        # standalone combines.
+        self.fused = fused
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
@@ -104,21 +110,22 @@ class Workspace:
         self.num_chunks = max(1, -(-N // _CHUNK_TOKENS))
         self.num_minibatches = -(-self.capacity // config.minibatch_size)
 
+        recv_rows = min(self.ring_rows, self.capacity) if fused else self.capacity
         # Symmetric layout (bytes).
-        self.sym_off, sym_bytes = _layout(
+        self.sym_sizes = dict(
             [
                 ("signals", _ext.NUM_SIGNALS * _ext.MAX_RANKS * 8),
                 ("route_status", 2 * _ext.MAX_RANKS * _ext.ROUTE_STATUS_WORDS * 4),
                 ("route_idx", 2 * R * N * K * 4),
                 ("route_w", 2 * R * N * K * 4),
                 ("x", N * self.row_bytes),
-                ("recv", self.capacity * self.row_bytes),
+                ("recv", recv_rows * self.row_bytes),
                 ("slots", N * K * H * 2),
-                ("y", self.capacity * H * 2),
-                ("partials", R * N * H * 2),
-            ],
-            _ALIGN,
+                ("y", 0 if fused else self.capacity * H * 2),
+                ("partials", 0 if fused else R * N * H * 2),
+            ]
         )
+        self.sym_off, sym_bytes = _layout(list(self.sym_sizes.items()), _ALIGN)
         # Local schedule layout (int32 elements).
         L, cap, NC = self.num_local_experts, self.capacity, self.num_chunks
         self.sched_off, sched_len = _layout(
@@ -185,6 +192,8 @@ class Workspace:
         }
         self._layer_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._dedup_buffer: torch.Tensor | None = None
+        # The partials epoch whose last dedup_sum ran (its owners may overwrite them now).
+        self.partials_released = 0
         self.broken: Exception | None = None
         self._params_base: bytes | None = None
         # Epochs right after each recent schedule build, by route epoch (input-error recovery).
@@ -222,21 +231,32 @@ class Workspace:
         pass ``x_buffer[:num_tokens]`` to skip the staging copy of pull dispatch."""
         return self.sym_view("x", self.shapes.dtype, (self.shapes.max_tokens, self.shapes.hidden))
 
+    def _standalone(self, what: str) -> None:
+        if self.fused:
+            raise MoKInputError(
+                f"this workspace serves the fused layer only (mok.functional.forward), which "
+                f"has no {what}; the stage functions need a workspace from "
+                "get_workspace(..., fused=False), which moe_forward(..., fused=False) uses"
+            )
+
     @property
     def recv_buffer(self) -> torch.Tensor:
         """[capacity, hidden] receive buffer (expert-contiguous rows; padding rows untouched)."""
+        self._standalone("receive buffer of capacity rows")
         return self.sym_view("recv", self.shapes.dtype, (self.capacity, self.shapes.hidden))
 
     @property
     def y_buffer(self) -> torch.Tensor:
         """[capacity, hidden] bf16 expert-output buffer read by pull combine: write the expert
         outputs here to skip its staging copy."""
+        self._standalone("expert-output buffer")
         return self.sym_view("y", torch.bfloat16, (self.capacity, self.shapes.hidden))
 
     @property
     def partials_buffer(self) -> torch.Tensor:
         """[num_ranks * max_tokens, hidden] bf16 dedup partials (row src_rank * max_tokens +
         token) that this rank's experts produced for the dedup pull combine."""
+        self._standalone("dedup partials buffer")
         R, N, H = self.num_ranks, self.shapes.max_tokens, self.shapes.hidden
         return self.sym_view("partials", torch.bfloat16, (R * N, H))
 
@@ -248,6 +268,32 @@ class Workspace:
             R, N, H = self.num_ranks, self.shapes.max_tokens, self.shapes.hidden
             self._dedup_buffer = torch.empty(R * N, H, dtype=self.shapes.dtype, device=self.device)
         return self._dedup_buffer
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes of every buffer of this workspace on this rank: ``symmetric`` (one allocation,
+        the same size on every rank), ``local`` (allocated so far), and their ``total``."""
+        local = {"schedule": self.sched.numel() * 4, "error": self.error.numel() * 8}
+        if self._dedup_buffer is not None:
+            local["dedup"] = self._dedup_buffer.numel() * self._dedup_buffer.element_size()
+        for (inter, shared), bufs in self._layer_buffers.items():
+            for name, t in bufs.items():
+                local[f"layer_{name}(I={inter},Is={shared})"] = t.numel() * t.element_size()
+        sym = {name: -(-size // _ALIGN) * _ALIGN for name, size in self.sym_sizes.items()}
+        return {
+            "symmetric": sym,
+            "local": local,
+            "total": {"symmetric": sum(sym.values()), "local": sum(local.values())},
+        }
+
+    def wait_x_free(self) -> None:
+        """Make the current stream wait until every peer finished reading this rank's x buffer
+        (the last pull dispatch). Call it before writing a call's tokens into
+        :attr:`x_buffer` directly (no staging copy): without it the write can overtake a peer
+        still pulling the previous call's rows. Bounded like every wait."""
+        self.raise_if_failed()
+        p = self.params("x")
+        p.in0 = self.config.num_comm_sms
+        self.launch("wait_x_free", p, 1)
 
     def sched_view(self, name: str, length: int) -> torch.Tensor:
         off = self.sched_off[name]
@@ -493,8 +539,12 @@ def get_workspace(
     config: MoKConfig | None = None,
     group=None,
     device: torch.device | int | str | None = None,
+    fused: bool = False,
 ) -> Workspace:
     """The cached workspace of this layer shape and config (created collectively on first use).
+
+    ``fused``: a workspace of the fused layer alone (:func:`mok.functional.forward`), without
+    the buffers only the stage functions use (about half the memory of a full one).
 
     ``num_tokens`` is this rank's token count of the call at hand; it matters only when the
     workspace is created with ``config.max_tokens == 0``: then it is sized for the largest
@@ -509,7 +559,7 @@ def get_workspace(
         device = torch.device("cuda", torch.cuda.current_device())
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise MoKInputError(f"num_tokens must be an int >= 0 (found {num_tokens!r})")
-    key = (_group_key(group), device.index, hidden, num_topk, num_experts, dtype, config)
+    key = (_group_key(group), device.index, hidden, num_topk, num_experts, dtype, config, fused)
     ws = _cache.get(key)
     if ws is None:
         if len(_cache) >= MAX_WORKSPACES:
@@ -521,7 +571,7 @@ def get_workspace(
         most = _check_same_everywhere(key, group, num_tokens)
         max_tokens = config.max_tokens or max(1, most)
         shapes = Shapes(max_tokens, hidden, num_topk, num_experts, dtype)
-        ws = Workspace(shapes, config, group, device)
+        ws = Workspace(shapes, config, group, device, fused)
         _cache[key] = ws
     return ws
 

@@ -221,10 +221,11 @@ def fake_group(monkeypatch):
     monkeypatch.setattr(_ext, "load", lambda: SimpleNamespace(host_device_pointer=lambda p: 0x1000))
     monkeypatch.setattr(workspace, "_by_handle", {})
 
-    def make(num_ranks, rank, num_tokens, hidden, num_topk, num_experts, config=None):
+    def make(num_ranks, rank, num_tokens, hidden, num_topk, num_experts, config=None, fused=False):
         state["rank"], state["world"] = rank, num_ranks
         shapes = workspace.Shapes(num_tokens, hidden, num_topk, num_experts, torch.bfloat16)
-        return workspace.Workspace(shapes, config or MoKConfig(), object(), torch.device("meta"))
+        cfg = config or MoKConfig()
+        return workspace.Workspace(shapes, cfg, object(), torch.device("meta"), fused)
 
     make.allocs = allocs
     return make

@@ -230,3 +230,21 @@ def test_clear_workspaces_frees_memory(problem):
     mok.clear_workspaces()
     assert mok.cached_workspaces() == []
     assert torch.cuda.memory_allocated() <= base
+
+
+def test_writing_tokens_into_the_x_buffer_after_wait_x_free(problem):
+    w, x, idx, tw = problem
+    n, K = 300, SHAPE.num_topk
+    cfg = _cfg("pull", "push", max_tokens=n)
+    ws = mok.get_workspace(n, SHAPE.hidden, K, SHAPE.num_experts, config=cfg)
+    for step in range(3):
+        xs = torch.roll(x[:n], shifts=step, dims=0)
+        ws.wait_x_free()  # the previous dispatch's readers are done
+        ws.x_buffer[:n].copy_(xs)
+        s = mf.build_schedule(idx[:n], tw[:n], ws)
+        recv = mf.dispatch(ws.x_buffer[:n], s, "pull")
+        mok.check()
+        h = s.to_host()
+        real = (h["src_rank"] >= 0).nonzero().squeeze(1)
+        want = xs[(h["src_index"][real] // K).cuda()]
+        assert torch.equal(recv[real.cuda()], want), step

@@ -20,7 +20,7 @@ class _Recorder:
 
     built: list = []
 
-    def __init__(self, shapes, config, group, device):
+    def __init__(self, shapes, config, group, device, fused=False):
         self.shapes, self.config = shapes, config
         _Recorder.built.append(shapes)
 
@@ -186,3 +186,72 @@ def test_mok_ops_are_tagged_cudagraph_unsafe():
         pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag")
     for name in ops.__all__:
         assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.mok, name).default.tags, name
+
+
+def test_a_fused_workspace_holds_only_what_the_fused_kernel_touches(fake_group):  # noqa: F811
+    # DeepSeek-V3 at EP8, 131072 tokens per rank: the full workspace's symmetric allocation
+    # against the fused layer's (no expert-output or partials buffers; default ring = every
+    # receive row).
+    R, N, H, K, E = 8, 131072, 7168, 8, 256
+    full = fake_group(R, 7, N, H, K, E).memory_report()
+    fused = fake_group(R, 7, N, H, K, E, fused=True).memory_report()
+    assert fused["symmetric"]["y"] == fused["symmetric"]["partials"] == 0
+    assert full["symmetric"]["y"] == full["symmetric"]["recv"] > 0
+    assert fused["symmetric"]["recv"] == full["symmetric"]["recv"]
+    assert fused["symmetric"]["slots"] == full["symmetric"]["slots"] == N * K * H * 2
+    assert 91e9 < full["total"]["symmetric"] < 93e9
+    assert fused["total"]["symmetric"] < 0.52 * full["total"]["symmetric"]
+    # A ring of two 4096-row minibatches: the receive buffer shrinks to the ring.
+    ring = fake_group(
+        R, 7, N, H, K, E, mok.MoKConfig(minibatch_size=4096, macrobatch_size=8192), fused=True
+    )
+    assert ring.memory_report()["symmetric"]["recv"] == 8192 * H * 2
+
+
+def test_the_stage_functions_refuse_a_fused_workspace(fake_group):  # noqa: F811
+    ws = fake_group(2, 0, 64, H, K, E, fused=True)
+    for view in ("recv_buffer", "y_buffer", "partials_buffer"):
+        with pytest.raises(MoKInputError, match="serves the fused layer only"):
+            getattr(ws, view)
+
+
+def test_the_last_dedup_sum_of_a_partials_epoch_releases_it(fake_group, monkeypatch):  # noqa: F811
+    # Owners overwrite their partials once every rank said "consumed": only the releasing sum
+    # says it, and nothing may read the partials after it.
+    from mok import ops
+
+    ws = fake_group(2, 0, 64, H, K, E)
+    ws._ext = _Ext()
+    monkeypatch.setattr(ws, "_stream", lambda: 0)
+    monkeypatch.setattr(ws, "raise_if_failed", lambda: None)
+    y = torch.zeros(8, H, dtype=torch.bfloat16)
+    out = torch.zeros(64, H, dtype=torch.bfloat16)
+    with pytest.raises(MoKInputError, match="before any dedup_partials"):
+        ops.dedup_sum(ws.sched, None, out, ws.id)
+    ops.dedup_partials(y, ws.sched, y, ws.id)
+    ops.dedup_sum(ws.sched, None, out, ws.id, "vector", False)
+    ops.dedup_sum(ws.sched, None, out, ws.id, "tma", False)
+    with pytest.raises(MoKInputError, match="end the previous sums with dedup_sum"):
+        ops.dedup_partials(y, ws.sched, y, ws.id)
+    ops.dedup_sum(ws.sched, None, out, ws.id, "vector", True)
+    with pytest.raises(MoKInputError, match="run dedup_partials again"):
+        ops.dedup_sum(ws.sched, None, out, ws.id, "vector", False)
+    ops.dedup_partials(y, ws.sched, y, ws.id)
+    ops.dedup_sum(ws.sched, None, out, ws.id)
+    kinds = [_ext.KERNELS["dedup_partials"], _ext.KERNELS["dedup_sum"]]
+    assert ws._ext.launched == [kinds[0], kinds[1], kinds[1], kinds[1], kinds[0], kinds[1]]
+
+
+def test_wait_x_free_waits_for_the_last_pull_dispatch(fake_group, monkeypatch):  # noqa: F811
+    from mok import ops
+
+    ws = fake_group(2, 1, 64, H, K, E, mok.MoKConfig(num_comm_sms=12))
+    seen = []
+    monkeypatch.setattr(ws, "_stream", lambda: 0)
+    monkeypatch.setattr(ws, "raise_if_failed", lambda: None)
+    monkeypatch.setattr(ws, "launch", lambda kind, p, grid: seen.append((kind, p.epoch, p.in0)))
+    x = torch.zeros(64, H, dtype=torch.bfloat16)
+    for _ in range(2):
+        ops.dispatch(x, ws.sched, x, ws.id, "pull")
+    ws.wait_x_free()
+    assert seen[-1] == ("wait_x_free", 2, 12)  # epoch 2, 12 signalling blocks per peer

@@ -186,7 +186,9 @@ def _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, num_experts) -> None:
     from mok import layer_trace
 
     n, hidden = x.shape
-    ws = mok.get_workspace(n, hidden, idx.shape[1], num_experts, x.dtype, cfg, device=x.device)
+    ws = mok.get_workspace(
+        n, hidden, idx.shape[1], num_experts, x.dtype, cfg, device=x.device, fused=True
+    )
     buf = layer_trace.new_trace(ws)
     mf.forward(x, mf.build_schedule(idx, tw, ws), w, trace=buf)
     ws.check()

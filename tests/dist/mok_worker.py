@@ -177,11 +177,17 @@ def comm_case(hidden, K, E, N, skew, dev, repeat=0):
         for pe in ("vector", "tma"):
             mf.dedup_partials(y, sched, engine=pe)
             for se in ("gather", "vector", "tma"):
-                o = mf.dedup_sum(sched, shd, engine=se).cpu()
+                o = mf.dedup_sum(sched, shd, engine=se, release=se == "tma").cpu()
                 ws.check()
                 check(torch.equal(o, dedup), f"{tag} dedup_sum {pe}/{se} differs")
         # Phase stamps (diagnostics): each block writes entry <= ready <= done <= exit.
         ws.stamps = torch.zeros(ws.config.num_comm_sms, 4, dtype=torch.int64, device=dev)
+        try:
+            mf.dedup_sum(sched, shd)
+            check(False, "a second releasing dedup_sum of one partials epoch was accepted")
+        except mok.MoKInputError as e:
+            check("run dedup_partials again" in str(e), str(e))
+        mf.dedup_partials(y, sched)
         mf.dedup_sum(sched, shd, engine="tma")
         st, ws.stamps = ws.stamps.cpu(), None
         check(bool((st > 0).all() and (st.diff(dim=1) >= 0).all()), f"{tag} phase stamps {st}")
