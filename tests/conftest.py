@@ -29,3 +29,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if reason and item.get_closest_marker(name):
                 item.add_marker(pytest.mark.skip(reason=reason))
                 break
+
+
+@pytest.fixture
+def fresh_workspaces():
+    """No mok workspace before and after the test (each test sizes its own)."""
+    import mok
+
+    mok.clear_workspaces()
+    yield
+    mok.clear_workspaces()

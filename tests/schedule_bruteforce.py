@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 
-def brute_force_pull_rows(topk_idx_all, num_experts: int, rank: int, row_tile: int):
-    """Return (offsets, rows) with rows[p] = (src_rank, src_index) or (-1, -1)."""
+def brute_force_pull_rows(
+    topk_idx_all, num_experts: int, rank: int, row_tile: int, tokens: list[int] | None = None
+):
+    """Return (offsets, rows) with rows[p] = (src_rank, src_index) or (-1, -1). ``tokens``:
+    rank r holds tokens[r] tokens (rows of ``topk_idx_all[r]`` past that are padding); default
+    all of them."""
     num_ranks, num_tokens, num_topk = (int(s) for s in topk_idx_all.shape)
+    tokens = [num_tokens] * num_ranks if tokens is None else tokens
     num_local = num_experts // num_ranks
     entries = {}  # (l, r) -> src_index list in increasing order
     for r in range(num_ranks):
-        for t in range(num_tokens):
+        for t in range(tokens[r]):
             for k in range(num_topk):
                 e = int(topk_idx_all[r, t, k])
                 if e // num_local == rank:

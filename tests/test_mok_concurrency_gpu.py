@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 
 import mok  # noqa: E402
 from mok import functional as mf  # noqa: E402
-from mok.workload import ModelShape, make_routing  # noqa: E402
-from reference.weights import MoEWeights  # noqa: E402
+from mok.workload import ModelShape  # noqa: E402
+from tests.layer_problem import layer_problem  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.usefixtures("fresh_workspaces")]
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 99
@@ -29,22 +29,9 @@ SHAPE = ModelShape("conc", 16, 512, 256, 4, shared_intermediate=256)
 PATHS = [("pull", True), ("dedup_pull", True), ("pull", False), ("push", False)]
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    mok.clear_workspaces()
-    yield
-    mok.clear_workspaces()
-
-
 @pytest.fixture(scope="module")
 def problem():
-    dev = torch.device("cuda")
-    w = MoEWeights.random(SHAPE, seed=SEED, dtype=torch.float32, device=dev).to(torch.bfloat16)
-    N = 600
-    t = make_routing(N, SHAPE.num_experts, SHAPE.num_topk, 1, "hot:0.5", seed=SEED)
-    g = torch.Generator().manual_seed(SEED)
-    x = torch.randn(N, SHAPE.hidden, generator=g).to(torch.bfloat16).to(dev)
-    return w, x, torch.from_numpy(t.topk_idx).to(dev), torch.from_numpy(t.topk_weights).to(dev)
+    return layer_problem(SHAPE, 600, SEED)
 
 
 def _cfg(dm: str, **kw) -> mok.MoKConfig:

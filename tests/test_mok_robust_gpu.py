@@ -15,12 +15,12 @@ torch = pytest.importorskip("torch")
 
 import mok  # noqa: E402
 from mok import functional as mf  # noqa: E402
-from mok.workload import ModelShape, make_routing  # noqa: E402
+from mok.workload import ModelShape  # noqa: E402
 from reference.moe import moe_forward as ref_moe_forward  # noqa: E402
-from reference.weights import MoEWeights  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
+from tests.layer_problem import layer_problem  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.usefixtures("fresh_workspaces")]
 
 SEED = 1234
 SHAPE = ModelShape("robust", 16, 512, 256, 4, shared_intermediate=256)
@@ -35,24 +35,9 @@ PATHS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    mok.clear_workspaces()
-    yield
-    mok.clear_workspaces()
-
-
 @pytest.fixture(scope="module")
 def problem():
-    dev = torch.device("cuda")
-    w = MoEWeights.random(SHAPE, seed=SEED, dtype=torch.float32, device=dev).to(torch.bfloat16)
-    N = 700
-    t = make_routing(N, SHAPE.num_experts, SHAPE.num_topk, 1, "hot:0.5", seed=SEED)
-    g = torch.Generator().manual_seed(SEED)
-    x = torch.randn(N, SHAPE.hidden, generator=g).to(torch.bfloat16).to(dev)
-    idx = torch.from_numpy(t.topk_idx).to(dev)
-    tw = torch.from_numpy(t.topk_weights).to(dev)
-    return w, x, idx, tw
+    return layer_problem(SHAPE, 700, SEED)
 
 
 def _cfg(dm: str, cm: str, **kw) -> mok.MoKConfig:

@@ -19,6 +19,7 @@ from reference.schedule import build_all_schedules
 from reference.weights import MoEWeights
 from tests import tolerances as tol
 from tests.dist.launch import torchrun
+from tests.schedule_bruteforce import brute_force_pull_rows
 
 MODES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLS = {
@@ -169,32 +170,6 @@ def test_layer_backward_against_autograd_of_the_oracle(case):
 # ---- the schedule with a token count per rank ------------------------------------------------
 
 
-def ragged_pull_rows(idx_all, tokens: list[int], num_experts: int, rank: int, row_tile: int):
-    """Loop-by-loop transcription of the schedule's pull rows when rank r holds tokens[r] tokens
-    (rows of ``idx_all[r]`` past that are padding): (offsets, rows[p] = (src_rank, src_index)
-    or (-1, -1))."""
-    num_ranks, num_topk = len(tokens), idx_all.shape[2]
-    num_local = num_experts // num_ranks
-    entries: dict[tuple[int, int], list[int]] = {}
-    for r in range(num_ranks):
-        for t in range(tokens[r]):
-            for k in range(num_topk):
-                e = int(idx_all[r, t, k])
-                if e // num_local == rank:
-                    entries.setdefault((e % num_local, r), []).append(t * num_topk + k)
-    m = [[len(entries.get((lx, r), [])) for r in range(num_ranks)] for lx in range(num_local)]
-    offsets = [0]
-    for lx in range(num_local):
-        offsets.append(offsets[-1] + -(-sum(m[lx]) // row_tile) * row_tile)
-    rows = [(-1, -1)] * offsets[-1]
-    for (lx, r), idxs in entries.items():
-        for o, i in enumerate(idxs):
-            p = sum(min(m[lx][r2], o) for r2 in range(num_ranks))
-            p += sum(1 for r2 in range(r) if m[lx][r2] > o)
-            rows[offsets[lx] + p] = (r, i)
-    return offsets, rows
-
-
 @st.composite
 def ragged_routings(draw):
     num_ranks = draw(st.integers(1, 4))
@@ -219,7 +194,7 @@ def test_schedule_with_a_token_count_per_rank(case):
     num_topk = idx.shape[2]
     scheds = build_all_schedules(idx, num_experts, row_tile, num_tokens_all=tokens)
     for s in scheds:
-        off, rows = ragged_pull_rows(idx, tokens, num_experts, s.rank, row_tile)
+        off, rows = brute_force_pull_rows(idx, num_experts, s.rank, row_tile, tokens)
         assert off == s.offsets.tolist()
         assert rows == list(zip(s.src_rank.tolist(), s.src_index.tolist(), strict=True))
         n = tokens[s.rank]
