@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from mok.config import MoKConfig
 from mok.workload import ModelShape, RoutingTrace, Skew, get_shape, make_routing
 from sim.topology import Topology, get_topology
 
@@ -155,15 +156,15 @@ class SimConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def mok_config(self) -> dict:
-        """The fields ``mok.MoKConfig.from_json`` reads."""
-        return {
-            "dispatch_mode": self.dispatch_mode,
-            "combine_mode": self.combine_mode,
-            "num_comm_sms": self.num_comm_sms,
+    def mok_config(self) -> MoKConfig:
+        """The kernel's configuration for this simulated one (validated by MoKConfig)."""
+        return MoKConfig(
+            dispatch_mode=self.dispatch_mode,
+            combine_mode=self.combine_mode,
+            num_comm_sms=self.num_comm_sms,
             # NOTE: backward is not modelled yet; it reuses the forward split.
-            "num_comm_sms_bwd": self.num_comm_sms,
-            "minibatch_size": self.minibatch_size,
-            "macrobatch_size": self.macrobatch_size,
-            "row_tile": self.row_tile,
-        }
+            num_comm_sms_bwd=self.num_comm_sms,
+            minibatch_size=self.minibatch_size,
+            macrobatch_size=self.macrobatch_size,
+            row_tile=self.row_tile,
+        )

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
+from mok.config import MoKConfig
 from sim.config import Workload
 from sim.fused import ROW_TILES, FusedProfile, fused_layer, row_tile_of
 from sim.topology import get_topology
@@ -208,30 +209,27 @@ def tune_fused(wl: Workload, prof: FusedProfile, space: dict | None = None) -> l
     return sorted(rows, key=_key)
 
 
-def fused_mok_config(row: dict) -> dict:
-    """The ``mok.MoKConfig`` fields of a tuner row."""
-    return {
-        "dispatch_mode": row["dispatch_mode"],
-        "combine_mode": "push",
-        "num_comm_sms": row["num_comm_sms"],
+def fused_mok_config(row: dict) -> MoKConfig:
+    """The kernel's configuration of a tuner row."""
+    return MoKConfig(
+        dispatch_mode=row["dispatch_mode"],
+        combine_mode="push",
+        num_comm_sms=row["num_comm_sms"],
         # NOTE: the fused layer is forward only; the backward keeps the forward's split.
-        "num_comm_sms_bwd": row["num_comm_sms"],
-        "minibatch_size": row["minibatch_size"],
-        "macrobatch_size": row["macrobatch_size"],
-        "row_tile": row["row_tile"],
-    }
+        num_comm_sms_bwd=row["num_comm_sms"],
+        minibatch_size=row["minibatch_size"],
+        macrobatch_size=row["macrobatch_size"],
+        row_tile=row["row_tile"],
+    )
 
 
 def fused_tune_document(
     wl: Workload, row: dict, prof: FusedProfile, profile_name: str, searched: int
 ) -> dict:
     """The JSON that ``mok.MoKConfig.from_json`` loads (``mok-config/1``) for a fused pick."""
-    from sim.sweep import CONFIG_FORMAT
-
     s = wl.model_shape
     return {
-        "format": CONFIG_FORMAT,
-        "config": fused_mok_config(row),
+        **fused_mok_config(row).to_dict(),
         "workload": {
             # NOTE: the fused model draws the routing as mok.bench layer does: seed = tokens
             **replace(wl, seed=wl.tokens_per_rank).to_dict(),

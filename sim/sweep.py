@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from mok.config import CONFIG_FORMAT  # re-exported: the kernel's config format, written once
 from sim.config import COMBINE_MODES, DISPATCH_MODES, SimConfig, Workload
 from sim.model import kernel_knobs, layer_kernel_profile, plan_for, simulate_many
 from sim.results import LayerResult
@@ -30,7 +31,6 @@ __all__ = [
     "CONFIG_FORMAT",
 ]
 
-CONFIG_FORMAT = "mok-config/1"
 
 # (dispatch, combine) pairs of the comparison table: all-push (DeepEP-style), MoK (pull
 # dispatch, push combine), all-pull, and our dedup-aware pull.
@@ -199,8 +199,7 @@ def tune(
 def tune_document(wl: Workload, cfg: SimConfig, result: LayerResult) -> dict:
     """The JSON that ``mok.MoKConfig.from_json`` loads (format ``mok-config/1``)."""
     return {
-        "format": CONFIG_FORMAT,
-        "config": cfg.mok_config(),
+        **cfg.mok_config().to_dict(),
         "workload": {
             **wl.to_dict(),
             "gpu": wl.topo.gpu_name,

@@ -71,21 +71,18 @@ def test_tune_emits_a_mok_config(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert doc["format"] == "mok-config/1"
     cfg = doc["config"]
-    assert set(cfg) == {
-        "dispatch_mode",
-        "combine_mode",
-        "num_comm_sms",
-        "num_comm_sms_bwd",
-        "minibatch_size",
-        "macrobatch_size",
-        "row_tile",
-    }
+    from dataclasses import fields
+
+    from mok.config import MoKConfig
+
+    # written by MoKConfig itself: every field, the ones the tuner does not choose at defaults
+    assert set(cfg) == {f.name for f in fields(MoKConfig)}
+    assert cfg["capacity_factor"] == MoKConfig().capacity_factor and cfg["max_tokens"] == 0
     assert cfg["dispatch_mode"] in ("push", "pull", "dedup_pull")
     assert cfg["combine_mode"] in ("push", "pull")
     assert cfg["macrobatch_size"] % cfg["minibatch_size"] == 0
     assert doc["predicted_us"] > 0 and doc["workload"]["topology"] == "hgx-h200"
     assert set(doc) == {"format", "config", "workload", "predicted_us", "breakdown"}
-    from mok.config import MoKConfig
 
     loaded = MoKConfig.from_json(path)  # the kernel's loader takes the file as written
     assert loaded.dispatch_mode == cfg["dispatch_mode"]

@@ -32,12 +32,7 @@ def test_fused_tune_emits_a_config_that_round_trips(tmp_path, capsys):
     w = doc["workload"]
     assert (w["layer"], w["topology"], w["ep"], w["seed"]) == ("fused", "h200x2", 2, 4096)
     loaded = MoKConfig.from_json(path)  # the file as written
-    assert loaded.to_dict()["config"] == {
-        **doc["config"],
-        "capacity_factor": 2.0,
-        "wait_timeout_ms": 10_000.0,
-        "max_tokens": 0,
-    }
+    assert loaded.to_dict()["config"] == doc["config"]  # every field, written by MoKConfig
     assert loaded.dispatch_mode in ("pull", "dedup_pull") and loaded.combine_mode == "push"
     assert loaded.row_tile in (64, 128) and loaded.macrobatch_size == 0
     assert 1 <= loaded.num_comm_sms < 132
