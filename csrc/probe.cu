@@ -49,7 +49,7 @@ __device__ __forceinline__ void report_timeout(int64_t* out, int64_t iter, int64
 __global__ void __launch_bounds__(kCopyThreads)
     copy_vector_kernel(int4* __restrict__ dst, const int4* __restrict__ src, int64_t n16) {
   // NOTE: one int4 in flight per thread, 16 KiB per SM: the method of the committed probe
-  // (shared/calibration/h200x2-probe-*.json), so new probes stay comparable with it.
+  // (sim/profiles/h200x2-probe-2026-11-29.json), so new probes stay comparable with it.
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n16;
        i += stride)

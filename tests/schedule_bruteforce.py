@@ -1,4 +1,4 @@
-"""A loop-by-loop transcription of the schedule formula in DESIGN.md, for small test sizes."""
+"""A loop-by-loop transcription of the schedule formula (docs/design.md), for small test sizes."""
 
 from __future__ import annotations
 

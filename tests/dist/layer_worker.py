@@ -2,7 +2,7 @@
 
 Every rank builds the whole problem (all ranks' tokens and routing, all experts' weights, seeded),
 runs the fused layer (:func:`mok.functional.forward`) on its slice and checks it against the
-reference of the whole problem: within the BF16 rule of STYLE.md (fp64 oracle, bf16 reference),
+reference of the whole problem: within the BF16 rule (docs/conventions.md; fp64 oracle, bf16 ref),
 bitwise identical across repeats, and bitwise identical across configurations that keep the
 reduction order (communication SMs, minibatch, ring size, pull vs dedup pull). Prints
 ``MOK-LAYER-OK rank=R``.
