@@ -1,4 +1,4 @@
-"""Fit a GPU profile from a probe JSON (format of ``shared/calibration/h200x2-probe-*.json``).
+"""Fit a GPU profile from a probe JSON (format of ``sim/profiles/h200x2-probe-2026-11-29.json``).
 
 What is fitted:
 
@@ -20,7 +20,7 @@ What is fitted:
   ``meta.l2_mb`` replace the H200 defaults.
 
 The protocol bytes per payload byte come from the one-tile NVLink counter measurement recorded in
-DESIGN.md (131,072-byte tile; push 155.6 KB data + 2.9 KB back, pull 147.5 KB data + 24.6 KB of
+docs/design.md (131,072-byte tile; push 155.6 KB data + 2.9 KB back, pull 147.5 KB data + 24.6 KB of
 requests); a probe may override them with a ``results.protocol_bytes`` block of the same shape.
 
 Derived (non-measured) profiles for H100, B200, GB200 and GB300 are built from the fitted H200
@@ -52,7 +52,7 @@ __all__ = [
     "PROTOCOL_TILE_BYTES",
 ]
 
-# DESIGN.md, NVLink counters while moving one 256 x 256 bf16 tile (KB = 1000 bytes).
+# docs/design.md, NVLink counters while moving one 256 x 256 bf16 tile (KB = 1000 bytes).
 PROTOCOL_TILE_BYTES = {
     "payload": 131_072,
     "push": {"data": 155_600, "reverse": 2_900},
@@ -320,7 +320,7 @@ def fit_gpu_profile(probe: dict, name: str = "h200", **overrides) -> GpuProfile:
             "handling costs the rest; not probed)",
             f"fence_us={cfg['fence_us']}: membar.sys before a remote flag (not probed)",
             "protocol bytes per payload byte from the one-tile NVLink counter measurement "
-            "(DESIGN.md); assumed equal for 16-byte and TMA copies",
+            "(docs/design.md); assumed equal for 16-byte and TMA copies",
             "hbm_copy_gbps = measured d2d copy (read+write counted) / 2",
             f"hbm_gbps={cfg['hbm_gbps']}, nvlink_gbps_per_direction="
             f"{cfg['nvlink_gbps_per_direction']} are datasheet values",

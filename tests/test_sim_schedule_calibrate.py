@@ -27,7 +27,7 @@ PROBE = PROFILES / "h200x2-probe-2026-11-29.json"
 
 
 def _brute_positions(trace, row_tile):
-    """DESIGN.md formula, written with loops."""
+    """The schedule formula of docs/design.md, written with loops."""
     nr, e_total = trace.num_ranks, trace.num_experts
     per = e_total // nr
     flat = trace.topk_idx.reshape(-1)
