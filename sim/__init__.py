@@ -26,7 +26,9 @@ Layout (one concept per module):
   :mod:`sim.kernel_rows` (how the kernels walk their rows: padded receive layout, busiest warp,
   copy-ring items, warp row rounds), :mod:`sim.kernel_profile` (the fitted knobs as data,
   ``sim/profiles/mok-comm-h200x2.json``), :mod:`sim.kernel_fit` (the fit) and
-  :mod:`sim.validate` (fit / validation split, errors, Spearman, chosen-vs-best gap, report).
+  :mod:`sim.validate` (errors, Spearman, chosen-vs-best gap, report).
+* Measured rows (both fits and ``mok-sim validate``): :mod:`sim.measured` (the measured-CSV
+  readers and the fit / validation split of every fit).
 * The fused layer kernel against measurements (``mok-sim validate`` on layer CSVs):
   :mod:`sim.fused` (comm blocks, the GEMM tile order as a list schedule over the compute SMs,
   the final sum; knobs in ``sim/profiles/mok-fused-h200x2.json``), :mod:`sim.fused_fit` and

@@ -364,8 +364,9 @@ def _cmd_calibrate(a) -> int:
 
 
 def _cmd_validate(a) -> int:
+    from sim.measured import MeasuredCSVError, read_measured
     from sim.results import write_csv
-    from sim.validate import MeasuredCSVError, format_report, read_measured, summarise
+    from sim.validate import format_report, summarise
 
     tables = []
     for path in a.measured:
@@ -399,8 +400,9 @@ def _cmd_validate(a) -> int:
 
 
 def _validate_comm(a, rows: list[dict]) -> list[dict]:
+    from sim.kernel_fit import fit_kernel_profile
     from sim.phases import load_kernel_profile
-    from sim.validate import fit_kernel_profile, validate_rows
+    from sim.validate import validate_rows
 
     prof = load_kernel_profile(a.profile)
     if a.refit:

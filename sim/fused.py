@@ -71,6 +71,7 @@ from numba import njit
 from sim.config import Workload
 from sim.gemm import reduce_us
 from sim.kernel_rows import busiest_share
+from sim.measured import row_tile_of
 from sim.model import layer_kernel_profile
 from sim.phases import schedule_device_us
 from sim.schedule import RoutingPlan
@@ -83,7 +84,6 @@ __all__ = [
     "load_fused_profile",
     "fused_layer",
     "fused_row",
-    "row_tile_of",
     "tile_order",
     "routed_halves",
     "kblock_us",
@@ -677,15 +677,9 @@ def fused_layer(
     return _run(case, prof)
 
 
-def row_tile_of(row: dict) -> int:
-    """The row tile of a ``mok.bench layer`` / ``sweep`` CSV row: its ``row_tile`` column (mok
-    rows 64 or 128, other libraries 0); CSVs that predate the column ran 128."""
-    v = row.get("row_tile")
-    return TILE_M if v is None or str(v).strip() == "" else int(v)
-
-
 def fused_row(row: dict, prof: FusedProfile | None = None) -> FusedResult:
-    """:func:`fused_layer` for one row of a ``mok.bench layer`` / ``sweep`` CSV."""
+    """:func:`fused_layer` for one row of a ``mok.bench layer`` / ``sweep`` CSV (its row tile:
+    :func:`sim.measured.row_tile_of`)."""
     return fused_layer(
         row["model"],
         int(row["tokens_per_rank"]),

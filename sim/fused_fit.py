@@ -1,8 +1,8 @@
 """Fit the fused-layer knobs (:class:`sim.fused.FusedProfile`) on measured layer rows.
 
-Fit rows (:func:`is_fused_fit_row`): ``mok-fused`` rows with uniform routing of DeepSeek-V3
-and Qwen3-30B-A3B with ``dedup_pull`` dispatch, and Qwen3's ``pull`` at 8 comm SMs, from the
-committed snapshots of ``mok.bench layer`` (1 row per model) and ``mok.bench sweep`` (8 / 16 /
+Fit rows (:func:`sim.measured.is_fused_fit_row`): ``mok-fused`` rows with uniform routing of
+DeepSeek-V3 and Qwen3-30B-A3B with ``dedup_pull`` dispatch, and Qwen3's ``pull`` at 8 comm SMs, from
+the committed snapshots of ``mok.bench layer`` (1 row per model) and ``mok.bench sweep`` (8 / 16 /
 32 comm SMs x minibatch 2048 / 4096). Two shapes at three SM splits are what identify the five
 knobs: the per-tile fixed cost (many short tiles at Qwen3, few long ones at DeepSeek-V3), the
 worker efficiency and the chip-wide operand ceiling (DeepSeek-V3 moves less with the SM split
@@ -16,7 +16,7 @@ after every row had been looked at; the holdout is by mode, shape, skew and run,
 one.
 
 Every fit row ran expert regions padded to 128 rows (the snapshots predate the ``row_tile``
-column; :func:`sim.fused.row_tile_of`). Rows at row tile 64 are never fit rows, and the two
+column; :func:`sim.measured.row_tile_of`). Rows at row tile 64 are never fit rows, and the two
 knobs of the 64-row sub-tiles (``half_kblock_factor``, ``half_fixed_factor``) are not fitted:
 they keep the profile's values (physical estimates, :class:`sim.fused.FusedProfile`), and
 measured row-tile-64 rows validate them.
@@ -34,40 +34,23 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from sim.fused import TILE_M, FusedProfile, fused_row, row_tile_of
+from sim.fused import FusedProfile, fused_row
+from sim.measured import FUSED_FIT_SUBSET, is_fused_fit_row
 
 __all__ = [
-    "FUSED_FIT_SMS",
-    "FUSED_FIT_SOURCES",
     "FUSED_KNOBS",
-    "is_fused_fit_row",
     "fit_fused_profile",
     "objective",
-    "FIT_SUBSET",
+    # re-exported from sim.measured: the committed fused profile's fit_subset names it here
+    "is_fused_fit_row",
 ]
 
-# (model, dispatch mode) -> comm SMs of its fit rows (None: all)
-FUSED_FIT_SMS = {
-    ("deepseek-v3", "dedup_pull"): None,
-    ("qwen3-30b-a3b", "dedup_pull"): None,
-    ("qwen3-30b-a3b", "pull"): ("8",),
-}
-# the committed snapshots the fit rows come from; rows of other CSVs (re-runs) are held out
-FUSED_FIT_SOURCES = ("h200x2-layer-2026-11-30.csv", "h200x2-layer-sweep-2026-11-30.csv")
 FUSED_KNOBS = (
     "gemm_efficiency",
     "tile_fixed_us",
     "operand_tbps",
     "comm_rate_factor",
     "remote_rate_factor",
-)
-FIT_SUBSET = (
-    "mok-fused rows with uniform routing (sim.fused_fit.is_fused_fit_row): deepseek-v3 and "
-    "qwen3-30b-a3b dedup_pull, qwen3-30b-a3b pull at 8 SMs; the 2 matching rows of "
-    "h200x2-layer-2026-11-30.csv and the 14 of h200x2-layer-sweep-2026-11-30.csv (8/16/32 SMs x "
-    "minibatch 2048/4096). Validation: deepseek-v3 pull, qwen3-30b-a3b pull at 16/32 SMs, "
-    "kimi-k2, hot:0.5, and every row of other CSVs (the deepseek-v3 sweep re-runs). Chosen "
-    "after all rows had been looked at: a holdout by mode, shape, skew and run, not a blind one."
 )
 
 
@@ -93,23 +76,6 @@ _FINE = {
 }
 _PATTERN_STEPS = (16, 8, 4, 2, 1)  # fine-grid points per move, coarse to fine
 _MAX_SWEEPS = 8
-
-
-def is_fused_fit_row(row: dict) -> bool:
-    """Whether a measured layer row belongs to the fused fit subset (:data:`FIT_SUBSET`; row
-    tile 128 only). A row without a source (``_source``, set by :func:`sim.validate.read_rows`)
-    counts by content."""
-    key = (row.get("model"), row.get("mode"))
-    if key not in FUSED_FIT_SMS:
-        return False
-    sms = FUSED_FIT_SMS[key]
-    return (
-        row.get("impl") == "mok-fused"
-        and row.get("skew") == "uniform"
-        and (sms is None or str(row.get("sms")) in sms)
-        and row.get("_source", FUSED_FIT_SOURCES[0]) in FUSED_FIT_SOURCES
-        and row_tile_of(row) == TILE_M
-    )
 
 
 def _predict(row: dict, prof: FusedProfile) -> float:
@@ -165,7 +131,7 @@ def fit_fused_profile(
     ``rows``."""
     fit = [r for r in rows if is_fused_fit_row(r)]
     if not fit:
-        raise ValueError(f"no fit rows among the measured rows (fit subset: {FIT_SUBSET})")
+        raise ValueError(f"no fit rows among the measured rows (fit subset: {FUSED_FIT_SUBSET})")
     log = log or (lambda _m: None)
     others = tuple(k for k in FUSED_KNOBS if k != "tile_fixed_us")
     start, best = None, math.inf
@@ -179,6 +145,6 @@ def fit_fused_profile(
     mean = best / len(fit)
     log(f"fine: objective {best:.4f} (mean |log err| {mean:.4f} over {len(fit)} rows)")
     return p.replace(
-        fit_subset=FIT_SUBSET,
+        fit_subset=FUSED_FIT_SUBSET,
         fit={"num_rows": len(fit), "objective": round(best, 5), "mean_abs_log_err": round(mean, 5)},
     )

@@ -24,7 +24,8 @@ from dataclasses import replace
 
 from mok.config import MoKConfig
 from sim.config import Workload
-from sim.fused import ROW_TILES, FusedProfile, fused_layer, row_tile_of
+from sim.fused import ROW_TILES, FusedProfile, fused_layer
+from sim.measured import row_tile_of
 from sim.topology import get_topology
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Fit the kernel profile of the comm-phase model (:mod:`sim.phases`) on measured rows.
 
-Fitted on the fit rows only (:func:`sim.validate.is_fit_row`), by least sum of
+Fitted on the fit rows only (:func:`sim.measured.is_fit_row`), by least sum of
 |log(predicted / measured)| over the rows of single-knob kernels (composite kernels have no
 knob of their own and are predicted from their parts):
 
@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from sim.engine import run_graph
+from sim.measured import is_fit_row
 from sim.phases import (
     _CURVE_ENGINE,
     ENTRY_POINTS,
@@ -255,8 +256,6 @@ def fit_kernel_profile(
 ) -> KernelProfile:
     """Refit ``prof`` on the fit rows of ``rows`` (see the module docstring); ``search`` maps
     in-graph knobs to the grids searched (empty: keep them)."""
-    from sim.validate import is_fit_row  # sim.validate imports this module
-
     pts, sched = [], []
     for row in rows:
         if row.get("impl", "mok") != "mok" or not is_fit_row(row):

@@ -87,7 +87,7 @@ schedule). Skew: per-rank row and per-expert counts come from ``make_routing`` w
 seed (= tokens per rank).
 
 Every knob is fitted by :func:`sim.kernel_fit.fit_kernel_profile` on the fit rows
-(:func:`sim.validate.is_fit_row`: the 4096-token rows of ``h200x2-comm-grid-v4-2026-11-30.csv``,
+(:func:`sim.measured.is_fit_row`: the 4096-token rows of ``h200x2-comm-grid-v4-2026-11-30.csv``,
 the grid of the current kernels) and stored in ``sim/profiles/mok-comm-h200x2.json``; its 512-
 and 16384-token rows are validation only.
 

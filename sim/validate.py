@@ -20,58 +20,54 @@ the prediction is host-bound, fit / validation role) and :func:`summarise` a sum
 
 Rows without a model (other libraries, unknown ``what`` / ``mode`` labels) are reported with a
 ``status`` and a reason, never scored. :func:`fit_kernel_profile` (:mod:`sim.kernel_fit`) refits
-the kernel knobs of :mod:`sim.phases` on the fit subset (:func:`is_fit_row`).
+the kernel knobs of :mod:`sim.phases` on the fit subset (:func:`sim.measured.is_fit_row`). The
+measured CSVs are read, and the fit / validation subsets defined, in :mod:`sim.measured`.
 
 Layer CSVs (``mok.bench layer`` / ``sweep``: an ``impl`` and a ``minibatch`` column, no ``what``;
-:func:`is_layer_csv`) go through :func:`validate_layer_rows` instead: every ``mok-fused`` row is
-predicted by the fused-kernel model (:mod:`sim.fused`, profile ``sim/profiles/
-mok-fused-h200x2.json``), fit rows are :func:`sim.fused_fit.is_fused_fit_row`; the ``nccl`` and
-``mok-unfused`` rows are listed as measured baselines (status ``baseline``), not predicted. Their
-records have ``what = "layer"``, so groups are (model, tokens, skew) and configurations (impl,
-mode, sms, minibatch, row_tile). A layer CSV's ``row_tile`` column (mok rows 64 or 128, other
-libraries 0) is the expert-region padding the fused model predicts with; CSVs that predate it
-ran 128 (:func:`sim.fused.row_tile_of`). Every group also reports the measured spread of its
-configurations and the median p20-p80 width of its rows: a ranking within a spread no wider than
-the run-to-run noise is noise-limited.
+:func:`sim.measured.is_layer_csv`) go through :func:`validate_layer_rows` instead: every
+``mok-fused`` row is predicted by the fused-kernel model (:mod:`sim.fused`, profile
+``sim/profiles/mok-fused-h200x2.json``), fit rows are :func:`sim.measured.is_fused_fit_row`; the
+``nccl`` and ``mok-unfused`` rows are listed as measured baselines (status ``baseline``), not
+predicted. Their records have ``what = "layer"``, so groups are (model, tokens, skew) and
+configurations (impl, mode, sms, minibatch, row_tile). A layer CSV's ``row_tile`` column (mok rows
+64 or 128, other libraries 0) is the expert-region padding the fused model predicts with; CSVs
+that predate it ran 128 (:func:`sim.measured.row_tile_of`). Every group also reports the measured
+spread of its configurations and the median p20-p80 width of its rows: a ranking within a spread
+no wider than the run-to-run noise is noise-limited.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import numpy as np
 
-from sim.fused import FusedProfile, fused_row, row_tile_of
-from sim.fused_fit import is_fused_fit_row
+from sim.fused import FusedProfile, fused_row
 from sim.kernel_fit import fit_kernel_profile
+from sim.measured import FIT_TOKENS, is_fit_row, is_fused_fit_row, read_rows, row_tile_of
 from sim.phases import KernelProfile, predict_row
 
 __all__ = [
-    "read_rows",
-    "read_measured",
-    "MeasuredCSVError",
-    "MEASURED_COLUMNS",
-    "MEASURED_KINDS",
     "rerun_spearman",
     "validate_rows",
     "summarise",
     "spearman",
     "chosen_gap",
-    "fit_kernel_profile",
     "format_report",
-    "is_layer_csv",
     "validate_layer_rows",
     "BASELINES",
     "GROUP_KEYS",
     "CONFIG_KEYS",
+    "TARGETS",
+    # re-exported: sim.measured holds them; the notebooks read rows through sim.validate, the
+    # committed comm profiles' fit_subset names sim.validate.FIT_TOKENS
+    "read_rows",
     "FIT_TOKENS",
     "is_fit_row",
-    "TARGETS",
+    # re-exported from sim.kernel_fit (mok-sim validate --refit)
+    "fit_kernel_profile",
 ]
 
 # NOTE: `scope` (comparable unit / local step / end-to-end) keeps configurations that do
@@ -79,125 +75,7 @@ __all__ = [
 GROUP_KEYS = ("model", "tokens_per_rank", "skew", "what", "scope")
 # minibatch, row_tile: layer CSVs only
 CONFIG_KEYS = ("impl", "mode", "engine", "sms", "minibatch", "row_tile")
-# The calibration subset: a mok row is a FIT row iff its tokens_per_rank is in FIT_TOKENS. The
-# committed comm profile is fitted on the 4096-token rows of the v4 grid
-# (sim/profiles/h200x2-comm-grid-v4-2026-11-30.csv, both models, both skews); its 512- and
-# 16384-token rows are validation only (a holdout in problem size: host-time-bound calls,
-# padding-dominated receive buffers and NVLink-bound streams). NOTE: chosen after earlier
-# models' errors had been looked at; it is a holdout by size, not a blind one.
-FIT_TOKENS = (4096,)
 TARGETS = {"median_abs_err": 0.05, "max_abs_err": 0.15, "spearman": 0.9, "gap": 0.03}
-
-
-def read_rows(*paths: str | Path) -> list[dict]:
-    """The rows of one or more measured CSVs, each tagged with its file name (``_source``)."""
-    out = []
-    for path in paths:
-        with open(path, newline="") as f:
-            out += [{**row, "_source": Path(path).name} for row in csv.DictReader(f)]
-    return out
-
-
-# The measured CSVs validate reads, by kind, and the columns each needs. A comm CSV has a `what`
-# column (schedule / dispatch / combine); a layer CSV an `impl` and a `minibatch` column, no
-# `what` (as :func:`is_layer_csv`).
-MEASURED_COLUMNS = {
-    "comm": ("model", "tokens_per_rank", "skew", "what", "impl", "mode", "sms", "median_us"),
-    "layer": ("model", "tokens_per_rank", "skew", "impl", "mode", "sms", "minibatch", "median_us"),
-}
-MEASURED_KINDS = (
-    "comm kernel rows (the CSV of `mok.bench comm`: columns "
-    + ", ".join(MEASURED_COLUMNS["comm"])
-    + ") and fused-layer rows (the CSVs of `mok.bench layer` / `sweep`: columns "
-    + ", ".join(MEASURED_COLUMNS["layer"])
-    + ")"
-)
-# integer columns of every row (other libraries' rows hold 0 where a knob does not apply)
-_INT_COLUMNS = {
-    "comm": ("tokens_per_rank", "sms"),
-    "layer": ("tokens_per_rank", "sms", "minibatch"),
-}
-
-
-class MeasuredCSVError(ValueError):
-    """A file that is not a measured CSV :func:`read_measured` reads (:data:`MEASURED_KINDS`)."""
-
-
-def _columns_text(cols: Sequence[str], most: int = 8) -> str:
-    shown = ", ".join(repr(c) for c in cols[:most])
-    return shown + (f", ... ({len(cols)} columns)" if len(cols) > most else "")
-
-
-def read_measured(path: str | Path) -> tuple[str, list[dict]]:
-    """(kind, rows) of one measured CSV: kind ``comm`` (``mok.bench comm``) or ``layer``
-    (``mok.bench layer`` / ``sweep``), rows tagged with the file name (``_source``) as
-    :func:`read_rows`. Raises :class:`MeasuredCSVError` (one line: the file, what is wrong,
-    :data:`MEASURED_KINDS`) for a file it cannot read, that is not a CSV of either kind, has no
-    rows, or has a row whose ``median_us`` is not a positive finite number or whose integer
-    columns are not integers."""
-    name = str(path)
-
-    def bad(why: str) -> MeasuredCSVError:
-        return MeasuredCSVError(f"{name} {why}; mok-sim validate reads {MEASURED_KINDS}")
-
-    try:
-        text = Path(path).read_text()
-    except UnicodeDecodeError:
-        raise bad("is not a text file (not UTF-8)") from None
-    except OSError as e:
-        raise MeasuredCSVError(
-            f"cannot read {name}: {e.strerror or e}; mok-sim validate reads {MEASURED_KINDS}"
-        ) from None
-    if not text.strip():
-        raise bad("is empty")
-    if text.lstrip()[0] in "{[":
-        raise bad("is JSON, not a measured CSV")
-    try:
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        cols = list(reader.fieldnames or [])
-        rows = list(reader)
-    except csv.Error as e:
-        raise bad(f"is not a readable CSV ({e})") from None
-    if "median_us" not in cols and ("layer_us" in cols or "predicted_us" in cols):
-        raise bad(
-            "is a mok-sim output CSV (predictions, not measurements; its columns: "
-            f"{_columns_text(cols)})"
-        )
-    if "what" in cols:
-        kind = "comm"
-    elif "impl" in cols and "minibatch" in cols:
-        kind = "layer"
-    else:
-        raise bad(f"is not a measured CSV (its columns: {_columns_text(cols)})")
-    missing = [c for c in MEASURED_COLUMNS[kind] if c not in cols]
-    if missing:
-        raise bad(f"looks like a {kind} CSV but lacks the columns {', '.join(missing)}")
-    if not rows:
-        raise bad("has a header but no rows")
-    for i, row in enumerate(rows):
-        where = f"row {i + 1}"
-        if None in row or None in row.values():
-            more = "more" if None in row else "fewer"
-            raise bad(f"{where} has {more} fields than its header ({len(cols)})")
-        v = row["median_us"]
-        try:
-            ok = math.isfinite(float(v)) and float(v) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise bad(f"{where}: median_us {v!r} is not a positive finite number")
-        for c in _INT_COLUMNS[kind]:
-            try:
-                int(row[c])
-            except ValueError:
-                raise bad(f"{where}: {c} {row[c]!r} is not an integer") from None
-    source = Path(path).name
-    return kind, [{**row, "_source": source} for row in rows]
-
-
-def is_fit_row(row: dict) -> bool:
-    """Whether a measured row belongs to the fit subset (:data:`FIT_TOKENS`)."""
-    return int(row.get("tokens_per_rank") or 0) in FIT_TOKENS
 
 
 def _float(x) -> float:
@@ -258,12 +136,6 @@ BASELINES = {
     "mok-unfused": "mok comm kernels + torch._grouped_mm + fp32 shared-expert matmuls: the "
     "torch GEMMs (incl. fp32) are not modelled",
 }
-
-
-def is_layer_csv(rows: Sequence[dict]) -> bool:
-    """Whether measured rows come from ``mok.bench layer`` / ``sweep`` (an ``impl`` and a
-    ``minibatch`` column, no ``what``) rather than ``mok.bench comm``."""
-    return bool(rows) and "minibatch" in rows[0] and "impl" in rows[0] and "what" not in rows[0]
 
 
 def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:

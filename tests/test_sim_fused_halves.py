@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from sim.fused import (
+    TILE_M,
     FusedProfile,
     _case,
     _plan,
@@ -22,13 +23,12 @@ from sim.fused import (
     kblock_us,
     load_fused_profile,
     routed_halves,
-    row_tile_of,
     tile_order,
 )
-from sim.fused_fit import is_fused_fit_row
 from sim.fused_tune import pick_on_measured
 from sim.hardware import load_gpu
-from sim.validate import read_rows, summarise, validate_layer_rows
+from sim.measured import DEFAULT_ROW_TILE, is_fused_fit_row, read_rows, row_tile_of
+from sim.validate import summarise, validate_layer_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "sim" / "profiles"
@@ -444,6 +444,8 @@ def test_validate_keys_configs_by_row_tile():
     assert not any(is_fused_fit_row(r) for r in layer)
     assert row_tile_of({}) == row_tile_of({"row_tile": ""}) == 128
     assert row_tile_of({"row_tile": "64"}) == 64
+    # CSVs without the column ran the fused kernel's full tile (sim.measured holds no sim.fused)
+    assert DEFAULT_ROW_TILE == TILE_M
 
 
 def test_tuner_replay_keeps_row_tiles_apart():

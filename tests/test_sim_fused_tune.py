@@ -13,7 +13,7 @@ from sim.cli import main
 from sim.config import Workload
 from sim.fused import load_fused_profile
 from sim.fused_tune import fused_limits, fused_space, pick_on_measured, tune_fused
-from sim.validate import read_rows
+from sim.measured import read_rows
 
 SWEEP = (
     Path(__file__).resolve().parents[1] / "sim" / "profiles" / "h200x2-layer-sweep-2026-11-30.csv"

@@ -5,7 +5,7 @@ The metric checks recompute every prediction from the committed snapshots of
 ``mok/bench/results/h200x2-layer.csv`` and ``h200x2-sweep.csv`` (under ``sim/profiles``), the
 two DeepSeek-V3 sweep re-runs and the committed fused profile (CPU only, a few seconds) and pin
 today's numbers with a small margin, so a model change that makes them worse fails here. Fit
-rows (:func:`sim.fused_fit.is_fused_fit_row`): of the two snapshots, DeepSeek-V3 and
+rows (:func:`sim.measured.is_fused_fit_row`): of the two snapshots, DeepSeek-V3 and
 Qwen3-30B-A3B uniform dedup_pull, and Qwen3's pull at 8 SMs; held out: DeepSeek-V3 pull, Qwen3
 pull at 16/32 SMs, Kimi-K2, hot:0.5 and every row of the re-runs.
 """
@@ -29,10 +29,10 @@ from sim.fused import (
     load_fused_profile,
     tile_order,
 )
-from sim.fused_fit import _FINE, FUSED_KNOBS, is_fused_fit_row, objective
+from sim.fused_fit import _FINE, FUSED_KNOBS, objective
 from sim.hardware import load_gpu
+from sim.measured import is_fused_fit_row, read_rows
 from sim.validate import (
-    read_rows,
     rerun_spearman,
     spearman,
     summarise,

@@ -5,7 +5,7 @@ The metric checks recompute every prediction from the committed grid of the curr
 (``h200x2-comm-grid-v4-2026-11-30.csv``, git 6760a48) and the committed kernel profile (CPU
 only, a few seconds) and pin the current numbers with a small margin, so a model change that
 makes them worse fails here. Fit rows are the 4096-token rows
-(:data:`sim.validate.FIT_TOKENS`); the 512- and 16384-token rows are validation only. The
+(:data:`sim.measured.FIT_TOKENS`); the 512- and 16384-token rows are validation only. The
 older CSVs (older kernels and host path) are history: still predicted, never pinned.
 """
 
@@ -31,6 +31,7 @@ from sim.kernel_rows import (
     sum_ring_turns,
     warp_row_scale,
 )
+from sim.measured import read_rows
 from sim.phases import (
     KERNELS,
     kernel_key,
@@ -38,7 +39,7 @@ from sim.phases import (
     schedule_device_us,
     schedule_serial_loads,
 )
-from sim.validate import chosen_gap, read_rows, spearman, summarise, validate_rows
+from sim.validate import chosen_gap, spearman, summarise, validate_rows
 
 PROFILES = Path(__file__).resolve().parents[1] / "sim" / "profiles"
 GRID = PROFILES / "h200x2-comm-grid-v4-2026-11-30.csv"
