@@ -21,8 +21,10 @@ Layout (one concept per module):
   dispatch, push / pull combine. :mod:`sim.model`: the layer. :mod:`sim.results`: records, CSV,
   breakdown. :mod:`sim.trace`: Chrome trace. :mod:`sim.plots`: figures. :mod:`sim.sweep`: grids,
   sweeps, comparison, tuner. :mod:`sim.cli`, :mod:`sim.bench`.
-* Standalone comm kernels against measurements (``mok-sim validate``): :mod:`sim.phases` (what
-  each mok kernel moves, as task graphs, and the benchmark's host floor),
+* Standalone comm kernels against measurements (``mok-sim validate``): :mod:`sim.kernel_specs`
+  (what each mok kernel moves, its phases and entry points, as data), :mod:`sim.phases` (those
+  kernels as task graphs, and the benchmark's host floor), :mod:`sim.kernel_rates` (the comm
+  rates of a measured kernel, shared with the layer model's opt-in kernel profile),
   :mod:`sim.kernel_rows` (how the kernels walk their rows: padded receive layout, busiest warp,
   copy-ring items, warp row rounds), :mod:`sim.kernel_profile` (the fitted knobs as data,
   ``sim/profiles/mok-comm-h200x2.json``), :mod:`sim.kernel_fit` (the fit) and

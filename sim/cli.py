@@ -104,7 +104,9 @@ def _base_config(a, single: bool = True) -> SimConfig:
             minibatch_size=a.minibatch,
             macrobatch_size=a.minibatch * a.ring_slots,
         )
-    return SimConfig(**kw)
+    from sim.model import check_kernel_profile
+
+    return check_kernel_profile(SimConfig(**kw))
 
 
 def format_table(results, title: str = "") -> str:

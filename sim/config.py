@@ -91,7 +91,9 @@ class SimConfig:
     # KernelProfile JSON (format mok-kernel-profile/1, e.g. "mok-comm-h200x2"). None: the
     # per-SM comm rates are the probe's curves. Set: the dispatch and combine transfers run at
     # the probe rates times the fitted in-flight factor and SM congestion of the mok kernel
-    # that plays each role (sim.model.kernel_knobs; no per-call costs are added)
+    # that plays each role (sim.model.kernel_knobs; no per-call costs are added). Checked
+    # against the profile where it is used (sim.model.check_kernel_profile), not here: a
+    # SimConfig validates its own fields and reads no file
     kernel_profile: str | None = None
 
     def __post_init__(self) -> None:
@@ -129,11 +131,6 @@ class SimConfig:
             raise ValueError(
                 f"flow_granularity must be 'round' or 'peer' (found {self.flow_granularity!r})"
             )
-
-        if self.kernel_profile is not None:
-            from sim.model import kernel_knobs  # sim.model imports this module
-
-            kernel_knobs(self)  # the profile loads and has a kernel for every role
 
     @property
     def ring_slots(self) -> int:

@@ -29,9 +29,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from sim.engine import run_graph
+from sim.kernel_rates import curve_engine
 from sim.measured import is_fit_row
 from sim.phases import (
-    _CURVE_ENGINE,
     ENTRY_POINTS,
     KERNELS,
     KernelProfile,
@@ -91,7 +91,7 @@ def _depends_on(key: tuple[str, str, str]) -> tuple[str, ...]:
     out = []
     for ph in KERNELS[key].phases:
         eng = kernel_engine(ph.knob)
-        out.append(f"sm_congestion_sms.{_CURVE_ENGINE.get(eng, eng)}")
+        out.append(f"sm_congestion_sms.{curve_engine(ph.knob)}")
         if eng == "tma" and ph.routine in ("copy", "fan"):
             out += ["tma_item_us", "tma_store_us"] + (["tma_pad_us"] if ph.loop == "recv" else [])
         elif eng == "tma" and ph.routine == "ring_sum":

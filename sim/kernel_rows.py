@@ -2,7 +2,7 @@
 layout, which warp / block gets which row, and the row-size terms of the two copy engines.
 
 Used by :mod:`sim.phases` (standalone kernel graphs) and, through
-:func:`sim.phases.layer_row_scale`, by the layer model's opt-in kernel profile.
+:func:`sim.kernel_rates.layer_row_scale`, by the layer model's opt-in kernel profile.
 """
 
 from __future__ import annotations

@@ -28,28 +28,22 @@ the same builder helpers.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sim.config import SimConfig, Workload
 from sim.engine import Graph, run_graph
 from sim.gemm import expert_ffn_us, reduce_us
+from sim.kernel_profile import KernelProfile, load_kernel_profile
+from sim.kernel_rates import _Rates, kernel_rates
 from sim.policies import get_combine, get_dispatch
 from sim.results import LayerResult
 from sim.schedule import RoutingPlan
 from sim.topology import ENGINE, NIC_RX, NIC_TX, NVL_RX, NVL_TX, RES_PER_GPU
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sim.hardware import GpuProfile
-    from sim.phases import KernelProfile
-    from sim.topology import Topology
 
 __all__ = [
     "LayerBuilder",
@@ -58,6 +52,7 @@ __all__ = [
     "PASSES",
     "plan_for",
     "kernel_knobs",
+    "check_kernel_profile",
     "kernel_rates",
     "layer_kernel_profile",
     "ROLES",
@@ -66,22 +61,11 @@ __all__ = [
 PASSES = ("forward",)
 
 
-@dataclass
-class _Rates:
-    push: float  # comm-engine payload bytes/us of remote stores
-    pull: float  # of remote loads
-    local: float  # of local copies
-
-
 # -- measured kernel efficiency (opt-in) --------------------------------------------------------
 # The transfers of the layer, by the ``phase`` the policies pass to LayerBuilder.transfer.
 ROLES = ("dispatch", "combine")
 # SimConfig.mechanism -> engine label of the kernel profile's knobs (and back to probe curves)
 _ENGINE_OF_MECH = {"tma": "tma", "st": "vector"}
-_CURVES = {
-    "vector": ("push_st", "pull_ld", "local_st"),
-    "tma": ("push_tma", "pull_tma", "local_tma"),
-}
 
 
 @lru_cache(maxsize=16)
@@ -90,8 +74,6 @@ def layer_kernel_profile(name_or_path: str) -> KernelProfile:
     path), loaded once per process. Only its in-flight factors, congestion constants and row
     terms (``tma_item_us``, ``warp_lookup_rounds``) are used by the layer; its fixed per-call and
     host costs describe standalone launches and are ignored (the megakernel is one launch)."""
-    from sim.phases import load_kernel_profile  # sim.phases imports this module
-
     try:
         return load_kernel_profile(name_or_path)
     except OSError as e:
@@ -99,41 +81,6 @@ def layer_kernel_profile(name_or_path: str) -> KernelProfile:
             f"kernel profile {name_or_path!r} not found ({e.strerror}); give a name under "
             "sim/profiles (e.g. mok-comm-h200x2) or a path to a mok-kernel-profile/1 JSON"
         ) from None
-
-
-def kernel_rates(
-    gpu: GpuProfile,
-    topo: Topology,
-    prof: KernelProfile,
-    knob: str,
-    num_sms: int,
-    row_bytes: float,
-    per_sm_scale: float = 1.0,
-) -> _Rates:
-    """Comm-engine rates (bytes/us) of ``num_sms`` SMs running the copy loop of the measured
-    kernel ``knob`` of ``prof`` on rows of ``row_bytes`` (see :meth:`LayerBuilder.
-    _kernel_rates`); ``per_sm_scale`` multiplies the per-SM rate before the probe ceilings (the
-    fused layer's comm blocks: fewer warps, :mod:`sim.fused`)."""
-    from sim.phases import _CURVE_ENGINE, layer_row_scale  # imports this module
-
-    n = float(num_sms)
-    engine = knob.rsplit(".", 1)[1]
-    engine = _CURVE_ENGINE.get(engine, engine)
-    push, pull, local = _CURVES[engine]
-    probe = gpu.curve(pull).per_sm_gbps
-    rs = layer_row_scale(prof, knob, row_bytes, probe)
-    cong = 1.0 / (1.0 + n / prof.sm_congestion_sms.get(engine, math.inf))
-    per_sm = prof.factor(knob) * rs * cong * per_sm_scale
-    lat_factor = topo.per_sm_latency_factor(gpu)
-
-    def rate(name: str, scale: float) -> float:
-        return gpu.curve(name).scaled(per_sm=scale).gbps(n) * 1e3  # bytes per us
-
-    return _Rates(
-        push=rate(push, per_sm * lat_factor),
-        pull=rate(pull, per_sm * lat_factor),
-        local=rate(local, per_sm),
-    )
 
 
 def _role_candidates(cfg: SimConfig) -> dict[str, tuple[str, ...]]:
@@ -186,6 +133,17 @@ def kernel_knobs(cfg: SimConfig) -> dict[str, str]:
             )
         out[role] = hit
     return out
+
+
+def check_kernel_profile(cfg: SimConfig) -> SimConfig:
+    """``cfg``, once checked against the kernel profile it names (if any): the profile loads and
+    has a kernel for the dispatch and the combine role under ``cfg``, else ValueError (see
+    :func:`kernel_knobs`). :class:`SimConfig` checks its own fields only and reads no file;
+    this check runs where the profile is used: :class:`LayerBuilder`, :func:`sim.sweep.grid`,
+    :func:`sim.sweep.sweep` and :func:`sim.sweep.compare` (before any work starts) and the
+    ``mok-sim`` config of the command line."""
+    kernel_knobs(cfg)
+    return cfg
 
 
 class LayerBuilder:
@@ -263,7 +221,7 @@ class LayerBuilder:
 
         Same form as the standalone kernel model (:meth:`sim.phases.PhaseBuilder.
         set_phase_rates`): per-SM rate = probe per-SM rate of the kernel's engine x in-flight
-        factor ``f[knob]`` x row-size scale (:func:`sim.phases.layer_row_scale`: the warp
+        factor ``f[knob]`` x row-size scale (:func:`sim.kernel_rates.layer_row_scale`: the warp
         routine's rounds per row, or a bulk-copy ring's item-rate cap) x ``1 / (1 + n /
         sm_congestion_sms[engine])`` x the switch-hop latency factor for remote bytes; then the
         probe ceilings cap it, as for the probe rates. Assumption: the megakernel's comm SMs

@@ -16,7 +16,13 @@ from pathlib import Path
 
 from mok.config import CONFIG_FORMAT  # re-exported: the kernel's config format, written once
 from sim.config import COMBINE_MODES, DISPATCH_MODES, SimConfig, Workload
-from sim.model import kernel_knobs, layer_kernel_profile, plan_for, simulate_many
+from sim.model import (
+    check_kernel_profile,
+    kernel_knobs,
+    layer_kernel_profile,
+    plan_for,
+    simulate_many,
+)
 from sim.results import LayerResult
 
 __all__ = [
@@ -62,15 +68,14 @@ def grid(
     ):
         if dm == "dedup_pull" and cm != "push":
             continue
-        out.append(
-            base.replace(
-                dispatch_mode=dm,
-                combine_mode=cm,
-                num_comm_sms=n,
-                minibatch_size=mb,
-                macrobatch_size=mb * rs,
-            )
+        cfg = base.replace(
+            dispatch_mode=dm,
+            combine_mode=cm,
+            num_comm_sms=n,
+            minibatch_size=mb,
+            macrobatch_size=mb * rs,
         )
+        out.append(check_kernel_profile(cfg))
     return out
 
 
@@ -100,6 +105,8 @@ def sweep(
     """Simulate every config on ``wl``; one summary row per config, in input order."""
     from tqdm import tqdm
 
+    for c in configs:  # a bad kernel profile fails here, not in a worker
+        check_kernel_profile(c)
     jobs = jobs or min(os.cpu_count() or 1, len(configs)) or 1
     # configs that differ only in comm SMs share a task graph: keep them in one work item
     groups: dict[SimConfig, list[int]] = {}
@@ -136,7 +143,9 @@ def compare(
     """Simulate ``wl`` under each (dispatch, combine) pair with otherwise equal config."""
     base = base or SimConfig()
     plan = plan or plan_for(wl, base.row_tile)
-    cfgs = [base.replace(dispatch_mode=d, combine_mode=c) for d, c in policies]
+    cfgs = [
+        check_kernel_profile(base.replace(dispatch_mode=d, combine_mode=c)) for d, c in policies
+    ]
     return list(simulate_many(wl, cfgs, plan))
 
 

@@ -23,14 +23,6 @@ MODULES = sorted(p.stem for p in SIM.glob("*.py"))  # "__init__" is the package 
 # Circles that close only through a deferred (function-level) or TYPE_CHECKING import, each as
 # the modules in import order from the smallest name (a -> b -> ... -> a).
 ALLOWED_CYCLES = {
-    # SimConfig.__post_init__ defers `from sim.model import kernel_knobs`; model imports config
-    ("config", "model"),
-    # model.layer_kernel_profile / kernel_rates defer imports of sim.phases; phases imports model
-    ("model", "phases"),
-    # the two deferred imports above chained: phases imports config at module level
-    ("config", "model", "phases"),
-    # config's deferred import of sim.model again: model imports results, results imports config
-    ("config", "model", "results"),
     # policies imports sim.model.LayerBuilder under TYPE_CHECKING; model imports policies
     ("model", "policies"),
 }

@@ -8,7 +8,14 @@ import pytest
 
 from sim.cli import main
 from sim.config import SimConfig, Workload
-from sim.model import LayerBuilder, kernel_knobs, layer_kernel_profile, plan_for, simulate
+from sim.model import (
+    LayerBuilder,
+    check_kernel_profile,
+    kernel_knobs,
+    layer_kernel_profile,
+    plan_for,
+    simulate,
+)
 from sim.sweep import grid, sweep, tune
 
 KP = "mok-comm-h200x2"
@@ -51,7 +58,7 @@ def test_factor_mapping_picks_the_kernel_of_each_role(dispatch, combine, mech, w
 def test_role_rates_are_the_probe_slope_times_factor_and_congestion():
     """Below every ceiling (8 SMs, pull dispatch on TMA) the role's per-SM rate is the probe's
     times f x row-size scale x 1 / (1 + n / c); local copies skip the switch-hop factor."""
-    from sim.phases import layer_row_scale
+    from sim.kernel_rates import layer_row_scale
 
     plan = plan_for(TINY)
     cfg = SimConfig(num_comm_sms=8)
@@ -96,7 +103,7 @@ def test_push_dispatch_factor_above_one_is_passed_through(shape, faster):
     same kernel is slower than the probe there. The push combine's knob is above 1 as well
     (one factor for its owner copies and its fixed-order sum, whose 16-byte loads of all top-8
     terms are in flight at once), and the same row-size scale decides its direction."""
-    from sim.phases import layer_row_scale
+    from sim.kernel_rates import layer_row_scale
 
     wl = Workload(shape, 256, 8, "hgx-h200")
     cfg = SimConfig(dispatch_mode="push", num_comm_sms=8, mechanism="st")
@@ -139,12 +146,31 @@ def test_tune_with_profile_picks_at_least_as_many_comm_sms():
 
 
 def test_unknown_profile_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="kernel profile 'no-such-profile' not found"):
-        SimConfig(kernel_profile="no-such-profile")
+    missing = SimConfig(kernel_profile="no-such-profile")  # a config reads no file itself
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"format": "mok-kernel-profile/1", "inflight_factor": {}}))
-    with pytest.raises(ValueError, match="no kernel for the dispatch"):
-        SimConfig(kernel_profile=str(bad))
+    empty = SimConfig(kernel_profile=str(bad))
+    plan = plan_for(TINY)
+    for check in (
+        check_kernel_profile,
+        lambda c: LayerBuilder(TINY, c, plan),
+        lambda c: simulate(TINY, c, plan),
+        lambda c: grid(base=c),
+        lambda c: sweep(TINY, [c], jobs=1, progress=False),
+    ):
+        with pytest.raises(ValueError, match="kernel profile 'no-such-profile' not found"):
+            check(missing)
+        with pytest.raises(ValueError, match="no kernel for the dispatch"):
+            check(empty)
+    assert check_kernel_profile(SimConfig()) == SimConfig()
+    assert check_kernel_profile(SimConfig(kernel_profile=KP)).kernel_profile == KP
+
+
+def test_cli_reports_a_profile_without_the_roles_kernels(tmp_path, capsys):
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"format": "mok-kernel-profile/1", "inflight_factor": {}}))
+    assert main(["compare", *SMALL, "--minibatch", "256", "--kernel-profile", str(bad)]) == 2
+    assert "no kernel for the dispatch" in capsys.readouterr().err
 
 
 def test_cli_kernel_profile_flag(tmp_path, capsys):
