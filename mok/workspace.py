@@ -222,13 +222,26 @@ class Workspace:
 
     @property
     def max_tokens(self) -> int:
-        """Most tokens one rank may pass in one call."""
+        """Most tokens one rank may pass in one call.
+
+        Returns:
+            ``MoKConfig.max_tokens``, or the largest count any rank passed when the workspace
+            was created (config max_tokens 0).
+        """
         return self.shapes.max_tokens
 
     @property
     def x_buffer(self) -> torch.Tensor:
-        """[max_tokens, hidden] symmetric x buffer: write a call's tokens into its first rows and
-        pass ``x_buffer[:num_tokens]`` to skip the staging copy of pull dispatch."""
+        """Symmetric x buffer: write a call's tokens into its first rows and pass
+        ``x_buffer[:num_tokens]`` to skip the staging copy of pull dispatch.
+
+        Call :meth:`wait_x_free` before such a write: peers may still be pulling the previous
+        call's rows.
+
+        Returns:
+            [max_tokens, hidden] in the workspace dtype: a view into the symmetric allocation,
+            valid as long as the workspace; a pull dispatch of another x copies it into it.
+        """
         return self.sym_view("x", self.shapes.dtype, (self.shapes.max_tokens, self.shapes.hidden))
 
     def _standalone(self, what: str) -> None:
@@ -241,37 +254,71 @@ class Workspace:
 
     @property
     def recv_buffer(self) -> torch.Tensor:
-        """[capacity, hidden] receive buffer (expert-contiguous rows; padding rows untouched)."""
+        """Receive buffer (expert-contiguous rows; padding rows untouched).
+
+        Returns:
+            [capacity, hidden] in the workspace dtype: a view into the symmetric allocation,
+            rewritten by every dispatch and fan-out.
+
+        Raises:
+            MoKInputError: a workspace of the fused layer only (``fused=True``).
+        """
         self._standalone("receive buffer of capacity rows")
         return self.sym_view("recv", self.shapes.dtype, (self.capacity, self.shapes.hidden))
 
     @property
     def y_buffer(self) -> torch.Tensor:
-        """[capacity, hidden] bf16 expert-output buffer read by pull combine: write the expert
-        outputs here to skip its staging copy."""
+        """Expert-output buffer read by pull combine: write the expert outputs here to skip its
+        staging copy.
+
+        Returns:
+            [capacity, hidden] bf16: a view into the symmetric allocation, valid as long as the
+            workspace; a pull combine of other expert outputs copies them into it.
+
+        Raises:
+            MoKInputError: a workspace of the fused layer only (``fused=True``).
+        """
         self._standalone("expert-output buffer")
         return self.sym_view("y", torch.bfloat16, (self.capacity, self.shapes.hidden))
 
     @property
     def partials_buffer(self) -> torch.Tensor:
-        """[num_ranks * max_tokens, hidden] bf16 dedup partials (row src_rank * max_tokens +
-        token) that this rank's experts produced for the dedup pull combine."""
+        """Dedup partials that this rank's experts produced for the dedup pull combine.
+
+        Returns:
+            [num_ranks * max_tokens, hidden] bf16 (row ``src_rank * max_tokens + token``): a
+            view into the symmetric allocation, rewritten by every
+            :func:`mok.functional.dedup_partials`.
+
+        Raises:
+            MoKInputError: a workspace of the fused layer only (``fused=True``).
+        """
         self._standalone("dedup partials buffer")
         R, N, H = self.num_ranks, self.shapes.max_tokens, self.shapes.hidden
         return self.sym_view("partials", torch.bfloat16, (R * N, H))
 
     @property
     def dedup_buffer(self) -> torch.Tensor:
-        """[num_ranks * max_tokens, hidden] local buffer of the dedup dispatch without fan-out
-        (row i = dedup row i; rows past num_dedup_rows unspecified). Allocated on first use."""
+        """Local buffer of the dedup dispatch without fan-out. Allocated on first use.
+
+        Returns:
+            [num_ranks * max_tokens, hidden] in the workspace dtype (row i = dedup row i; rows
+            past num_dedup_rows unspecified): the same tensor on every access, held by the
+            workspace and rewritten by every dedup dispatch without fan-out.
+        """
         if self._dedup_buffer is None:
             R, N, H = self.num_ranks, self.shapes.max_tokens, self.shapes.hidden
             self._dedup_buffer = torch.empty(R * N, H, dtype=self.shapes.dtype, device=self.device)
         return self._dedup_buffer
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes of every buffer of this workspace on this rank: ``symmetric`` (one allocation,
-        the same size on every rank), ``local`` (allocated so far), and their ``total``."""
+        """Bytes of every buffer of this workspace on this rank.
+
+        Returns:
+            ``{"symmetric": {buffer: bytes}, "local": {buffer: bytes}, "total": {"symmetric":
+            bytes, "local": bytes}}``: ``symmetric`` is one allocation, the same size on every
+            rank; ``local`` counts the buffers allocated so far. A new dict (plain ints).
+        """
         local = {"schedule": self.sched.numel() * 4, "error": self.error.numel() * 8}
         if self._dedup_buffer is not None:
             local["dedup"] = self._dedup_buffer.numel() * self._dedup_buffer.element_size()
@@ -286,10 +333,19 @@ class Workspace:
         }
 
     def wait_x_free(self) -> None:
-        """Make the current stream wait until every peer finished reading this rank's x buffer
-        (the last pull dispatch). Call it before writing a call's tokens into
+        """Make the current stream wait until every peer finished reading this rank's x buffer.
+
+        The last pull dispatch is the reader. Call it before writing a call's tokens into
         :attr:`x_buffer` directly (no staging copy): without it the write can overtake a peer
-        still pulling the previous call's rows. Bounded like every wait."""
+        still pulling the previous call's rows. Bounded like every wait; asynchronous (no host
+        synchronisation).
+
+        Raises:
+            MoKUnsupportedError: called inside a CUDA graph capture.
+            MoKError: an error a kernel recorded earlier (see :meth:`raise_if_failed`). A wait
+                that expires here is recorded and raised by the next mok call as
+                :class:`mok.MoKTimeoutError`.
+        """
         self.raise_if_failed()
         p = self.params("x")
         p.in0 = self.config.num_comm_sms
@@ -416,7 +472,17 @@ class Workspace:
         every rank in the same schedule build, and every later kernel of the workspace returned
         at once without touching a peer. So each rank can, on its own, wait for its kernels,
         clear the error, and go back to the epochs it had right after that build: the next
-        call runs normally on every rank. Timeouts stay: the workspace is unusable after one.
+        call runs normally on every rank. Timeouts stay: the workspace is unusable after one
+        (every later call raises the same error).
+
+        Raises:
+            MoKInputError: bad routing (an expert id out of range or repeated within a token)
+                recorded by a schedule build; the workspace has recovered.
+            MoKCapacityError: a receive buffer too small, or more than ``max_tokens`` tokens on
+                some rank, recorded by a schedule build; the workspace has recovered.
+            MoKTimeoutError: a bounded wait expired (a peer did not arrive); the workspace is
+                unusable until :func:`clear_workspaces`.
+            MoKUnsupportedError: the kernel has no code path for this GPU.
         """
         if self.broken is not None:
             raise self.broken
@@ -442,7 +508,12 @@ class Workspace:
         raise err
 
     def check(self) -> None:
-        """Synchronise the device, then raise any recorded error (for tests and debugging)."""
+        """Synchronise the device, then raise any recorded error (for tests and debugging).
+
+        Raises:
+            MoKInputError, MoKCapacityError, MoKTimeoutError, MoKUnsupportedError: as
+                :meth:`raise_if_failed`, for every kernel launched so far.
+        """
         torch.cuda.synchronize(self.device)
         self.raise_if_failed()
 
@@ -543,14 +614,38 @@ def get_workspace(
 ) -> Workspace:
     """The cached workspace of this layer shape and config (created collectively on first use).
 
-    ``fused``: a workspace of the fused layer alone (:func:`mok.functional.forward`), without
-    the buffers only the stage functions use (about half the memory of a full one).
+    Creation is collective over ``group`` (every rank calls it with the same shapes and config)
+    and allocates the symmetric memory; later calls only look the workspace up.
 
-    ``num_tokens`` is this rank's token count of the call at hand; it matters only when the
-    workspace is created with ``config.max_tokens == 0``: then it is sized for the largest
-    ``num_tokens`` any rank passes (one collective, at creation). Later calls of any count up
-    to the workspace's ``max_tokens`` reuse it; more raise :class:`mok.MoKCapacityError` on
-    every rank (from the schedule build).
+    Args:
+        num_tokens: this rank's token count of the call at hand (an int >= 0); it matters only
+            when the workspace is created with ``config.max_tokens == 0``: then it is sized for
+            the largest ``num_tokens`` any rank passes (one collective, at creation). Later
+            calls of any count up to the workspace's ``max_tokens`` reuse it; more raise
+            :class:`mok.MoKCapacityError` on every rank (from the schedule build).
+        hidden: the token row width; rows must be a multiple of 16 bytes (hidden % 8 == 0 for
+            bf16).
+        num_topk: experts per token, in [1, 32] (``_ext.MAX_TOPK``).
+        num_experts: the global expert count, divisible by the number of ranks.
+        dtype: the dtype of the token rows (x and the receive buffer).
+        config: the :class:`MoKConfig`, the same on every rank; None: the defaults.
+        group: the process group of the expert-parallel ranks; None: the default group when
+            torch.distributed is initialised, else one rank.
+        device: the CUDA device (index, name or :class:`torch.device`); None or ``"cuda"``
+            without an index: the current device.
+        fused: a workspace of the fused layer alone (:func:`mok.functional.forward`), without
+            the buffers only the stage functions use (about half the memory of a full one).
+
+    Returns:
+        The :class:`Workspace`, cached (the same object for every later call with this key)
+        until :func:`clear_workspaces`.
+
+    Raises:
+        MoKInputError: num_tokens not an int >= 0; num_experts not divisible by the number of
+            ranks; num_topk out of range; hidden not making 16-byte rows; ranks that disagree on
+            the shapes, config or SM count; already ``MAX_WORKSPACES`` workspaces cached.
+        MoKUnsupportedError: more than 8 ranks (``_ext.MAX_RANKS``); ``config.num_comm_sms``
+            above the GPU's SM count; a symmetric allocation that does not start at its tensor.
     """
     config = config or MoKConfig()
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
@@ -581,20 +676,38 @@ def workspace_by_id(handle: int) -> Workspace:
 
 
 def cached_workspaces() -> list[Workspace]:
-    """The workspaces mok holds now (each keeps its GPU memory until clear_workspaces)."""
+    """The workspaces mok holds now (each keeps its GPU memory until clear_workspaces).
+
+    Returns:
+        A new list of the cached :class:`Workspace` objects, in creation order.
+    """
     return list(_cache.values())
 
 
 def check() -> None:
     """Wait for the GPU, then raise the first error any cached workspace recorded (so that it
-    is attributed to the call just made; the next mok call would raise it otherwise)."""
+    is attributed to the call just made; the next mok call would raise it otherwise).
+
+    Raises:
+        MoKInputError: bad routing (an expert id out of range or repeated within a token)
+            recorded by a schedule build; the workspace has recovered.
+        MoKCapacityError: a receive buffer too small, or more than ``max_tokens`` tokens on
+            some rank, recorded by a schedule build; the workspace has recovered.
+        MoKTimeoutError: a bounded wait expired (a peer did not arrive); the workspace is
+            unusable until :func:`clear_workspaces`.
+        MoKUnsupportedError: the kernel has no code path for this GPU.
+    """
     for ws in list(_cache.values()):
         ws.check()
 
 
 def clear_workspaces() -> None:
     """Drop every cached workspace and free its memory (collective when distributed: call on
-    every rank)."""
+    every rank).
+
+    Synchronises the device. Workspaces and schedules obtained before must not be used after
+    it; the next :func:`get_workspace` creates a new workspace.
+    """
     import gc
 
     _cache.clear()
