@@ -12,13 +12,14 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from mok.workload import ModelShape, make_routing
+from mok.workload import make_routing
 from reference.ep import COMBINE_MODES, DISPATCH_MODES
 from reference.moe import moe_backward, moe_forward, output_dtype
 from reference.schedule import build_all_schedules
 from reference.weights import MoEWeights
 from tests import tolerances as tol
 from tests.dist.launch import torchrun
+from tests.layer_problem import fp64_problem
 from tests.schedule_bruteforce import brute_force_pull_rows
 
 MODES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -60,18 +61,8 @@ _LARGEST.update(shared=16, skew="hot:0.5", seed=3)
 
 def _problem(case: dict):
     """fp64 inputs of a layer case: x, grad_out, topk_idx, topk_weights, weights."""
-    n, e, k = case["tokens"], case["num_experts"], case["num_topk"]
-    shape = ModelShape("prop", e, case["hidden"], case["intermediate"], max(k, 1), case["shared"])
-    w = MoEWeights.random(shape, seed=case["seed"], dtype=torch.float64)
-    g = torch.Generator().manual_seed(case["seed"] + 1)
-    x = torch.randn(n, shape.hidden, generator=g, dtype=torch.float64)
-    go = torch.randn(n, shape.hidden, generator=g, dtype=torch.float64)
-    if k:
-        t = make_routing(n, e, k, 1, case["skew"], seed=case["seed"])
-        idx, tw = torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights).double()
-    else:
-        idx, tw = torch.zeros(n, 0, dtype=torch.int64), torch.zeros(n, 0, dtype=torch.float64)
-    return x, go, idx, tw, w
+    keys = ("tokens", "num_experts", "num_topk", "hidden", "intermediate", "shared", "skew")
+    return fp64_problem(*(case[k] for k in keys), case["seed"])
 
 
 def _in_mode(mode: torch.dtype, x, go, tw, w):

@@ -25,6 +25,7 @@ from reference.ep import CapacityError, ep_backward, ep_forward
 from reference.moe import moe_backward, moe_forward, output_dtype
 from reference.weights import MoEWeights
 from tests import tolerances as tol
+from tests.layer_problem import fp64_problem
 
 SEED = 1234
 COMBOS = [("pull", "push"), ("push", "push"), ("pull", "pull"), ("dedup_pull", "push")]
@@ -58,21 +59,17 @@ def check(cond: bool, what: str) -> None:
 def ragged_problem(case: dict, world: int):
     """The whole layer of ``case``: rank r holds ``case["tokens"][r]`` tokens (0 allowed), rank
     after rank; ``num_topk`` may be 0. Inputs in fp64, routing weights fp64."""
-    k, e = case["num_topk"], case["num_local"] * world
-    shape = ModelShape(
-        "ep-case", e, case["hidden"], case["intermediate"], max(k, 1), case["shared"]
+    total, e = sum(case["tokens"]), case["num_local"] * world
+    return fp64_problem(
+        total,
+        e,
+        case["num_topk"],
+        case["hidden"],
+        case["intermediate"],
+        case["shared"],
+        case["skew"],
+        case["seed"],
     )
-    w = MoEWeights.random(shape, seed=case["seed"], dtype=torch.float64)
-    total = sum(case["tokens"])
-    g = torch.Generator().manual_seed(case["seed"] + 1)
-    x = torch.randn(total, shape.hidden, generator=g, dtype=torch.float64)
-    go = torch.randn(total, shape.hidden, generator=g, dtype=torch.float64)
-    if k:
-        t = make_routing(total, e, k, 1, case["skew"], seed=case["seed"])
-        idx, tw = torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights).double()
-    else:
-        idx, tw = torch.zeros(total, 0, dtype=torch.int64), torch.zeros(total, 0).double()
-    return x, go, idx, tw, w
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, mode: torch.dtype, what: str) -> None:
