@@ -689,13 +689,7 @@ def check() -> None:
     is attributed to the call just made; the next mok call would raise it otherwise).
 
     Raises:
-        MoKInputError: bad routing (an expert id out of range or repeated within a token)
-            recorded by a schedule build; the workspace has recovered.
-        MoKCapacityError: a receive buffer too small, or more than ``max_tokens`` tokens on
-            some rank, recorded by a schedule build; the workspace has recovered.
-        MoKTimeoutError: a bounded wait expired (a peer did not arrive); the workspace is
-            unusable until :func:`clear_workspaces`.
-        MoKUnsupportedError: the kernel has no code path for this GPU.
+        What :meth:`Workspace.raise_if_failed` raises, for the first workspace with an error.
     """
     for ws in list(_cache.values()):
         ws.check()
