@@ -467,8 +467,9 @@ def main(argv: list[str]) -> int:
                     num_topk=args.topk,
                     skew=skew,
                     tokens_per_rank=n,
+                    routing_seed=n,  # every row says which trace it ran on
                 )
-                idx, w, _ = _routing(n, num_experts, args.topk, skew, seed=n)
+                idx, w, _ = _routing(n, num_experts, args.topk, skew, seed=base["routing_seed"])
                 g = torch.Generator(device="cuda").manual_seed(1 + dist.get_rank())
                 x = torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16)
                 remote_dedup = 0

@@ -218,13 +218,14 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
         shape.num_topk,
     )
     w = _weights(shape, world, seed=7)
-    idx, tw, t = _routing(n, E, K, skew, seed=n)
+    seed = n  # the routing trace's seed, recorded in every row
+    idx, tw, t = _routing(n, E, K, skew, seed=seed)
     g = torch.Generator(device="cuda").manual_seed(11 + rank)
     x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
     received, remote, remote_dedup = _counts(t, rank, world, E, K)
     flops = received * 6 * H * inter + n * 6 * H * si
     base = dict(model=model, hidden=H, intermediate=inter, num_experts=E, num_topk=K, skew=skew)
-    base.update(tokens_per_rank=n)
+    base.update(tokens_per_rank=n, routing_seed=seed)
 
     def add(impl, mode, sms, mb, fn, nvlink_rows, row_tile=0):
         ts = _timeit(fn, iters, warmup)
