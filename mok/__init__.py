@@ -4,7 +4,6 @@ Importing mok never touches CUDA or compiles anything; the CUDA extension is bui
 first kernel call.
 """
 
-from mok.config import MoKConfig
 from mok.errors import (
     MoKCapacityError,
     MoKConfigError,
@@ -13,7 +12,8 @@ from mok.errors import (
     MoKTimeoutError,
     MoKUnsupportedError,
 )
-from mok.workload import PRESETS, ModelShape, RoutingTrace, Skew, get_shape, make_routing
+from mok.spec.config import MoKConfig
+from mok.spec.workload import PRESETS, ModelShape, RoutingTrace, Skew, get_shape, make_routing
 
 __all__ = [
     "PRESETS",

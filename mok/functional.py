@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from mok import _ext, ops
-from mok.config import MoKConfig
 from mok.errors import MoKInputError, MoKUnsupportedError
+from mok.spec.config import MoKConfig
+from mok.spec.limits import TMA_MIN_ROW_BYTES, why_unsupported
 from mok.workspace import Workspace, get_workspace
 
 if TYPE_CHECKING:
@@ -379,15 +380,10 @@ def _check_engine(engine: str, engines: tuple[str, ...] = ops.ENGINES) -> None:
         )
 
 
-# Rows of at least this many bytes move faster through the bulk-copy rings; smaller rows make
-# their single issuing thread the limit, and 16-byte vector loads win (docs/perf-notes.md v3, v4).
-_TMA_MIN_ROW_BYTES = 8192
-
-
 def _engine(ws: Workspace, engine: str, engines: tuple[str, ...] = ops.ENGINES) -> str:
     """Resolve ``auto`` by row size; check anything else."""
     if engine == "auto":
-        return "tma" if ws.row_bytes >= _TMA_MIN_ROW_BYTES else "vector"
+        return "tma" if ws.row_bytes >= TMA_MIN_ROW_BYTES else "vector"
     _check_engine(engine, engines)
     return engine
 
@@ -661,13 +657,6 @@ def dedup_sum(
     return out
 
 
-# Tile sizes of the fused layer (csrc/layer.cuh): 128 receive rows, 256 output columns of the
-# down projection, 128 SwiGLU columns of the gate/up projection.
-_FUSED_BLOCK_ROWS, _FUSED_HIDDEN_TILE, _FUSED_INTER_TILE = 128, 256, 128
-# Expert regions padded to 64 rows run their 64-row tails as half tiles (csrc/layer.cuh).
-_FUSED_ROW_TILES = (64, 128)
-
-
 def _check_fused(ws: Workspace, weights: MoEWeights, x: torch.Tensor, num_tokens: int) -> None:
     """Raise a clear error for everything the fused layer does not support (yet)."""
     cap = torch.cuda.get_device_capability(ws.device)
@@ -678,40 +667,13 @@ def _check_fused(ws: Workspace, weights: MoEWeights, x: torch.Tensor, num_tokens
             "Use moe_forward(..., fused=False) (communication kernels + torch grouped GEMM)"
         )
     cfg, s = ws.config, ws.shapes
-    if s.dtype != torch.bfloat16:
-        raise MoKUnsupportedError(f"the fused layer runs bf16 tokens (workspace dtype {s.dtype})")
-    if cfg.dispatch_mode not in ("pull", "dedup_pull") or cfg.combine_mode != "push":
-        raise MoKUnsupportedError(
-            f"the fused layer supports dispatch_mode pull or dedup_pull with combine_mode push "
-            f"(config has {cfg.dispatch_mode!r} / {cfg.combine_mode!r}); the other modes run "
-            "through moe_forward(..., fused=False)"
-        )
-    if cfg.row_tile not in _FUSED_ROW_TILES:
-        raise MoKUnsupportedError(
-            f"the fused layer needs row_tile in {_FUSED_ROW_TILES} (config has {cfg.row_tile})"
-        )
-    if cfg.minibatch_size % _FUSED_BLOCK_ROWS:
-        raise MoKUnsupportedError(
-            f"the fused layer needs minibatch_size % {_FUSED_BLOCK_ROWS} == 0 (its GEMM row "
-            f"blocks must not straddle minibatches; config has {cfg.minibatch_size})"
-        )
-    if not 1 <= cfg.num_comm_sms < ws.num_sms:
-        raise MoKUnsupportedError(
-            f"the fused layer needs 1 <= num_comm_sms < {ws.num_sms} SMs (config has "
-            f"{cfg.num_comm_sms})"
-        )
     L, H = ws.num_local_experts, s.hidden
     inter = weights.w_gate.shape[1]
     shared_inter = 0 if weights.shared_w_gate is None else weights.shared_w_gate.shape[0]
-    if H % _FUSED_HIDDEN_TILE:
-        raise MoKUnsupportedError(
-            f"the fused layer needs hidden % {_FUSED_HIDDEN_TILE} == 0 (found hidden={H})"
-        )
-    for name, n in (("intermediate", inter), ("shared intermediate", shared_inter)):
-        if n % _FUSED_INTER_TILE:
-            raise MoKUnsupportedError(
-                f"the fused layer needs {name} % {_FUSED_INTER_TILE} == 0 (found {n})"
-            )
+    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(s.dtype, str(s.dtype))
+    why = why_unsupported(cfg, H, inter, shared_inter, dtype, ws.num_sms)
+    if why:
+        raise MoKUnsupportedError("; ".join(why))
     want = {
         "w_gate": (L, inter, H),
         "w_up": (L, inter, H),

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from mok import _ext
-from mok.config import MoKConfig
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError, MoKUnsupportedError
+from mok.spec.config import MoKConfig
 
 __all__ = ["Workspace", "get_workspace", "cached_workspaces", "clear_workspaces", "check"]
 

@@ -37,7 +37,8 @@ from sim.plots import policy_comparison
 from sim.sweep import COMPARE_POLICIES, compare
 
 # %% tags=["parameters"]
-SHAPE = "deepseek-v3"  # model preset (mok.workload.PRESETS); experts must divide every EP below
+# model preset (mok.spec.workload.PRESETS); its experts must divide every EP below
+SHAPE = "deepseek-v3"
 # Tokens per rank: 512 keeps the notebook under ~20 s on a laptop; 4096-8192 is a realistic
 # training micro-batch (and minutes of simulation at EP128).
 TOKENS_PER_RANK = 512
@@ -50,7 +51,7 @@ CASES = [
     ("gb300-nvl72", 64),
     ("gb300-nvl72x2", 128),
 ]
-SKEWS = ["uniform", "zipf:1.2", "hot:0.3"]  # mok.workload.Skew.parse syntax
+SKEWS = ["uniform", "zipf:1.2", "hot:0.3"]  # mok.spec.workload.Skew.parse syntax
 NUM_COMM_SMS = 24
 MINIBATCH_SIZE = 2048  # received rows per rank per round
 RING_SLOTS = 4  # macrobatch_size = RING_SLOTS * MINIBATCH_SIZE

@@ -37,7 +37,7 @@ from IPython.display import display
 
 import mok
 import sim
-from mok.workload import get_shape
+from mok.spec.workload import get_shape
 from sim.config import Workload
 from sim.fused import fused_layer, load_fused_profile, tile_order
 from sim.fused_tune import tune_fused

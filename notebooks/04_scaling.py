@@ -30,7 +30,7 @@
 # %matplotlib inline
 from IPython.display import display
 
-from mok.workload import get_shape
+from mok.spec.workload import get_shape
 from sim.config import SimConfig, Workload
 from sim.plots import scaling_summary
 from sim.sweep import compare

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from mok.workload import ModelShape
+from mok.spec.workload import ModelShape
 
 __all__ = ["MoEWeights"]
 

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     row("import sim", t_import)
     t = time.perf_counter()
     trace = wl.make_trace()
-    row("routing trace (mok.workload.make_routing)", time.perf_counter() - t)
+    row("routing trace (mok.spec.workload.make_routing)", time.perf_counter() - t)
     t = time.perf_counter()
     plan = RoutingPlan(trace, cfg.row_tile)
     plan.rounds(cfg.minibatch_size)

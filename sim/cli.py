@@ -49,7 +49,9 @@ DEFAULT_CONFIG = SimConfig(num_comm_sms=24, minibatch_size=4096, macrobatch_size
 
 def _add_workload(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--shape", default="deepseek-v3", help="model preset (mok.workload.PRESETS)")
+    g.add_argument(
+        "--shape", default="deepseek-v3", help="model preset (mok.spec.workload.PRESETS)"
+    )
     g.add_argument("--tokens", type=int_arg(1), default=4096, help="tokens per rank")
     g.add_argument("--ep", type=int_arg(1), default=8, help="expert-parallel ranks")
     g.add_argument("--topology", default="hgx-h200", help="topology preset, e.g. gb300-nvl72x2")

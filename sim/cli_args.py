@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
-from mok.workload import Skew
+from mok.spec.workload import Skew
 from sim.config import COMBINE_MODES, DISPATCH_MODES
 
 __all__ = [
@@ -106,7 +106,8 @@ combine_modes_arg = choice_list(COMBINE_MODES, "combine mode")
 
 
 def skew_arg(text: str) -> str:
-    """An argparse type: a skew spec :meth:`mok.workload.Skew.parse` reads (kept as written)."""
+    """An argparse type: a skew spec that :meth:`mok.spec.workload.Skew.parse` reads (kept as
+    written)."""
     try:
         Skew.parse(text)
     except ValueError as e:

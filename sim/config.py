@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from mok.config import MoKConfig
-from mok.workload import ModelShape, RoutingTrace, Skew, get_shape, make_routing
+from mok.spec.config import MoKConfig
+from mok.spec.workload import ModelShape, RoutingTrace, Skew, get_shape, make_routing
 from sim.topology import Topology, get_topology
 
 __all__ = ["Workload", "SimConfig", "DISPATCH_MODES", "COMBINE_MODES"]

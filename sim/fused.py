@@ -68,6 +68,8 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
+from mok.spec.limits import FUSED_BLOCK_ROWS, FUSED_DISPATCH_MODES, FUSED_ROW_TILES
+from mok.spec.rows import bench_routing_seed, row_routing_seed
 from sim.config import Workload
 from sim.gemm import reduce_us
 from sim.kernel_rows import busiest_share
@@ -88,7 +90,6 @@ __all__ = [
     "routed_halves",
     "kblock_us",
     "COMM_WARPS_PER_SM",
-    "ROW_TILES",
     "TILE_M",
     "HALF_M",
     "TILE_N",
@@ -101,7 +102,6 @@ DEFAULT_FUSED_PROFILE = "mok-fused-h200x2"
 # csrc/layer.cuh: 128 x 256 tiles, K = 64 per pipeline stage, 384 threads per block
 TILE_M, TILE_N, TILE_K = 128, 256, 64
 HALF_M = TILE_M // 2  # rows of a sub-tile of a split routed block (row_tile 64)
-ROW_TILES = (64, 128)  # expert-region paddings the fused layer runs (MoKConfig.row_tile)
 STAGE_BYTES = (TILE_M + TILE_N) * TILE_K * 2  # A and B boxes of one k-block (kStageBytes)
 COMM_WARPS_PER_SM = 12  # kLayerThreads = 384: one row per warp (standalone kernels: 16)
 # probe curves of the comm blocks' 16-byte loads and stores (sim.hardware: vector engine)
@@ -442,10 +442,9 @@ class _Case:
 
 @lru_cache(maxsize=32)
 def _plan(
-    model: str, tokens: int, num_ranks: int, topology: str, skew: str, row_tile: int
+    model: str, tokens: int, num_ranks: int, topology: str, skew: str, row_tile: int, seed: int
 ) -> tuple[Workload, RoutingPlan]:
-    # NOTE: mok.bench layer draws the routing with make_routing(..., seed=tokens_per_rank)
-    wl = Workload(model, tokens, num_ranks, topology, skew, seed=tokens)
+    wl = Workload(model, tokens, num_ranks, topology, skew, seed=seed)
     return wl, RoutingPlan(wl.make_trace(), row_tile)
 
 
@@ -461,8 +460,9 @@ def _case(
     comm_profile: str,
     topology: str,
     row_tile: int,
+    seed: int,
 ) -> _Case:
-    wl, plan = _plan(model, tokens, num_ranks, topology, skew, row_tile)
+    wl, plan = _plan(model, tokens, num_ranks, topology, skew, row_tile, seed)
     shape, gpu, topo = wl.model_shape, wl.topo.gpu, wl.topo
     kprof = layer_kernel_profile(comm_profile)
     rc = plan.rounds(minibatch)
@@ -642,20 +642,25 @@ def fused_layer(
     minibatch: int,
     prof: FusedProfile | None = None,
     row_tile: int = TILE_M,
+    seed: int | None = None,
 ) -> FusedResult:
     """Predicted time of one fused layer forward (``mok.bench layer`` / ``sweep`` row) with the
-    expert regions padded to ``row_tile`` rows (64 or 128)."""
+    expert regions padded to ``row_tile`` rows (64 or 128), on the routing trace of ``seed``
+    (None: the one the benchmarks draw for this batch size,
+    :func:`mok.spec.rows.bench_routing_seed`)."""
     prof = prof or load_fused_profile()
-    if mode not in ("pull", "dedup_pull"):
+    if seed is None:
+        seed = bench_routing_seed(tokens_per_rank)
+    if mode not in FUSED_DISPATCH_MODES:
         raise ValueError(
             f"the fused layer pulls its dispatch: mode must be pull or dedup_pull (found {mode!r})"
         )
-    if int(row_tile) not in ROW_TILES:
-        raise ValueError(f"the fused layer needs row_tile in {ROW_TILES} (found {row_tile})")
-    if int(minibatch) <= 0 or int(minibatch) % TILE_M:
+    if int(row_tile) not in FUSED_ROW_TILES:
+        raise ValueError(f"the fused layer needs row_tile in {FUSED_ROW_TILES} (found {row_tile})")
+    if int(minibatch) <= 0 or int(minibatch) % FUSED_BLOCK_ROWS:
         raise ValueError(
-            f"the fused layer needs minibatch % {TILE_M} == 0 (its GEMM row blocks must not "
-            f"straddle minibatches; found {minibatch})"
+            f"the fused layer needs minibatch % {FUSED_BLOCK_ROWS} == 0 (its GEMM row blocks "
+            f"must not straddle minibatches; found {minibatch})"
         )
     num_sms = _gpu_sms(prof)
     if not 1 <= int(num_comm_sms) < num_sms:
@@ -673,6 +678,7 @@ def fused_layer(
         prof.comm_profile,
         prof.topology,
         int(row_tile),
+        int(seed),
     )
     return _run(case, prof)
 
@@ -690,4 +696,5 @@ def fused_row(row: dict, prof: FusedProfile | None = None) -> FusedResult:
         int(row["minibatch"]),
         prof,
         row_tile_of(row),
+        row_routing_seed(row),
     )

@@ -22,9 +22,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from mok.config import MoKConfig
+from mok.spec.config import MoKConfig
+from mok.spec.limits import (
+    FUSED_BLOCK_ROWS,
+    FUSED_DISPATCH_MODES,
+    FUSED_ROW_TILES,
+    shape_problems,
+)
+from mok.spec.rows import bench_routing_seed, row_routing_seed
 from sim.config import Workload
-from sim.fused import ROW_TILES, FusedProfile, fused_layer
+from sim.fused import FusedProfile, fused_layer
 from sim.measured import row_tile_of
 from sim.topology import get_topology
 
@@ -41,12 +48,6 @@ __all__ = [
     "pick_on_measured",
 ]
 
-# NOTE: mirrors mok.functional's _FUSED_* tiles (csrc/layer.cuh: blocks of 128 receive rows,
-# 256 down columns, 128 SwiGLU columns; regions padded to 64 or 128 rows); sim does not import
-# mok.functional (torch).
-FUSED_BLOCK_ROWS, FUSED_HIDDEN_TILE, FUSED_INTER_TILE = 128, 256, 128
-FUSED_ROW_TILES = ROW_TILES  # the fused layer's region paddings (sim.fused)
-FUSED_DISPATCH_MODES = ("pull", "dedup_pull")
 
 FUSED_TUNE_SPACE = {
     "row_tile": FUSED_ROW_TILES,
@@ -91,21 +92,7 @@ def fused_limits(
             "the fused layer reaches its peers over NVLink only"
         )
     s = wl.model_shape
-    if s.hidden % FUSED_HIDDEN_TILE:
-        why.append(
-            f"{s.name}: the fused layer needs hidden % {FUSED_HIDDEN_TILE} == 0 "
-            f"(found hidden={s.hidden})"
-        )
-    for name, n in (
-        ("intermediate", s.intermediate),
-        ("shared intermediate", s.shared_intermediate),
-    ):
-        if n % FUSED_INTER_TILE:
-            why.append(
-                f"{s.name}: the fused layer needs {name} % {FUSED_INTER_TILE} == 0 (found {n})"
-            )
-    if dtype != "bf16":
-        why.append(f"the fused layer runs bf16 tokens (found --dtype {dtype})")
+    why += shape_problems(s.hidden, s.intermediate, s.shared_intermediate, dtype, s.name)
     if row_tile is not None and row_tile not in FUSED_ROW_TILES:
         why.append(f"the fused layer needs row_tile in {FUSED_ROW_TILES} (found {row_tile})")
     return why
@@ -178,6 +165,7 @@ def _row(
         minibatch,
         _profile_for(wl, prof),
         row_tile,
+        wl.seed,
     )
     return {
         "row_tile": int(row_tile),
@@ -195,7 +183,10 @@ def _row(
 
 def tune_fused(wl: Workload, prof: FusedProfile, space: dict | None = None) -> list[dict]:
     """Every config of the fused space (:func:`fused_space`) on ``wl``, predicted by the fused
-    model, best first. Raises ValueError if :func:`fused_limits` is not empty."""
+    model, best first, on the routing trace the benchmarks draw for this batch size
+    (:func:`mok.spec.rows.bench_routing_seed`; ``wl.seed`` is not used). Raises ValueError if
+    :func:`fused_limits` is not empty."""
+    wl = replace(wl, seed=bench_routing_seed(wl.tokens_per_rank))
     why = fused_limits(wl, prof)
     if why:
         raise ValueError("the fused model does not apply: " + "; ".join(why))
@@ -232,8 +223,7 @@ def fused_tune_document(
     return {
         **fused_mok_config(row).to_dict(),
         "workload": {
-            # NOTE: the fused model draws the routing as mok.bench layer does: seed = tokens
-            **replace(wl, seed=wl.tokens_per_rank).to_dict(),
+            **replace(wl, seed=bench_routing_seed(wl.tokens_per_rank)).to_dict(),
             "gpu": wl.topo.gpu_name,
             "num_experts": s.num_experts,
             "hidden": s.hidden,
@@ -285,12 +275,18 @@ def pick_on_measured(measured: Iterable[dict], prof: FusedProfile) -> list[dict]
     for r in measured:
         if r.get("impl") != "mok-fused":
             continue
-        g = (r["model"], int(r["tokens_per_rank"]), int(r.get("num_ranks") or 2), r["skew"])
+        g = (
+            r["model"],
+            int(r["tokens_per_rank"]),
+            int(r.get("num_ranks") or 2),
+            r["skew"],
+            row_routing_seed(r),
+        )
         cfg = (r["mode"], int(r["sms"]), int(r["minibatch"]), row_tile_of(r))
         groups.setdefault(g, {})[cfg] = float(r["median_us"])
     out = []
-    for (model, tokens, ranks, skew), meas in groups.items():
-        wl = Workload(model, tokens, ranks, prof.topology, skew, seed=tokens)
+    for (model, tokens, ranks, skew, seed), meas in groups.items():
+        wl = Workload(model, tokens, ranks, prof.topology, skew, seed=seed)
         rows = sorted((_row(wl, prof, *c) for c in meas), key=_key)
         pick = rows[0]
         pc = (pick["dispatch_mode"], pick["num_comm_sms"], pick["minibatch_size"], pick["row_tile"])

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from mok.workload import get_shape, make_routing
+from mok.spec.workload import get_shape, make_routing
 
 __all__ = [
     "Counts",
@@ -63,9 +63,10 @@ ROW_TILE = 128
 
 @lru_cache(maxsize=64)
 def counts_for(model: str, tokens: int, num_ranks: int, skew: str, seed: int = 0) -> Counts:
-    """Counts of a generated routing (``mok.workload.make_routing``). The benchmark's routing is
-    not stored, but ``mok.bench comm`` draws it with ``make_routing(n, E, 8, 2, skew, seed=n)``
-    (n = tokens per rank), so the kernel predictions pass that seed: the same routing."""
+    """Counts of a generated routing (``mok.spec.workload.make_routing``). The benchmark's routing
+    is not stored, but ``mok.bench comm`` draws it with ``make_routing`` and the seed
+    :func:`mok.spec.rows.bench_routing_seed` (recorded in each row), so the kernel predictions
+    pass that seed: the same routing."""
     shape = get_shape(model)
     tr = make_routing(tokens, shape.num_experts, shape.num_topk, num_ranks, skew, seed)
     experts = tr.per_rank()  # [R_src, T, K]

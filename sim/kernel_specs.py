@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mok.spec.limits import TMA_MIN_ROW_BYTES
 from sim.kernel_rows import Counts
 
 __all__ = [
@@ -279,8 +280,6 @@ def _kernels() -> dict[tuple[str, str, str], KernelSpec]:
 
 
 KERNELS = _kernels()
-# mok.functional._TMA_MIN_ROW_BYTES: engine "auto" takes bulk copies for rows of this size up
-TMA_MIN_ROW_BYTES = 8192
 
 
 def kernel_key(row: dict) -> tuple[str, str, str] | None:
@@ -291,7 +290,7 @@ def kernel_key(row: dict) -> tuple[str, str, str] | None:
 
     The end-to-end dedup pull combine of ``mok.bench comm`` calls ``dedup_partials`` (engine
     ``vector``) and ``dedup_sum`` with its default engine ``auto``, which takes the row ring for
-    rows of at least :data:`TMA_MIN_ROW_BYTES` (``mok.functional``); its row is labelled with the
+    rows of at least :data:`TMA_MIN_ROW_BYTES` (``mok.spec.limits``); its row is labelled with the
     partials' engine, ``vector``. Such a row with a ``hidden`` column is mapped by its row size.
     NOTE: CSVs measured before ``auto`` (git 7aad92b .. a67a81b) ran the vector sum there; they
     are history, not predicted by this model of the current kernels.

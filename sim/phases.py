@@ -103,7 +103,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mok.workload import get_shape
+from mok.spec.rows import bench_routing_seed
+from mok.spec.workload import get_shape
 from sim.config import SimConfig, Workload
 from sim.engine import Graph, run_graph
 from sim.kernel_profile import KERNEL_PROFILE_FORMAT, KernelProfile, load_kernel_profile
@@ -238,7 +239,7 @@ def build_kernel_graph(
         raise ValueError(f"sms={sms} outside 1..{wl.topo.gpu.num_sms}")
     cfg = SimConfig(num_comm_sms=sms, mechanism="tma" if engine == "tma" else "st")
     b = PhaseBuilder(wl, cfg, prof)
-    c = counts_for(model, tokens, num_ranks, skew, _bench_seed(tokens))
+    c = counts_for(model, tokens, num_ranks, skew, bench_routing_seed(tokens))
     row_bytes = float(wl.model_shape.hidden * 2)
     g = b.g
     prev: list[int | None] = [None] * num_ranks
@@ -337,11 +338,6 @@ def host_bound(device_us: float, spec: KernelSpec | None, prof: KernelProfile) -
     when the stream idles, host jitter, the untimed dedup_sum after dedup_partials) was tried;
     fitted on the fit rows its extra knobs all came out 0, so it is not used."""
     return max(device_us, host_us(spec, prof))
-
-
-def _bench_seed(tokens: int) -> int:
-    """The routing seed of ``mok.bench comm`` (``_routing(..., seed=n)``, n = tokens/rank)."""
-    return tokens
 
 
 # -- row -> prediction ------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mok.workload import RoutingTrace
+from mok.spec.workload import RoutingTrace
 
 __all__ = ["RoutingPlan", "RoundCounts"]
 

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from mok.config import CONFIG_FORMAT  # re-exported: the kernel's config format, written once
+from mok.spec.config import CONFIG_FORMAT  # re-exported: the kernel's config format, written once
 from sim.config import COMBINE_MODES, DISPATCH_MODES, SimConfig, Workload
 from sim.model import (
     check_kernel_profile,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mok.workload import ModelShape, make_routing
+from mok.spec.workload import ModelShape, make_routing
 from reference.weights import MoEWeights
 
 

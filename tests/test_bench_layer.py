@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from mok.bench.layer import swiglu_experts
-from mok.workload import ModelShape
+from mok.spec.workload import ModelShape
 from reference.weights import MoEWeights
 from tests import tolerances as tol
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mok.config import COMBINE_MODES, DISPATCH_MODES, MAX_COMM_SMS, MoKConfig
 from mok.errors import MoKConfigError
+from mok.spec.config import COMBINE_MODES, DISPATCH_MODES, MAX_COMM_SMS, MoKConfig
 
 FIELDS = {f.name for f in fields(MoKConfig)}
 GOOD = MoKConfig().to_dict()

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mok.workload import ModelShape, get_shape, make_routing
+from mok.spec.workload import ModelShape, get_shape, make_routing
 from reference.ep import ep_backward, ep_forward
 from reference.moe import moe_backward, moe_forward
 from reference.weights import MoEWeights

@@ -24,7 +24,7 @@ import torch
 
 from mok import MoKConfig, _ext
 from mok.errors import MoKInputError, MoKUnsupportedError
-from mok.workload import make_routing
+from mok.spec.workload import make_routing
 from reference.schedule import build_all_schedules, build_schedule, required_rows
 from tests.schedule_bruteforce import brute_force_pull_rows
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mok.workload import Skew, make_routing
+from mok.spec.workload import Skew, make_routing
 from sim.cli import build_parser, main
 
 SMALL = ["--shape", "tiny", "--tokens", "256", "--ep", "8", "--topology", "hgx-h200"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mok.workload import ModelShape, get_shape, make_routing
+from mok.spec.workload import ModelShape, get_shape, make_routing
 from reference.moe import moe_backward, moe_forward, output_dtype, route
 from reference.weights import MoEWeights
 from tests import tolerances as tol

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import mok  # noqa: E402
 from mok import functional as mf  # noqa: E402
-from mok.workload import ModelShape  # noqa: E402
+from mok.spec.workload import ModelShape  # noqa: E402
 from tests.layer_problem import layer_problem  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.usefixtures("fresh_workspaces")]
@@ -110,7 +110,7 @@ _FAULT_SCRIPT = textwrap.dedent(
     import torch
     import mok
     from mok import functional as mf
-    from mok.workload import ModelShape, make_routing
+    from mok.spec.workload import ModelShape, make_routing
     from reference.weights import MoEWeights
 
     shape = ModelShape("fault", 16, 512, 256, 4, shared_intermediate=256)

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 import mok  # noqa: E402
 from mok import functional as mf  # noqa: E402
-from mok.workload import ModelShape, make_routing  # noqa: E402
+from mok.spec.workload import ModelShape, make_routing  # noqa: E402
 from reference.moe import moe_forward as ref_moe_forward  # noqa: E402
 from reference.weights import MoEWeights  # noqa: E402
 from tests import tolerances as tol  # noqa: E402

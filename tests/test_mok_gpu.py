@@ -47,7 +47,7 @@ def test_single_gpu_without_process_group():
 
     import mok
     from mok import functional as mf
-    from mok.workload import make_routing
+    from mok.spec.workload import make_routing
     from reference.schedule import build_schedule
 
     N, H, K, E = 333, 1024, 8, 64

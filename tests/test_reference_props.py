@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from mok.workload import make_routing
+from mok.spec.workload import make_routing
 from reference.ep import COMBINE_MODES, DISPATCH_MODES
 from reference.moe import moe_backward, moe_forward, output_dtype
 from reference.schedule import build_all_schedules

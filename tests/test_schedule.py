@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mok.workload import make_routing
+from mok.spec.workload import make_routing
 from reference.schedule import build_all_schedules, build_schedule, required_rows
 from tests.schedule_bruteforce import brute_force_pull_rows
 

@@ -73,7 +73,7 @@ def test_tune_emits_a_mok_config(tmp_path, capsys):
     cfg = doc["config"]
     from dataclasses import fields
 
-    from mok.config import MoKConfig
+    from mok.spec.config import MoKConfig
 
     # written by MoKConfig itself: every field, the ones the tuner does not choose at defaults
     assert set(cfg) == {f.name for f in fields(MoKConfig)}

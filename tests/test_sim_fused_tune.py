@@ -22,7 +22,7 @@ QWEN = ["--shape", "qwen3-30b-a3b", "--tokens", "4096"]
 
 
 def test_fused_tune_emits_a_config_that_round_trips(tmp_path, capsys):
-    from mok.config import MoKConfig
+    from mok.spec.config import MoKConfig
 
     path = tmp_path / "fused.json"
     assert main(["tune", "--fused", *QWEN, "--top", "3", "--emit-config", str(path)]) == 0
@@ -53,7 +53,7 @@ def test_fused_tune_searches_and_emits_the_row_tile(tmp_path, capsys):
     """Qwen3 at 4096 tokens: with MMA-bound sub-tiles, 64-row padding (35072 receive rows on rank
     0, 37376 at 128) wins at every config of the grid below; with the committed profile (sub-tiles
     as slow as full tiles, as measured) 128 wins; --row-tile pins one row tile."""
-    from mok.config import MoKConfig
+    from mok.spec.config import MoKConfig
 
     wl = Workload("qwen3-30b-a3b", 4096, 2, "h200x2", "uniform", seed=4096)
     committed = load_fused_profile()
@@ -119,7 +119,7 @@ def test_fused_limits_name_what_is_unsupported():
 
 
 def test_unsupported_shape_falls_back_to_the_unfused_model(tmp_path, capsys):
-    from mok.config import MoKConfig
+    from mok.spec.config import MoKConfig
 
     path = tmp_path / "cfg.json"
     args = ["tune", "--fused", "--shape", "gpt-oss-120b", "--tokens", "512", "--sms", "16"]

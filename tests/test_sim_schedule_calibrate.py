@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mok.workload import make_routing
+from mok.spec.workload import make_routing
 from sim.calibrate import (
     calibration_points,
     fit_gpu_profile,

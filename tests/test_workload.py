@@ -3,7 +3,7 @@ import re
 import numpy as np
 import pytest
 
-from mok.workload import (
+from mok.spec.workload import (
     PRESETS,
     SKEW_SYNTAX,
     ModelShape,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mok.bench.env import disable_multicast
+from mok.spec.rows import bench_routing_seed, git_sha
 
 CEILING_GBPS = 370.0
 MODELS = {"deepseek-v3": (7168, 256), "qwen3-30b-a3b": (2048, 128)}
@@ -81,20 +81,6 @@ def _print_stamps(what: str, t: tuple, split: dict[str, float]) -> None:
         print(f"  phases {what}: event median {t[0]:.1f} us; {parts} us", flush=True)
 
 
-def _sha() -> str:
-    env = os.environ.get("MOK_GIT_SHA")
-    if env:
-        return env
-    try:
-        root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def init_dist() -> dict:
     """Join the torchrun group (NCCL, one GPU per process, NVLink multicast off); the metadata
     every CSV row carries."""
@@ -107,7 +93,7 @@ def init_dist() -> dict:
         "num_ranks": dist.get_world_size(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "git_sha": _sha(),
+        "git_sha": git_sha(),
     }
 
 
@@ -148,7 +134,7 @@ class Recorder:
 
 
 def _routing(n: int, num_experts: int, topk: int, skew: str, seed: int):
-    from mok.workload import make_routing
+    from mok.spec.workload import make_routing
 
     t = make_routing(n, num_experts, topk, dist.get_world_size(), skew, seed=seed)
     r = dist.get_rank()
@@ -467,7 +453,7 @@ def main(argv: list[str]) -> int:
                     num_topk=args.topk,
                     skew=skew,
                     tokens_per_rank=n,
-                    routing_seed=n,  # every row says which trace it ran on
+                    routing_seed=bench_routing_seed(n),  # which trace the row ran on
                 )
                 idx, w, _ = _routing(n, num_experts, args.topk, skew, seed=base["routing_seed"])
                 g = torch.Generator(device="cuda").manual_seed(1 + dist.get_rank())

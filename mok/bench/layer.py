@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mok.bench.comm import Recorder, _routing, _timeit, init_dist
+from mok.spec.rows import bench_routing_seed
 
 MODELS = ("deepseek-v3", "kimi-k2", "qwen3-30b-a3b")
 
@@ -206,7 +207,7 @@ def _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, num_experts) -> None:
 def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(), trace_dir=None):
     import mok
     from mok import functional as mf
-    from mok.workload import get_shape
+    from mok.spec.workload import get_shape
 
     shape = get_shape(model)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -218,7 +219,7 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
         shape.num_topk,
     )
     w = _weights(shape, world, seed=7)
-    seed = n  # the routing trace's seed, recorded in every row
+    seed = bench_routing_seed(n)  # recorded in every row
     idx, tw, t = _routing(n, E, K, skew, seed=seed)
     g = torch.Generator(device="cuda").manual_seed(11 + rank)
     x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)

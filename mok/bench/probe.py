@@ -28,10 +28,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mok.bench.comm import _sha, _timeit
+from mok.bench.comm import _timeit
 from mok.bench.env import disable_multicast
 from mok.bench.probe_results import METHODS, SECTIONS, ProbeResults
 from mok.errors import MoKError, MoKTimeoutError, MoKUnsupportedError
+from mok.spec.rows import git_sha
 
 __all__ = ["ProbeResults", "build_parser", "parse_args", "plan_points", "main", "METHODS"]
 
@@ -192,7 +193,7 @@ def _meta(a: argparse.Namespace, dev: torch.device, world: int) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "driver": _driver(),
-        "git_sha": _sha(),
+        "git_sha": git_sha(),
         "date": datetime.date.today().isoformat(),
         "quick": bool(a.quick),
         "args": dict(vars(a)),

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mok.bench.env import disable_multicast
-from mok.workload import ModelShape, make_routing
+from mok.spec.workload import ModelShape, make_routing
 from reference.ep import CapacityError, ep_backward, ep_forward
 from reference.moe import moe_backward, moe_forward, output_dtype
 from reference.weights import MoEWeights

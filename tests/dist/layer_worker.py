@@ -24,7 +24,7 @@ import torch.distributed as dist
 import mok
 from mok import functional as mf
 from mok.bench.env import disable_multicast
-from mok.workload import ModelShape, make_routing
+from mok.spec.workload import ModelShape, make_routing
 from reference.moe import moe_forward as ref_moe_forward
 from reference.weights import MoEWeights
 from tests import tolerances as tol

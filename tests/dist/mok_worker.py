@@ -21,7 +21,7 @@ import torch.distributed as dist
 import mok
 from mok import functional as mf
 from mok.bench.env import disable_multicast
-from mok.workload import ModelShape, make_routing
+from mok.spec.workload import ModelShape, make_routing
 from reference import ep as ref_ep
 from reference.moe import combine as ref_combine
 from reference.moe import moe_forward as ref_moe_forward

@@ -357,7 +357,7 @@ def make_routing(
     logits = rng.standard_normal((num_ranks * num_tokens, num_topk))
     w = np.exp(logits - logits.max(axis=1, keepdims=True))
     w = (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
-    meta = {"skew": skew.label(), "seed": seed, "generator": "mok.workload.make_routing"}
+    meta = {"skew": skew.label(), "seed": seed, "generator": "mok.spec.workload.make_routing"}
     return RoutingTrace(idx.reshape(-1, num_topk), w, num_experts, num_ranks, meta)
 
 

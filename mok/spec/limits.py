@@ -1,0 +1,101 @@
+"""What the fused layer kernel supports, written once.
+
+The tile sizes mirror ``csrc/layer.cuh`` (``kTileM`` receive rows per GEMM block, ``kTileN``
+output columns of the down projection, half of it SwiGLU columns per gate/up tile); a CPU test
+reads them from the header, so the two cannot drift apart. ``mok.functional`` raises
+:class:`mok.MoKUnsupportedError` with :func:`why_unsupported`'s reasons and the simulator's
+tuner leaves out what it lists, so both say the same thing in the same words.
+"""
+
+from __future__ import annotations
+
+from mok.spec.config import MoKConfig
+
+__all__ = [
+    "FUSED_BLOCK_ROWS",
+    "FUSED_HIDDEN_TILE",
+    "FUSED_INTER_TILE",
+    "FUSED_ROW_TILES",
+    "FUSED_DISPATCH_MODES",
+    "FUSED_COMBINE_MODES",
+    "FUSED_DTYPES",
+    "TMA_MIN_ROW_BYTES",
+    "config_problems",
+    "shape_problems",
+    "why_unsupported",
+]
+
+# GEMM blocks of 128 receive rows; 256 output columns of the down projection; 128 SwiGLU columns
+# (256 gate+up columns) per gate/up tile.
+FUSED_BLOCK_ROWS, FUSED_HIDDEN_TILE, FUSED_INTER_TILE = 128, 256, 128
+# Expert regions padded to 64 rows run their 64-row tails as half tiles.
+FUSED_ROW_TILES = (64, 128)
+FUSED_DISPATCH_MODES = ("pull", "dedup_pull")
+FUSED_COMBINE_MODES = ("push",)
+FUSED_DTYPES = ("bf16",)
+
+# Rows of at least this many bytes move faster through the bulk-copy (TMA) rings; smaller rows
+# make their single issuing thread the limit, and 16-byte vector loads win (docs/perf-notes.md
+# v3, v4). ``engine="auto"`` picks by it.
+TMA_MIN_ROW_BYTES = 8192
+
+
+def config_problems(cfg: MoKConfig, num_sms: int | None = None) -> list[str]:
+    """Why the fused layer cannot run ``cfg`` (empty: it can). ``num_sms``: the GPU's SM count,
+    to check ``num_comm_sms`` against (None: not checked)."""
+    why = []
+    if cfg.dispatch_mode not in FUSED_DISPATCH_MODES or cfg.combine_mode not in FUSED_COMBINE_MODES:
+        why.append(
+            f"the fused layer supports dispatch_mode {' or '.join(FUSED_DISPATCH_MODES)} with "
+            f"combine_mode {' or '.join(FUSED_COMBINE_MODES)} (config has {cfg.dispatch_mode!r} "
+            f"/ {cfg.combine_mode!r}); the other modes run through moe_forward(..., fused=False)"
+        )
+    if cfg.row_tile not in FUSED_ROW_TILES:
+        why.append(
+            f"the fused layer needs row_tile in {FUSED_ROW_TILES} (config has {cfg.row_tile})"
+        )
+    if cfg.minibatch_size % FUSED_BLOCK_ROWS:
+        why.append(
+            f"the fused layer needs minibatch_size % {FUSED_BLOCK_ROWS} == 0 (its GEMM row "
+            f"blocks must not straddle minibatches; config has {cfg.minibatch_size})"
+        )
+    if num_sms is not None and not 1 <= cfg.num_comm_sms < num_sms:
+        why.append(
+            f"the fused layer needs 1 <= num_comm_sms < {num_sms} SMs (config has "
+            f"{cfg.num_comm_sms})"
+        )
+    return why
+
+
+def shape_problems(
+    hidden: int, intermediate: int, shared_intermediate: int, dtype: str = "bf16", name: str = ""
+) -> list[str]:
+    """Why the fused layer cannot run a layer of these sizes (empty: it can). ``dtype``: the
+    token dtype as ``bf16`` / ``fp32`` / ...; ``name`` prefixes each reason (a preset's name)."""
+    pre = f"{name}: " if name else ""
+    why = []
+    if hidden % FUSED_HIDDEN_TILE:
+        why.append(
+            f"{pre}the fused layer needs hidden % {FUSED_HIDDEN_TILE} == 0 (found hidden={hidden})"
+        )
+    for what, n in (("intermediate", intermediate), ("shared intermediate", shared_intermediate)):
+        if n % FUSED_INTER_TILE:
+            why.append(f"{pre}the fused layer needs {what} % {FUSED_INTER_TILE} == 0 (found {n})")
+    if dtype not in FUSED_DTYPES:
+        why.append(f"the fused layer runs {' or '.join(FUSED_DTYPES)} tokens (found {dtype})")
+    return why
+
+
+def why_unsupported(
+    cfg: MoKConfig,
+    hidden: int,
+    intermediate: int,
+    shared_intermediate: int,
+    dtype: str = "bf16",
+    num_sms: int | None = None,
+) -> list[str]:
+    """Every reason the fused layer cannot run ``cfg`` on a layer of these sizes (empty: it can).
+    The GPU itself (the fused layer has an sm_90a path only) is checked where it is known."""
+    return config_problems(cfg, num_sms) + shape_problems(
+        hidden, intermediate, shared_intermediate, dtype
+    )
