@@ -358,11 +358,13 @@ def test_row_tile_64_on_the_benchmark_routing():
     splits = {"deepseek-v3": (66, 1), "kimi-k2": (95, 1), "qwen3-30b-a3b": (31, 0)}
     for m in MODELS:
         for rt, rows in zip((128, 64), padded[m], strict=True):
-            _, plan = _plan(m, 4096, 2, prof.topology, "uniform", rt)
+            _, plan = _plan(m, 4096, 2, prof.topology, "uniform", rt, 4096)
             assert plan.padded_rows[0] == rows
             starts = plan.region_starts[0]
             assert starts[0] == 0 and np.all(starts % rt == 0) and starts[-1] < rows
-        c = _case(m, 4096, 2, "uniform", "dedup_pull", 16, 4096, prof.comm_profile, "h200x2", 64)
+        c = _case(
+            m, 4096, 2, "uniform", "dedup_pull", 16, 4096, prof.comm_profile, "h200x2", 64, 4096
+        )
         o = c.orders[0]
         gu = o.kind == 2
         assert np.unique(o.group[gu]).size == -(-padded[m][1] // 128)
