@@ -12,7 +12,8 @@ namespace mok {
 // Returns a cudaError_t value (0 on success).
 int launch(int kind, const Params& params, int grid, void* stream);
 
-// Launches the fused layer forward (layer.cu) with `grid` blocks (one per SM) on `stream`.
+// Launches the fused layer forward (layer/sm90_fwd.cuh) with `grid` blocks (one per SM) on
+// `stream`.
 // Returns a cudaError_t value (cudaErrorInvalidValue when a TMA descriptor cannot be built).
 int launch_layer(const Params& params, const LayerArgs& args, int grid, void* stream);
 

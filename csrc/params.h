@@ -1,6 +1,7 @@
-// Kernel parameters shared by the CUDA launchers (kernels.cu) and the torch bindings
-// (bindings.cpp). Plain C++ only: mok/_ext.py mirrors this struct with ctypes, so any change here
-// must be made there too (the bindings check the size on every launch).
+// Kernel parameters shared by the CUDA launchers (comm/launch.cu, layer/launch_sm90.cu) and the
+// torch bindings (torch/bindings.cpp). Plain C++ only: mok/_ext.py mirrors this struct with
+// ctypes, so any change here must be made there too (the bindings check the size on every
+// launch).
 #pragma once
 
 #include <cstdint>
@@ -24,7 +25,7 @@ enum Signal : int {
   kSigYConsumed = 8,    // peer finished reading my expert-output buffer (per block)
   kSigPartReady = 9,    // peer's dedup partials buffer holds epoch <value> (stored, not added)
   kSigPartConsumed = 10,  // peer finished reading my partials of epoch <value> (stored)
-  // The fused layer (layer.cu) counts its own epochs, so it has its own signals.
+  // The fused layer (layer/sm90_fwd.cuh) counts its own epochs, so it has its own signals.
   kSigLayerXReady = 11,      // peer's x buffer holds this layer call's tokens (once per call)
   kSigLayerXConsumed = 12,   // peer finished reading my x buffer (per communication block)
   kSigLayerSlotsFree = 13,   // peer's combine slots may be pushed into (once per call)
@@ -184,7 +185,8 @@ struct Params {
   int32_t pad0;
 };
 
-// Operands of the fused layer (layer.cu) beyond Params. Plain C++: mok/_ext.py mirrors it.
+// Operands of the fused layer (layer/sm90_fwd.cuh) beyond Params. Plain C++: mok/_ext.py
+// mirrors it.
 // Weights are bf16, row-major: w_gate/w_up [L, I, H], w_down [L, H, I], shared_w_gate/up
 // [Is, H], shared_w_down [H, Is]. Params carries x (in0), topk_weights (in1), the shared
 // output (in2, bf16 [N, H]), out0 (the layer output [N, H] bf16) and the workspace.
@@ -202,11 +204,11 @@ struct LayerArgs {
   void* h;          // bf16 [ring_rows, I]: SwiGLU output ring (local)
   void* shared_h;   // bf16 [N, Is]
   void* dedup;      // [num_ranks * N, H] dedup rows (kFlagDedup)
-  uint32_t* counters;  // local tile counters, zeroed by the launcher (layer.cuh: Counters)
+  uint32_t* counters;  // local tile counters, zeroed by the launcher (layer/sm90_fwd.cuh: Counters)
   int64_t counters_len;  // uint32 words
   // Optional event trace (null: off): per block, two regions (0: communication or producer
   // thread, 1: first consumer warpgroup) of trace_entries uint64 pairs each; pair 0 holds the
-  // event count, then (globaltimer ns, packed event) pairs (layer.cuh: TraceEvent).
+  // event count, then (globaltimer ns, packed event) pairs (layer/sm90_fwd.cuh: TraceEvent).
   uint64_t* trace;
   int64_t trace_entries;
 };

@@ -31,6 +31,14 @@ __all__ = [
 
 log = logging.getLogger("mok")
 
+# The translation units of the extension, relative to csrc/ (everything else is headers).
+SOURCES = (
+    "torch/bindings.cpp",
+    "comm/launch.cu",
+    "layer/launch_sm90.cu",
+    "probe/probe.cu",
+)
+
 MAX_RANKS = 8
 MAX_TOPK = 32
 NUM_SIGNALS = 16
@@ -51,7 +59,7 @@ KERNELS = {
 }
 FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED, FLAG_VECTOR, FLAG_NO_FANOUT = 1, 2, 4, 8, 16
 FLAG_SKIP_LOCAL, FLAG_GATHER, FLAG_DEDUP = 32, 64, 128
-FLAG_STAMPS, NUM_STAMPS = 256, 4  # per-block phase stamps (csrc/sync.cuh stamp())
+FLAG_STAMPS, NUM_STAMPS = 256, 4  # per-block phase stamps (csrc/common/waits.cuh stamp())
 FLAG_FAULT = 512  # tests only: a fused-layer worker fails at tile in3
 FLAG_KEEP = 1024  # dedup_sum: more sums of these partials follow (no "consumed" signal)
 META = {
@@ -267,14 +275,14 @@ def load():
 
     arch = detect_arch()
     src = csrc_dir()
-    sources = [src / "bindings.cpp", src / "kernels.cu", src / "probe.cu"]
+    sources = [src / s for s in SOURCES]
     missing = [str(s) for s in sources if not s.exists()]
     if missing:
         raise MoKUnsupportedError(f"mok's CUDA sources are missing: {missing} (MOK_CSRC_DIR?)")
     digest = hashlib.sha256()
-    for f in sorted(src.glob("*")):
+    for f in sorted(src.rglob("*")):
         if f.suffix in (".h", ".cuh", ".cu", ".cpp"):
-            digest.update(f.name.encode() + f.read_bytes())
+            digest.update(f.relative_to(src).as_posix().encode() + f.read_bytes())
     digest.update(f"{torch.__version__} {torch.version.cuda} {arch}".encode())
     name = f"mok_ext_{arch}_{digest.hexdigest()[:12]}"
     cache = Path(os.environ.get("MOK_CACHE_DIR", Path.home() / ".cache" / "mok"))

@@ -479,12 +479,12 @@ def test_ranks_that_receive_nothing_at_ep8():
 
 
 def _round_robin_pos(counts: list[int], occ: int, src: int) -> int:
-    """csrc/schedule.cuh round_robin_pos."""
+    """csrc/common/schedule.cuh round_robin_pos."""
     return sum(min(m, occ) + (1 if q < src and m > occ else 0) for q, m in enumerate(counts))
 
 
 def _remote_dedup_row(dcount: list[int], me: int, i: int) -> int:
-    """csrc/dispatch.cuh remote_dedup_row: item i of the remote dedup rows -> its dedup row."""
+    """csrc/comm/dispatch.cuh remote_dedup_row: item i of the remote dedup rows -> its dedup row."""
     r = 0
     while r < len(dcount):
         if r != me:
@@ -515,7 +515,7 @@ def test_remote_dedup_items_cover_the_peers_rows_once(case):
 @pytest.mark.parametrize("case", CASES[:5], ids=lambda c: f"ep{c[0]}-n{c[1]}-k{c[2]}-{c[4]}")
 def test_dedup_sum_terms_match_the_owners_partials(case):
     # dedup_sum on home rank h sums, for token t, partial row h * N + t of every rank in the
-    # token's owner mask (csrc/combine.cuh token_owner_mask), in ascending rank order. Each of
+    # token's owner mask (csrc/comm/combine.cuh token_owner_mask), in ascending rank order. Each of
     # those owners must have written that row (dedup_partials), and no other rank did.
     R, N, K, L, skew, _ = case
     idx, E = _routing(R, N, K, L, skew)

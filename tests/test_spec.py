@@ -33,7 +33,7 @@ def _constexpr(header: str, name: str) -> int:
 
 
 def test_fused_tiles_match_the_kernel():
-    tile_m, tile_n = _constexpr("layer.cuh", "kTileM"), _constexpr("layer.cuh", "kTileN")
+    tile_m, tile_n = _constexpr("layer/sm90_fwd.cuh", "kTileM"), _constexpr("layer/sm90_fwd.cuh", "kTileN")
     assert FUSED_BLOCK_ROWS == tile_m
     assert FUSED_HIDDEN_TILE == tile_n  # down-projection output columns per tile
     assert FUSED_INTER_TILE == tile_n // 2  # a gate/up tile: half gate, half up columns

@@ -1,4 +1,5 @@
-// Flags, bounded waits, grid barrier and the error record.
+// Bounded waits, signals, grid barrier and the error record (the block-level protocol built on
+// the PTX wrappers of ptx/sync.cuh).
 //
 // NOTE: flags that cross NVLink use system-scope release/acquire (st/red.release.sys,
 // ld.acquire.sys); flags between blocks of one GPU use GPU scope. Every spin-wait is bounded by
@@ -10,6 +11,7 @@
 #include <cstdint>
 
 #include "params.h"
+#include "ptx/sync.cuh"
 
 namespace mok {
 
@@ -41,12 +43,6 @@ __device__ __forceinline__ bool block_aborted(const Ctx& c) {
   return __syncthreads_or(threadIdx.x == 0 && c.aborted()) != 0;
 }
 
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Phase stamps of a communication kernel (kFlagStamps): thread 0 of each block writes the
 // globaltimer at phase `i` (0 entry, 1 after the peers' ready signal, 2 after the copies or
 // sums, 3 before exit) into in3, uint64 [gridDim.x][kNumStamps]. Diagnostics only.
@@ -55,47 +51,6 @@ __device__ __forceinline__ void stamp(const Params& p, int i) {
   if ((p.flags & kFlagStamps) && threadIdx.x == 0)
     const_cast<uint64_t*>(static_cast<const uint64_t*>(p.in3))[blockIdx.x * kNumStamps + i] =
         globaltimer_ns();
-}
-
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void red_add_release_sys(uint64_t* ptr, uint64_t v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_gpu(uint32_t* ptr, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void red_add_relaxed_gpu(uint32_t* ptr, uint32_t v) {
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint32_t atom_add_relaxed_gpu(uint32_t* ptr, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;"
-               : "=r"(old)
-               : "l"(ptr), "r"(v)
-               : "memory");
-  return old;
-}
-
-__device__ __forceinline__ void red_add_release_gpu(uint32_t* ptr, uint32_t v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
 // Records the first error of this workspace and raises the abort word. Later errors (often the

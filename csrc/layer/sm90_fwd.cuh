@@ -29,23 +29,24 @@
 // from the other ranks into the dedup buffer, then fill each minibatch's ring rows locally
 // (from the dedup buffer, or from the x buffer for this rank's own tokens). All NVLink traffic
 // then precedes the first routed tile; the shared expert's tiles overlap it.
-// Every wait is bounded (sync.cuh). Dependencies point backwards in the tile order or at the
+// Every wait is bounded (common/waits.cuh). Dependencies point backwards in the tile order or at
+// the
 // communication blocks, whose own waits point backwards too, and tiles are claimed in order, so
 // every tile a claimed tile waits for is claimed already: the order cannot deadlock.
 // After its work every block raises the peers' slots-filled signal; then all blocks run the
-// fixed-order weighted sum of the combine (combine.cuh reduce_tokens).
+// fixed-order weighted sum of the combine (comm/combine.cuh reduce_tokens).
 #pragma once
 
 #include <cuda.h>
 
 #include <cstdint>
 
-#include "combine.cuh"
+#include "comm/combine.cuh"
+#include "common/rings.cuh"
+#include "common/rows.cuh"
+#include "common/waits.cuh"
 #include "params.h"
-#include "rows.cuh"
-#include "sync.cuh"
-#include "tma.cuh"
-#include "wgmma.cuh"
+#include "ptx/wgmma_sm90.cuh"
 
 namespace mok {
 

@@ -1,5 +1,6 @@
 // Thin torch bindings: raw pointers and the stream come from Python (mok/_ext.py packs Params
-// with ctypes); all device work lives in kernels.cu.
+// with ctypes); all device work lives in the launchers (comm/launch.cu,
+// layer/launch_sm90.cu, probe/probe.cu).
 #include <torch/extension.h>
 
 #include <cstring>
@@ -7,7 +8,7 @@
 
 #include "api.h"
 #include "params.h"
-#include "probe.h"
+#include "probe/probe.h"
 
 namespace {
 
@@ -82,7 +83,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_smem_bytes", &mok::layer_smem_bytes);
   m.def("layer_counters", &layer_counters);
 
-  // Probe microbenchmarks (csrc/probe.cu, mok/bench/probe.py): addresses and streams as ints,
+  // Probe microbenchmarks (probe/probe.cu, mok/bench/probe.py): addresses and streams as ints,
   // each returns a cudaError_t value.
   m.def("probe_copy_vector", &mok::probe::copy_vector);
   m.def("probe_copy_tma", &mok::probe::copy_tma);

@@ -1,4 +1,4 @@
-// Bulk-copy (TMA, cp.async.bulk) pipelines for the communication kernels.
+// Row rings on the bulk-copy (TMA, cp.async.bulk) engine, for the communication kernels.
 //
 // Two pipelines, both driven by warp 0 of the block, whose lane 0 issues every bulk copy:
 //
@@ -24,8 +24,9 @@
 
 #include <cstdint>
 
+#include "common/rows.cuh"
 #include "params.h"
-#include "rows.cuh"
+#include "ptx/tma.cuh"
 
 namespace mok {
 
@@ -71,73 +72,6 @@ __host__ __device__ constexpr int reduce_stages(int64_t row_bytes, int slots) {
   return kStageBudget / reduce_stage_bytes(row_bytes, slots) > kMaxStages
              ? kMaxStages
              : static_cast<int>(kStageBudget / reduce_stage_bytes(row_bytes, slots));
-}
-
-// ---- PTX wrappers ---------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}"
-      : "=r"(ok)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-// NOTE: waits on local bulk-copy completion or on another warp of this block; neither can
-// stall forever unless the kernel is already broken, so this wait is not bounded.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
-__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes,
-                                          uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_addr(smem_dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-               "r"(smem_addr(smem_src)), "r"(bytes)
-               : "memory");
-}
-// Starts moving `bytes` at src into L2 (no completion to wait for): a later ordinary load hits.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void bulk_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-// Orders this thread's generic-proxy view of memory with the async (bulk copy) proxy.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async;" ::: "memory");
 }
 
 __device__ __forceinline__ int block_items(int total) {
@@ -337,37 +271,11 @@ __device__ __forceinline__ void tma_reduce_rows(const Meta& meta, int total, int
       const bool has = ring.init[slot] != 0;
       uint4* out = reinterpret_cast<uint4*>(ring.out[slot]);
       for (int c = lane; c < n16; c += 32) {
-        float acc[8];
-        if (!has) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-        } else if (init_fp32) {
-          const float4 a = reinterpret_cast<const float4*>(st + max_terms * cb)[2 * c];
-          const float4 b = reinterpret_cast<const float4*>(st + max_terms * cb)[2 * c + 1];
-          acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
-          acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
-        } else {
-          const uint4 v = reinterpret_cast<const uint4*>(st + max_terms * cb)[c];
-          const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[2 * i] = bf16_lo(w4[i]), acc[2 * i + 1] = bf16_hi(w4[i]);
-        }
-        for (int k = 0; k < n; ++k) {
-          const float w = ring.w[slot][k];
-          const uint4 v = reinterpret_cast<const uint4*>(st + k * cb)[c];
-          const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, bf16_lo(w4[i])));
-            acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, bf16_hi(w4[i])));
-          }
-        }
-        uint4 o;
-        o.x = pack_bf16x2(acc[0], acc[1]);
-        o.y = pack_bf16x2(acc[2], acc[3]);
-        o.z = pack_bf16x2(acc[4], acc[5]);
-        o.w = pack_bf16x2(acc[6], acc[7]);
-        out[c] = o;
+        OrderedSum8 acc;
+        acc.start(has ? st + max_terms * cb : nullptr, init_fp32, c);
+        for (int k = 0; k < n; ++k)
+          acc.add(ring.w[slot][k], reinterpret_cast<const uint4*>(st + k * cb)[c]);
+        out[c] = acc.bf16();
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(&ring.empty[s]);

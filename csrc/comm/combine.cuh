@@ -11,7 +11,7 @@
 //               rounded to bf16) into its symmetric partials buffer, row src_rank * N + token.
 //               dedup_sum_kernel (the transfer, comparable with other libraries' combine): the
 //               home rank bulk-loads its token's partial rows from every owner (ascending rank)
-//               and sums them onto shared_y. Both run the tma.cuh reduce pipeline, or one
+//               and sums them onto shared_y. Both run the common/rings.cuh reduce pipeline, or one
 //               warp per row with vector loads (kFlagVector); dedup_sum also has a gather
 //               ring (kFlagGather): each warp keeps kGatherStages row chunks of every term
 //               in flight with cp.async (16-byte async copies into its shared-memory ring),
@@ -24,11 +24,12 @@
 
 #include <cstdint>
 
-#include "dispatch.cuh"
+#include "comm/dispatch.cuh"
+#include "common/rings.cuh"
+#include "common/rows.cuh"
+#include "common/waits.cuh"
 #include "params.h"
-#include "rows.cuh"
-#include "sync.cuh"
-#include "tma.cuh"
+#include "ptx/cp_async.cuh"
 
 namespace mok {
 
@@ -39,21 +40,8 @@ __device__ __forceinline__ void warp_weighted_sum(uint4* out, const void* init, 
                                                   const uint64_t* s_src, const float* s_w, int n,
                                                   int n16, int lane) {
   for (int c = lane; c < n16; c += 32) {
-    float acc[8];
-    if (init == nullptr) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    } else if (init_fp32) {
-      const float4 a = static_cast<const float4*>(init)[2 * c];
-      const float4 b = static_cast<const float4*>(init)[2 * c + 1];
-      acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
-      acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
-    } else {
-      const uint4 v = static_cast<const uint4*>(init)[c];
-      const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[2 * i] = bf16_lo(w4[i]), acc[2 * i + 1] = bf16_hi(w4[i]);
-    }
+    OrderedSum8 acc;
+    acc.start(init, init_fp32, c);
     // Loads in flight per lane before the ordered adds: all 8 of a top-8 token at once (the
     // final sum of the fused layer ran at ~53% of the HBM rate with 4; the adds keep k order).
     constexpr int kGroup = 8;
@@ -67,21 +55,10 @@ __device__ __forceinline__ void warp_weighted_sum(uint4* out, const void* init, 
 #pragma unroll
       for (int u = 0; u < kGroup; ++u) {
         if (k0 + u >= n) break;
-        const float w = s_w[k0 + u];
-        const uint32_t w4[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, bf16_lo(w4[i])));
-          acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, bf16_hi(w4[i])));
-        }
+        acc.add(s_w[k0 + u], v[u]);
       }
     }
-    uint4 o;
-    o.x = pack_bf16x2(acc[0], acc[1]);
-    o.y = pack_bf16x2(acc[2], acc[3]);
-    o.z = pack_bf16x2(acc[4], acc[5]);
-    o.w = pack_bf16x2(acc[6], acc[7]);
-    out[c] = o;
+    out[c] = acc.bf16();
   }
 }
 
@@ -143,85 +120,6 @@ __device__ __forceinline__ void reduce_tokens(const Ctx& c, int mode, WarpTerms&
     __syncwarp();
   }
 }
-
-// in0: y [capacity, hidden] bf16 (expert outputs in schedule row order, local);
-// in1: topk_weights [num_tokens, num_topk] fp32; in2: shared_y [num_tokens, hidden] or null;
-// in3: topk_idx [num_tokens, num_topk] int32 (dedup); out0: out [num_tokens, hidden] bf16.
-template <bool kDedup>
-__global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const Params p) {
-  const Ctx c(p);
-  if (block_aborted(c)) return;
-  // NOTE: my slots are free once this kernel runs: the previous reduce that read them is an
-  // earlier kernel on this stream.
-  if (blockIdx.x == 0) block_signal_all(c, kSigSlotsFree);
-  if (!block_wait_all(c, kSigSlotsFree, static_cast<uint64_t>(p.epoch))) return;
-  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * 2;
-  const int n16 = static_cast<int>(row_bytes / 16);
-  const int K = p.num_topk;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gwarp = blockIdx.x * kCommWarps + warp;
-  const int nwarps = gridDim.x * kCommWarps;
-  const uint8_t* y = static_cast<const uint8_t*>(p.in0);
-  if (!kDedup) {
-    const int32_t* src_rank = p.sched + p.o_src_rank;
-    const int32_t* src_index = p.sched + p.o_src_index;
-    const int num_rows = p.sched[p.o_meta + kMetaNumRows];
-    for (int row = gwarp; row < num_rows; row += nwarps) {
-      const int r = src_rank[row];
-      if (r < 0) continue;
-      uint8_t* slot = c.sym(r, p.off_slots) + src_index[row] * row_bytes;
-      warp_copy_row(reinterpret_cast<int4*>(slot),
-                    reinterpret_cast<const int4*>(y + row * row_bytes), n16, lane);
-    }
-  } else {
-    __shared__ WarpTerms terms;
-    const int32_t* d_src_rank = p.sched + p.o_dedup_src_rank;
-    const int32_t* d_slot = p.sched + p.o_dedup_slot;
-    const int32_t* fan_rows = p.sched + p.o_fan_rows;
-    const float* fan_w = reinterpret_cast<const float*>(p.sched + p.o_fan_w);
-    const int num_dedup = p.sched[p.o_meta + kMetaNumDedup];
-    for (int row = gwarp; row < num_dedup; row += nwarps) {
-      const int fr = lane < K ? fan_rows[row * K + lane] : -1;
-      const int n = warp_list_length(fr);  // entries past the -1 terminator are stale
-      if (lane < n) {
-        terms.src[warp][lane] = reinterpret_cast<uint64_t>(y + fr * row_bytes);
-        terms.w[warp][lane] = fan_w[row * K + lane];
-      }
-      __syncwarp();
-      uint8_t* slot = c.sym(d_src_rank[row], p.off_slots) + d_slot[row] * row_bytes;
-      warp_weighted_sum(reinterpret_cast<uint4*>(slot), nullptr, false, terms.src[warp],
-                        terms.w[warp], n, n16, lane);
-      __syncwarp();
-    }
-  }
-  block_signal_all(c, kSigSlotsFilled);
-  if (!block_wait_all(c, kSigSlotsFilled, static_cast<uint64_t>(p.epoch) * gridDim.x)) return;
-  __shared__ WarpTerms terms;
-  reduce_tokens(c, kDedup ? 1 : 0, terms);
-}
-
-// in0: y [capacity, hidden] bf16 (staged into the symmetric y buffer if kFlagStage, else y
-// already lives there); in1, in2, out0 as combine_push_kernel.
-__global__ void __launch_bounds__(kCommThreads) combine_pull_kernel(const Params p) {
-  const Ctx c(p);
-  if (block_aborted(c)) return;
-  if (p.flags & kFlagStage) {
-    if (!block_wait_all(c, kSigYConsumed, static_cast<uint64_t>(p.epoch - 1) * gridDim.x))
-      return;
-    const int num_rows = p.sched[p.o_meta + kMetaNumRows];
-    grid_copy(c.sym(p.rank, p.off_y), p.in0, static_cast<int64_t>(num_rows) * p.hidden * 2);
-    if (!grid_sync(c)) return;
-  }
-  if (blockIdx.x == 0) block_signal_all(c, kSigYReady);
-  if (!block_wait_all(c, kSigYReady, static_cast<uint64_t>(p.epoch))) return;
-  __shared__ WarpTerms terms;
-  reduce_tokens(c, 2, terms);
-  block_signal_all(c, kSigYConsumed);
-}
-
-}  // namespace mok
-
-namespace mok {
 
 // Partial row of dedup row `row`: sum over its fan-out rows (k order) of w * y.
 struct PartialsMeta {
@@ -293,26 +191,15 @@ __device__ __forceinline__ void warp_sum_segment(uint8_t* out, const uint8_t* in
                                                  bool init_fp32, const uint64_t* src,
                                                  const float* w, int n, int seg, int n16,
                                                  int lane) {
-  float acc[kSegVecs][8];
+  OrderedSum8 acc[kSegVecs];
   const int base = seg * 32 * kSegVecs + lane;
 #pragma unroll
   for (int u = 0; u < kSegVecs; ++u) {
     const int c = base + 32 * u;
-    if (init == nullptr || c >= n16) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
-    } else if (init_fp32) {
-      const float4 a = reinterpret_cast<const float4*>(init)[2 * c];
-      const float4 b = reinterpret_cast<const float4*>(init)[2 * c + 1];
-      acc[u][0] = a.x, acc[u][1] = a.y, acc[u][2] = a.z, acc[u][3] = a.w;
-      acc[u][4] = b.x, acc[u][5] = b.y, acc[u][6] = b.z, acc[u][7] = b.w;
-    } else {
-      const uint4 v = reinterpret_cast<const uint4*>(init)[c];
-      const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        acc[u][2 * i] = bf16_lo(w4[i]), acc[u][2 * i + 1] = bf16_hi(w4[i]);
-    }
+    if (c >= n16)
+      acc[u].zero();
+    else
+      acc[u].start(init, init_fp32, c);
   }
   for (int k0 = 0; k0 < n; k0 += kSegGroup) {
     uint4 v[kSegGroup][kSegVecs];
@@ -330,26 +217,14 @@ __device__ __forceinline__ void warp_sum_segment(uint8_t* out, const uint8_t* in
       if (k0 + g >= n) break;
       const float wk = w[k0 + g];
 #pragma unroll
-      for (int u = 0; u < kSegVecs; ++u) {
-        const uint32_t w4[4] = {v[g][u].x, v[g][u].y, v[g][u].z, v[g][u].w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[u][2 * i] = __fadd_rn(acc[u][2 * i], __fmul_rn(wk, bf16_lo(w4[i])));
-          acc[u][2 * i + 1] = __fadd_rn(acc[u][2 * i + 1], __fmul_rn(wk, bf16_hi(w4[i])));
-        }
-      }
+      for (int u = 0; u < kSegVecs; ++u) acc[u].add(wk, v[g][u]);
     }
   }
 #pragma unroll
   for (int u = 0; u < kSegVecs; ++u) {
     const int c = base + 32 * u;
     if (c >= n16) continue;
-    uint4 o;
-    o.x = pack_bf16x2(acc[u][0], acc[u][1]);
-    o.y = pack_bf16x2(acc[u][2], acc[u][3]);
-    o.z = pack_bf16x2(acc[u][4], acc[u][5]);
-    o.w = pack_bf16x2(acc[u][6], acc[u][7]);
-    reinterpret_cast<uint4*>(out)[c] = o;
+    reinterpret_cast<uint4*>(out)[c] = acc[u].bf16();
   }
 }
 
@@ -381,24 +256,6 @@ __device__ __forceinline__ void warp_reduce_rows(const Meta& meta, int total, in
   }
 }
 
-// in0: y [capacity, hidden] bf16 (local). Fills my partials buffer for this epoch (family
-// "partials"), after every rank finished reading the previous epoch's partials.
-__global__ void __launch_bounds__(kCommThreads) dedup_partials_kernel(const Params p) {
-  const Ctx c(p);
-  if (block_aborted(c)) return;
-  if (!block_wait_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch - 1))) return;
-  const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
-  const int slots = partials_slots(p.num_topk);
-  const PartialsMeta meta{&c, static_cast<const uint8_t*>(p.in0)};
-  const int num_dedup = p.sched[p.o_meta + kMetaNumDedup];
-  if (p.flags & kFlagVector)
-    warp_reduce_rows(meta, num_dedup, rb, false);
-  else
-    tma_reduce_rows(meta, num_dedup, rb, p.num_topk, false, false, reduce_stages(rb, slots),
-                    dyn_smem);
-  if (last_block(c)) block_store_all(c, kSigPartReady, static_cast<uint64_t>(p.epoch));
-}
-
 // ---- gather ring of dedup_sum ----------------------------------------------------------------
 // Item = (token, chunk of 32 * U vectors of its row). Per warp a ring of kGatherStages stages;
 // a stage holds, per slot (term 0..num_ranks-1, then 1 or 2 slots of shared_y), U vectors per
@@ -418,18 +275,6 @@ __host__ __device__ constexpr int gather_units(int slots) {
 }
 __host__ __device__ constexpr int64_t gather_smem(int slots) {
   return static_cast<int64_t>(kCommWarps) * kGatherStages * slots * gather_units(slots) * 512;
-}
-
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem_dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // Owner ranks (bit mask) of token t: the ranks of its top-k experts.
@@ -516,37 +361,18 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
     for (int u = 0; u < U; ++u) {
       const int v = ch * per + u * 32 + lane;
       if (v >= n16) break;
-      float acc[8];
-      if (!has_shared) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-      } else if (fp32) {
-        const float4 a = *reinterpret_cast<const float4*>(st + (R * U + u) * 512);
-        const float4 b = *reinterpret_cast<const float4*>(st + ((R + 1) * U + u) * 512);
-        acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
-        acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
-      } else {
-        const uint4 x = *reinterpret_cast<const uint4*>(st + (R * U + u) * 512);
-        const uint32_t w4[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[2 * e] = bf16_lo(w4[e]), acc[2 * e + 1] = bf16_hi(w4[e]);
-      }
-      // Same arithmetic as warp_sum_segment with w = 1 (ascending owner rank).
-      for (int q = 0; q < n; ++q) {
-        const uint4 x = *reinterpret_cast<const uint4*>(st + (q * U + u) * 512);
-        const uint32_t w4[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[2 * e] = __fadd_rn(acc[2 * e], __fmul_rn(1.0f, bf16_lo(w4[e])));
-          acc[2 * e + 1] = __fadd_rn(acc[2 * e + 1], __fmul_rn(1.0f, bf16_hi(w4[e])));
-        }
-      }
-      uint4 o;
-      o.x = pack_bf16x2(acc[0], acc[1]);
-      o.y = pack_bf16x2(acc[2], acc[3]);
-      o.z = pack_bf16x2(acc[4], acc[5]);
-      o.w = pack_bf16x2(acc[6], acc[7]);
-      reinterpret_cast<uint4*>(out + t * rb)[v] = o;
+      OrderedSum8 acc;
+      if (!has_shared)
+        acc.zero();
+      else if (fp32)
+        acc.start_fp32(*reinterpret_cast<const float4*>(st + (R * U + u) * 512),
+                       *reinterpret_cast<const float4*>(st + ((R + 1) * U + u) * 512));
+      else
+        acc.start_bf16(*reinterpret_cast<const uint4*>(st + (R * U + u) * 512));
+      // Weight 1, terms in ascending owner rank.
+      for (int q = 0; q < n; ++q)
+        acc.add(1.0f, *reinterpret_cast<const uint4*>(st + (q * U + u) * 512));
+      reinterpret_cast<uint4*>(out + t * rb)[v] = acc.bf16();
     }
     __syncwarp();
   }
@@ -672,29 +498,18 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
       for (int k = 0; k < n; ++k)
         if (!((peer >> k) & 1u)) own = reinterpret_cast<const uint4*>(ring.src[slot][k]), own_q = k;
       for (int c0 = 0; c0 < n16; c0 += 32 * kSumVecs) {
-        float acc[kSumVecs][8];
+        OrderedSum8 acc[kSumVecs];
         uint4 ov[kSumVecs];
 #pragma unroll
         for (int u = 0; u < kSumVecs; ++u) {
           const int v = c0 + 32 * u + lane;
           ov[u] = (own != nullptr && v < n16) ? own[v] : make_uint4(0, 0, 0, 0);
-          if (init == nullptr || v >= n16) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-          } else if (fp32) {
-            const float4 a = reinterpret_cast<const float4*>(init)[2 * v];
-            const float4 b = reinterpret_cast<const float4*>(init)[2 * v + 1];
-            acc[u][0] = a.x, acc[u][1] = a.y, acc[u][2] = a.z, acc[u][3] = a.w;
-            acc[u][4] = b.x, acc[u][5] = b.y, acc[u][6] = b.z, acc[u][7] = b.w;
-          } else {
-            const uint4 x = reinterpret_cast<const uint4*>(init)[v];
-            const uint32_t w4[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              acc[u][2 * e] = bf16_lo(w4[e]), acc[u][2 * e + 1] = bf16_hi(w4[e]);
-          }
+          if (v >= n16)
+            acc[u].zero();
+          else
+            acc[u].start(init, fp32, v);
         }
-        // Same arithmetic as warp_sum_segment with w = 1, terms in ascending owner rank.
+        // Weight 1, terms in ascending owner rank.
         int q = 0;
         for (int k = 0; k < n; ++k) {
           const bool local = k == own_q;
@@ -702,14 +517,8 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
           for (int u = 0; u < kSumVecs; ++u) {
             const int v = c0 + 32 * u + lane;
             if (v >= n16) break;
-            const uint4 x =
-                local ? ov[u] : reinterpret_cast<const uint4*>(st + q * slot_bytes)[v];
-            const uint32_t w4[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              acc[u][2 * e] = __fadd_rn(acc[u][2 * e], __fmul_rn(1.0f, bf16_lo(w4[e])));
-              acc[u][2 * e + 1] = __fadd_rn(acc[u][2 * e + 1], __fmul_rn(1.0f, bf16_hi(w4[e])));
-            }
+            const uint4* sv = reinterpret_cast<const uint4*>(st + q * slot_bytes);
+            acc[u].add(1.0f, local ? ov[u] : sv[v]);
           }
           if (!local) ++q;
         }
@@ -717,12 +526,7 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
         for (int u = 0; u < kSumVecs; ++u) {
           const int v = c0 + 32 * u + lane;
           if (v >= n16) continue;
-          uint4 o;
-          o.x = pack_bf16x2(acc[u][0], acc[u][1]);
-          o.y = pack_bf16x2(acc[u][2], acc[u][3]);
-          o.z = pack_bf16x2(acc[u][4], acc[u][5]);
-          o.w = pack_bf16x2(acc[u][6], acc[u][7]);
-          out[v] = o;
+          out[v] = acc[u].bf16();
         }
       }
       __syncwarp();
@@ -730,35 +534,6 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
     }
   }
   __syncthreads();
-}
-
-// in2: shared_y [num_tokens, hidden] (bf16 or fp32) or null; out0: out [num_tokens, hidden] bf16.
-// Reads every owner's partials of epoch p.epoch. NOTE: the owners may overwrite them once every
-// rank said "consumed", so only the last sum of an epoch says it (the others carry kFlagKeep).
-__global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p) {
-  const Ctx c(p);
-  stamp(p, 0);
-  if (block_aborted(c)) return;
-  if (!block_wait_all(c, kSigPartReady, static_cast<uint64_t>(p.epoch))) return;
-  stamp(p, 1);
-  const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
-  const bool has_shared = (p.flags & kFlagHasShared) != 0;
-  const bool fp32 = (p.flags & kFlagSharedFp32) != 0;
-  const int slots = reduce_slots(p.num_ranks, has_shared);
-  const int gslots = gather_slots(p.num_ranks, has_shared, fp32);
-  if ((p.flags & kFlagGather) && gather_units(gslots) > 0)
-    gather_sum_rows(c, gather_units(gslots), gslots);
-  else if (p.flags & (kFlagVector | kFlagGather))
-    warp_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, fp32);
-  else if (sum_stages(rb, p.num_ranks) >= kMinStages)
-    tma_sum_rows(c, sum_stages(rb, p.num_ranks), dyn_smem);
-  else
-    tma_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, p.num_ranks, has_shared, fp32,
-                    reduce_stages(rb, slots), dyn_smem);
-  stamp(p, 2);
-  if (last_block(c) && !(p.flags & kFlagKeep))
-    block_store_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch));
-  stamp(p, 3);
 }
 
 }  // namespace mok

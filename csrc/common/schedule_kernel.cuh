@@ -1,40 +1,13 @@
-// Routing all-gather into symmetric memory and the schedule table, built on the device.
-//
-// The table equals reference/schedule.py bitwise (as int32). One cooperative launch, four phases
-// separated by grid barriers:
-//   0. validate this rank's routing and push it (int32 experts, fp32 weights) into every rank's
-//      route buffer, with the status word (input error, token count); signal kSigRoute; wait
-//      for every rank's routing;
-//   1. per (source rank, chunk of tokens): histogram over experts, and the tokens with an expert
-//      on this rank (dedup rows);
-//   2. exclusive scan of the histograms over chunks -> counts M[e, r] and per-chunk bases; the
-//      padded region starts S of every rank; capacity check;
-//   3. one warp per chunk walks its tokens in order: the o-th row from rank r for expert e lands
-//      at S + sum_r' min(M[e, r'], o) + #{r' < r : M[e, r'] > o} (round robin over sources).
-// NOTE: a token's top-k experts are distinct, so the occurrence of (token, k) within its
-// expert's rows only depends on earlier tokens: the warp can assign all k lanes of a token at
-// once without conflicts.
+// The schedule kernel: routing all-gather and the schedule table (common/schedule.cuh describes
+// the table). Included by the communication launcher only.
 #pragma once
 
 #include <cstdint>
 
+#include "common/schedule.cuh"
 #include "params.h"
-#include "sync.cuh"
 
 namespace mok {
-
-constexpr int kScheduleThreads = 256;
-constexpr int kScheduleWarps = kScheduleThreads / 32;
-
-__device__ __forceinline__ int round_robin_pos(const int32_t* counts, int num_ranks, int occ,
-                                               int src) {
-  int pos = 0;
-  for (int q = 0; q < num_ranks; ++q) {
-    const int m = counts[q];
-    pos += min(m, occ) + ((q < src && m > occ) ? 1 : 0);
-  }
-  return pos;
-}
 
 // in0: topk_idx [num_tokens, num_topk] int32; in1: topk_weights [num_tokens, num_topk] fp32.
 // num_tokens may exceed max_tokens: then nothing is read and every rank reports the count.

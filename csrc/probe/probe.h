@@ -1,4 +1,4 @@
-// Host entry points of the probe microbenchmarks (csrc/probe.cu), bound in bindings.cpp and
+// Host entry points of the probe microbenchmarks (probe/probe.cu), bound in torch/bindings.cpp and
 // driven by mok/bench/probe.py (`python -m mok.bench probe`).
 //
 // Addresses are plain integers (Tensor.data_ptr(), symmetric-memory buffer_ptrs; a peer's

@@ -1,7 +1,8 @@
 // Row movement with 16-byte vector loads and stores, one warp per row.
 //
 // NOTE: loads from a peer's symmetric buffer are plain (weak) global loads: they are ordered
-// after the peer's release by the block's acquire + __syncthreads (sync.cuh), and the source
+// after the peer's release by the block's acquire + __syncthreads (common/waits.cuh), and the
+// source
 // rows do not change while the kernel runs. Stores to a peer are weak too; the block publishes
 // them with a system fence before it raises the peer's counter.
 #pragma once
@@ -83,5 +84,57 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
   return v;
 }
+
+
+// The fixed-order sum of bf16 rows that bitwise determinism rests on, for 8 elements (one
+// 16-byte vector) per lane: an fp32 accumulator, optionally started from an fp32 or bf16 row,
+// and terms added one at a time as acc = round(acc + round(w * term)) (__fmul_rn, __fadd_rn:
+// no fused multiply-add, whatever the compiler's contraction setting), in the caller's term
+// order; the result is rounded to bf16 once, at the end. Every combine, reduce and final sum
+// uses this one helper, so their bits agree with each other and with the reference.
+struct OrderedSum8 {
+  float v[8];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+  }
+  __device__ __forceinline__ void start_bf16(uint4 x) {
+    const uint32_t w4[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[2 * i] = bf16_lo(w4[i]), v[2 * i + 1] = bf16_hi(w4[i]);
+  }
+  __device__ __forceinline__ void start_fp32(float4 a, float4 b) {
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  }
+  // Vector c of a row: nothing (zero), fp32 (two float4 at 2c) or bf16 (one uint4 at c).
+  __device__ __forceinline__ void start(const void* init, bool init_fp32, int c) {
+    if (init == nullptr) {
+      zero();
+    } else if (init_fp32) {
+      const float4* f = static_cast<const float4*>(init);
+      start_fp32(f[2 * c], f[2 * c + 1]);
+    } else {
+      start_bf16(static_cast<const uint4*>(init)[c]);
+    }
+  }
+  __device__ __forceinline__ void add(float w, uint4 x) {
+    const uint32_t w4[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __fadd_rn(v[2 * i], __fmul_rn(w, bf16_lo(w4[i])));
+      v[2 * i + 1] = __fadd_rn(v[2 * i + 1], __fmul_rn(w, bf16_hi(w4[i])));
+    }
+  }
+  __device__ __forceinline__ uint4 bf16() const {
+    uint4 o;
+    o.x = pack_bf16x2(v[0], v[1]);
+    o.y = pack_bf16x2(v[2], v[3]);
+    o.z = pack_bf16x2(v[4], v[5]);
+    o.w = pack_bf16x2(v[6], v[7]);
+    return o;
+  }
+};
 
 }  // namespace mok

@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "tma.cuh"
+#include "ptx/tma.cuh"
 
 namespace mok {
 

@@ -3,8 +3,9 @@
 // The simulator's GPU profile (sim/calibrate.py) is fitted from what they measure.
 //
 // Includes only CUDA and csrc/ headers (CI compile-checks it for sm_90a and sm_100a). The PTX
-// wrappers come from tma.cuh (mbarrier, cp.async.bulk) and sync.cuh (%globaltimer, system-scope
-// release/acquire), so the probe measures the same instructions the communication kernels use.
+// wrappers come from ptx/tma.cuh (mbarrier, cp.async.bulk) and ptx/sync.cuh (%globaltimer,
+// system-scope release/acquire), so the probe measures the same instructions the communication
+// kernels use.
 //
 // NOTE: every kernel that must own its SM (the copies, the ping-pong blocks) reserves more than
 // half of an SM's shared memory, so two of its blocks never share an SM: `grid` blocks = `grid`
@@ -13,9 +14,9 @@
 
 #include <cstdint>
 
-#include "probe.h"
-#include "sync.cuh"
-#include "tma.cuh"
+#include "probe/probe.h"
+#include "ptx/sync.cuh"
+#include "ptx/tma.cuh"
 
 namespace mok {
 namespace probe {

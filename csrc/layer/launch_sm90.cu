@@ -1,0 +1,93 @@
+// Host launcher of the fused layer for Hopper (sm_90a): TMA tensor maps of the operands, counter
+// reset, one cooperative launch. Includes only CUDA and csrc/ headers, so it compiles without
+// torch (CI compile-checks it for sm_90a and sm_100a).
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+#include "api.h"
+#include "common/launch.cuh"
+#include "layer/sm90_fwd.cuh"
+#include "params.h"
+
+namespace mok {
+
+namespace {
+
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (fn == nullptr) {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }
+  return fn;
+}
+
+// Row-major bf16 [rows, cols] read in boxes of box_rows x 64 columns, 128-byte swizzle.
+bool encode_map(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, int box_rows) {
+  const auto fn = encode_fn();
+  if (fn == nullptr || base == nullptr || rows <= 0) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * 2)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kTileK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
+                        strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+int layer_smem_bytes() { return kLayerSmem; }
+
+int layer_counters(const Params& p) { return Counters(p).total; }
+
+int launch_layer(const Params& p, const LayerArgs& a, int grid, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  LayerKernelArgs k{};
+  k.p = p;
+  k.a = a;
+  const int64_t H = p.hidden, I = a.inter, Is = a.shared_inter;
+  const int64_t L = p.num_local_experts;
+  const int64_t recv_rows = a.ring_rows < p.capacity ? a.ring_rows : p.capacity;
+  const uint8_t* sym = reinterpret_cast<const uint8_t*>(p.sym_base[p.rank]);
+  // NOTE: a tensor map needs at least one row. Without tokens (or with more than the workspace
+  // holds, when the kernel exits at once) the x map points at the symmetric x buffer, which
+  // no tile then reads.
+  const bool has_x = p.num_tokens > 0 && p.num_tokens <= p.max_tokens;
+  const int64_t N = has_x ? p.num_tokens : 1;
+  const void* x = has_x ? p.in0 : static_cast<const void*>(sym + p.off_x);
+  bool ok = encode_map(&k.maps[kMapX], x, N, H, kTileM) &&
+            encode_map(&k.maps[kMapRecv], sym + p.off_recv, recv_rows, H, kTileM) &&
+            encode_map(&k.maps[kMapH], a.h, a.ring_rows, I, kTileM) &&
+            encode_map(&k.maps[kMapGate], a.w_gate, L * I, H, 128) &&
+            encode_map(&k.maps[kMapUp], a.w_up, L * I, H, 128) &&
+            encode_map(&k.maps[kMapDown], a.w_down, L * H, I, kTileN);
+  if (ok && Is > 0) {
+    ok = encode_map(&k.maps[kMapSharedH], a.shared_h, N, Is, kTileM) &&
+         encode_map(&k.maps[kMapSharedGate], a.shared_w_gate, Is, H, 128) &&
+         encode_map(&k.maps[kMapSharedUp], a.shared_w_up, Is, H, 128) &&
+         encode_map(&k.maps[kMapSharedDown], a.shared_w_down, H, Is, kTileN);
+  }
+  if (!ok) return static_cast<int>(cudaErrorInvalidValue);
+  cudaError_t e = cudaMemsetAsync(a.counters, 0, sizeof(uint32_t) * Counters(p).total, stream);
+  if (e != cudaSuccess) return finish_launch(e);
+  e = cudaFuncSetAttribute(layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kLayerSmem);
+  if (e != cudaSuccess) return finish_launch(e);
+  // NOTE: cooperative, so every block is co-resident (the roles spin on each other's counters).
+  void* args[] = {&k};
+  e = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(layer_kernel), dim3(grid),
+                                  dim3(kLayerThreads), args, kLayerSmem, stream);
+  return finish_launch(e);
+}
+
+}  // namespace mok
