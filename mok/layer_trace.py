@@ -2,8 +2,8 @@
 
 The kernel writes (globaltimer ns, packed event) pairs: communication blocks and each worker's
 TMA producer into region 0 of their block, the first consumer warpgroup into region 1
-(csrc/layer/sm90_fwd.cuh ``TraceEvent``). :func:`decode` turns the buffer into events, :func:`summary`
-into per-role time splits, :func:`to_chrome` into a Chrome / Perfetto trace.
+(csrc/layer/sm90_fwd.cuh ``TraceEvent``). :func:`decode` turns the buffer into events,
+:func:`summary` into per-role time splits, :func:`to_chrome` into a Chrome / Perfetto trace.
 """
 
 from __future__ import annotations

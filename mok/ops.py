@@ -301,8 +301,8 @@ def layer_forward(
     # indexes past the end of the argument tuple (pytorch issue 176078).
     trace: torch.Tensor | None,
 ) -> None:
-    """The fused layer forward (csrc/layer/sm90_fwd.cuh): dispatch, routed and shared SwiGLU experts,
-    combine, in one launch over every SM of the GPU."""
+    """The fused layer forward (csrc/layer/sm90_fwd.cuh): dispatch, routed and shared SwiGLU
+    experts, combine, in one launch over every SM of the GPU."""
     ws = workspace_by_id(handle)
     ws.raise_if_failed()
     inter = w_gate.shape[1]

@@ -153,7 +153,7 @@ def test_functional_takes_the_tuner_json(tmp_path):
 def test_auto_engine_follows_the_row_size():
     from types import SimpleNamespace
 
-    from mok.functional import _engine
+    from mok.comm import _engine
 
     assert _engine(SimpleNamespace(row_bytes=7168 * 2), "auto") == "tma"
     assert _engine(SimpleNamespace(row_bytes=2048 * 2), "auto") == "vector"

@@ -33,11 +33,14 @@ def _constexpr(header: str, name: str) -> int:
 
 
 def test_fused_tiles_match_the_kernel():
-    tile_m, tile_n = _constexpr("layer/sm90_fwd.cuh", "kTileM"), _constexpr("layer/sm90_fwd.cuh", "kTileN")
-    assert FUSED_BLOCK_ROWS == tile_m
-    assert FUSED_HIDDEN_TILE == tile_n  # down-projection output columns per tile
-    assert FUSED_INTER_TILE == tile_n // 2  # a gate/up tile: half gate, half up columns
-    assert FUSED_ROW_TILES == (tile_m // 2, tile_m)  # 64-row regions run as half tiles
+    tile_m, tile_n = (
+        _constexpr("layer/sm90_fwd.cuh", "kTileM"),
+        _constexpr("layer/sm90_fwd.cuh", "kTileN"),
+    )
+    assert tile_m == FUSED_BLOCK_ROWS
+    assert tile_n == FUSED_HIDDEN_TILE  # down-projection output columns per tile
+    assert tile_n // 2 == FUSED_INTER_TILE  # a gate/up tile: half gate, half up columns
+    assert (tile_m // 2, tile_m) == FUSED_ROW_TILES  # 64-row regions run as half tiles
 
 
 def test_spec_and_sim_import_without_torch():

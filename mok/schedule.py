@@ -1,0 +1,306 @@
+"""The schedule on the device: :func:`build_schedule` all-gathers the routing into symmetric
+memory and builds this rank's schedule table there; :class:`DeviceSchedule` is its view.
+
+Collective and asynchronous (no host-side counts); see :mod:`mok.functional` for the errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from mok import ops
+from mok.checks import check_tensor
+from mok.errors import MoKInputError
+from mok.workspace import Workspace
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["DeviceSchedule", "build_schedule"]
+
+
+@dataclass
+class DeviceSchedule:
+    """The schedule table on the device, as :func:`build_schedule` returns it.
+
+    Every table property is a view into the workspace (valid until the next
+    :func:`build_schedule` on the same workspace). Row-indexed arrays have the workspace
+    capacity; rows at or past ``num_rows`` (and dedup rows past ``num_dedup_rows``) are
+    unspecified. All table arrays are int32. Shapes below: ``L`` = ``ws.num_local_experts``,
+    ``R`` = ``ws.num_ranks``, ``K`` = num_topk.
+
+    Attributes:
+        ws: the workspace that holds the table.
+        topk_idx: [num_tokens, K] int32, this rank's routing (global expert ids).
+        topk_weights: [num_tokens, K] fp32, this rank's routing weights (the combine's w_k).
+    """
+
+    ws: Workspace
+    topk_idx: torch.Tensor  # [num_tokens, num_topk] int32 (this rank's routing)
+    topk_weights: torch.Tensor  # [num_tokens, num_topk] fp32
+
+    @property
+    def num_tokens(self) -> int:
+        """This rank's tokens in this call (0..ws.max_tokens; ranks may differ).
+
+        Returns:
+            ``topk_idx.shape[0]`` (a host int; no synchronisation).
+        """
+        return self.topk_idx.shape[0]
+
+    def _v(self, name: str, n: int) -> torch.Tensor:
+        return self.ws.sched_view(name, n)
+
+    @property
+    def counts_all(self) -> torch.Tensor:
+        """Rows that each source rank sends to each global expert (M of every expert).
+
+        Returns:
+            [num_experts, R] int32: row e, column r = rows of rank r routed to expert e. A view
+            into the workspace.
+        """
+        return self._v("counts", self.ws.shapes.num_experts * self.ws.num_ranks).view(
+            self.ws.shapes.num_experts, self.ws.num_ranks
+        )
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Rows that each source rank sends to this rank's local experts (M).
+
+        Returns:
+            [L, R] int32: row l, column r = rows of rank r routed to local expert l (global
+            expert ``ws.rank * L + l``). A view into the workspace.
+        """
+        L, r = self.ws.num_local_experts, self.ws.rank
+        return self.counts_all[r * L : (r + 1) * L]
+
+    @property
+    def offsets_all(self) -> torch.Tensor:
+        """Padded expert region starts in the receive buffer of every rank.
+
+        Returns:
+            [R, L + 1] int32: row d = :attr:`offsets` of rank d. A view into the workspace.
+        """
+        R, L = self.ws.num_ranks, self.ws.num_local_experts
+        return self._v("offsets", R * (L + 1)).view(R, L + 1)
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Padded region starts of this rank's local experts in its receive buffer (S).
+
+        Local expert l's rows start at ``offsets[l]``; every region is padded to a multiple of
+        ``config.row_tile`` and ``offsets[L]`` is the number of receive rows (``num_rows``).
+
+        Returns:
+            [L + 1] int32, a view into the workspace.
+        """
+        return self.offsets_all[self.ws.rank]
+
+    def _rows(self, name: str) -> torch.Tensor:  # [capacity]
+        return self._v(name, self.ws.capacity)
+
+    @property
+    def src_rank(self) -> torch.Tensor:
+        """Source rank of each receive row.
+
+        Returns:
+            [capacity] int32: -1 for padding rows; rows past ``num_rows`` unspecified. A view
+            into the workspace.
+        """
+        return self._rows("src_rank")
+
+    @property
+    def src_index(self) -> torch.Tensor:
+        """Row ``token * num_topk + k`` on the source rank of each receive row.
+
+        Returns:
+            [capacity] int32: -1 for padding rows; rows past ``num_rows`` unspecified. A view
+            into the workspace.
+        """
+        return self._rows("src_index")
+
+    @property
+    def fanout(self) -> torch.Tensor:
+        """Dedup row that feeds each receive row (the fan-out map of ``dedup_pull``).
+
+        Returns:
+            [capacity] int32: -1 for padding rows; rows past ``num_rows`` unspecified. A view
+            into the workspace.
+        """
+        return self._rows("fanout")
+
+    def _nk(self, name: str) -> torch.Tensor:  # [num_tokens, num_topk]
+        n, k = self.num_tokens, self.ws.shapes.num_topk
+        return self._v(name, n * k).view(n, k)
+
+    @property
+    def dst_rank(self) -> torch.Tensor:
+        """Rank that owns the expert of each of this rank's (token, k).
+
+        Returns:
+            [num_tokens, K] int32, a view into the workspace.
+        """
+        return self._nk("dst_rank")
+
+    @property
+    def dst_index(self) -> torch.Tensor:
+        """Receive row of each of this rank's (token, k) on its :attr:`dst_rank`.
+
+        Returns:
+            [num_tokens, K] int32, a view into the workspace.
+        """
+        return self._nk("dst_index")
+
+    def _dedup(self, name: str) -> torch.Tensor:  # [num_ranks * max_tokens]
+        return self._v(name, self.ws.num_ranks * self.ws.max_tokens)
+
+    @property
+    def dedup_src_rank(self) -> torch.Tensor:
+        """Source rank of each dedup row (one per (source rank, token) with an expert here).
+
+        Returns:
+            [R * max_tokens] int32: rows past ``num_dedup_rows`` unspecified. A view into the
+            workspace.
+        """
+        return self._dedup("dedup_src_rank")
+
+    @property
+    def dedup_src_token(self) -> torch.Tensor:
+        """Token index on its source rank of each dedup row.
+
+        Returns:
+            [R * max_tokens] int32: rows past ``num_dedup_rows`` unspecified. A view into the
+            workspace.
+        """
+        return self._dedup("dedup_src_token")
+
+    @property
+    def dedup_slot(self) -> torch.Tensor:
+        """Home-rank combine slot ``token * num_topk + j`` of each dedup row (``j``: this rank's
+        ordinal among the token's distinct destination ranks, ascending).
+
+        Returns:
+            [R * max_tokens] int32: rows past ``num_dedup_rows`` unspecified. A view into the
+            workspace.
+        """
+        return self._dedup("dedup_slot")
+
+    @property
+    def num_rows(self) -> torch.Tensor:
+        """Receive rows of this rank, padding included (``offsets[L]``), kept on the device.
+
+        Returns:
+            [1] int32 on the device (read it with ``.item()``, which synchronises). A view into
+            the workspace.
+        """
+        return self.ws.sched_view("meta", 1)
+
+    @property
+    def num_dedup_rows(self) -> torch.Tensor:
+        """Dedup rows of this rank, kept on the device.
+
+        Returns:
+            [1] int32 on the device (read it with ``.item()``, which synchronises). A view into
+            the workspace.
+        """
+        m = self.ws.sched_off["meta"] + 1
+        return self.ws.sched[m : m + 1]
+
+    @property
+    def group_ends(self) -> torch.Tensor:
+        """End of each local expert's padded region (``offsets[1:]``): the ``offs`` of
+        ``torch._grouped_mm`` over the receive buffer.
+
+        Returns:
+            [L] int32, a view into the workspace.
+        """
+        return self.offsets[1:]
+
+    def to_host(self) -> dict[str, torch.Tensor]:
+        """Synchronise and return the table trimmed to its real sizes (for tests and debugging).
+
+        Returns:
+            CPU int64 tensors named like the fields of :class:`reference.schedule.Schedule`
+            (``counts``, ``tokens_per_expert``, ``offsets``, ``src_rank``, ...): copies, owned by
+            the caller.
+
+        Raises:
+            MoKInputError, MoKCapacityError, MoKTimeoutError: an error the kernels recorded on
+                the workspace (see the module docstring).
+        """
+        self.ws.check()
+        P, D = int(self.num_rows.item()), int(self.num_dedup_rows.item())
+
+        def h(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", torch.int64)
+
+        return {
+            "counts": h(self.counts),
+            "tokens_per_expert": h(self.counts).sum(dim=1),
+            "offsets": h(self.offsets),
+            "src_rank": h(self.src_rank[:P]),
+            "src_index": h(self.src_index[:P]),
+            "dst_rank": h(self.dst_rank),
+            "dst_index": h(self.dst_index),
+            "dedup_src_rank": h(self.dedup_src_rank[:D]),
+            "dedup_src_token": h(self.dedup_src_token[:D]),
+            "dedup_slot": h(self.dedup_slot[:D]),
+            "fanout": h(self.fanout[:P]),
+        }
+
+
+def build_schedule(
+    topk_idx: torch.Tensor,  # [num_tokens, num_topk] int32/int64
+    topk_weights: torch.Tensor,  # [num_tokens, num_topk] float
+    ws: Workspace,
+) -> DeviceSchedule:
+    """All-gather the routing into symmetric memory and build this rank's schedule on the GPU.
+
+    Collective: every rank of the workspace's group calls it for the same layer call.
+
+    Args:
+        topk_idx: [num_tokens, num_topk] int32 or int64, the global expert ids of this rank's
+            tokens: in ``[0, num_experts)`` and distinct within a token. ``num_tokens`` may be
+            anything from 0 to ``ws.max_tokens`` and differ between ranks.
+        topk_weights: [num_tokens, num_topk] fp32, bf16, fp16 or fp64, the routing weights
+            (used as fp32).
+        ws: the workspace (:func:`mok.get_workspace`), on the device of both tensors.
+
+    Returns:
+        The :class:`DeviceSchedule`: views into ``ws``, valid until the next
+        :func:`build_schedule` on ``ws``.
+
+    Raises:
+        MoKInputError: a tensor of the wrong shape, dtype or device. Expert ids out of range or
+            repeated within a token are detected on the device and raised (on every rank) by
+            the next mok call or :meth:`Workspace.check`; the workspace then recovers (the call
+            after the one that raised runs normally).
+        MoKCapacityError: more than ``ws.max_tokens`` tokens, here (and on the other ranks at
+            their next mok call); a receive buffer too small for the routing is found on the
+            device and raised by the next mok call or :meth:`Workspace.check`.
+        MoKUnsupportedError: called inside a CUDA graph capture.
+        MoKInputError, MoKCapacityError, MoKTimeoutError: an error a kernel recorded on the
+            device (see the module docstring), raised by this call when an earlier one
+            recorded it.
+    """
+    s = ws.shapes
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.ndim != 2:
+        found = tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx)
+        raise MoKInputError(f"topk_idx must have shape (num_tokens, {s.num_topk}) (found {found})")
+    shape = (topk_idx.shape[0], s.num_topk)
+    check_tensor("topk_idx", topk_idx, shape, (torch.int32, torch.int64), ws.device)
+    floats = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    check_tensor("topk_weights", topk_weights, shape, floats, ws.device)
+    if topk_idx.dtype == torch.int64:
+        # NOTE: ids outside int32 would wrap into range; clamped, the device check sees them.
+        topk_idx = topk_idx.clamp(-(2**31), 2**31 - 1)
+    idx = topk_idx.to(torch.int32).contiguous()
+    w = topk_weights.to(torch.float32).contiguous()
+    ops.build_schedule(idx, w, ws.sched, ws.id)
+    if idx.shape[0] > ws.max_tokens:
+        # Every rank learns of it in this schedule build; this rank knows now.
+        ws.check()
+    return DeviceSchedule(ws, idx, w)
