@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from mok.bench import __main__ as bench_main
-from mok.bench.probe import METHODS, ProbeResults, parse_args, plan_points
+from mok.bench.probe import METHODS, SECTIONS, ProbeResults, parse_args, plan_points
+from mok.bench.probe.results import _replay
+from mok.bench.probe.run import STEPS
 from sim.calibrate import GEMM_FIT_MIN_ROWS, fit_gpu_profile, grouped_gemm_points
 from sim.cli import main as sim_main
 from sim.gemm import gemm_us
@@ -262,3 +264,73 @@ def test_mok_probe_on_two_h200_calibrates_to_the_committed_profiles(tmp_path):
             assert g.ceiling_knee_gbps == pytest.approx(c.ceiling_knee_gbps, rel=0.02), name
     assert got.flag_latency_remote_us == pytest.approx(ref.flag_latency_remote_us, rel=0.05)
     assert got.tensor_tflops["bf16"] == pytest.approx(ref.tensor_tflops["bf16"], rel=0.01)
+
+
+def _assert_close(got, want, path="", skip=()):
+    """Same keys, numbers within the writer's rounding (TFLOP/s and GB/s recomputed from rounded
+    times and rates)."""
+    if isinstance(want, dict):
+        keys = {k for k in want if f"{path}{k}" not in skip}
+        assert keys <= set(got) and set(got) - keys <= {k for k in got if f"{path}{k}" in skip}
+        for k in keys:
+            _assert_close(got[k], want[k], f"{path}{k}.", skip)
+    elif isinstance(want, bool):
+        assert got is want, path
+    else:
+        assert got == pytest.approx(want, rel=2e-3, abs=0.11), path
+
+
+def _probe_files() -> list[Path]:
+    """The committed probe JSONs (what / methods / results), wherever they are kept."""
+    root = Path(__file__).resolve().parents[1]
+    found = [*root.glob("sim/profiles/*probe*.json"), *root.glob("mok/bench/results/**/*.json")]
+    return sorted(p for p in found if "results" in json.loads(p.read_text()))
+
+
+@pytest.mark.parametrize("path", _probe_files(), ids=lambda p: p.name)
+def test_reader_reads_every_committed_probe(path, tmp_path):
+    doc = json.loads(path.read_text())
+    res = ProbeResults.read(path)
+    assert res.results == doc["results"]
+    assert res.meta == doc.get("meta", {}) and res.skipped == doc.get("skipped", {})
+    out = res.to_json()
+    assert set(out["methods"]) == set(doc["results"]) & set(METHODS)
+    if "meta" in doc:  # written by mok.bench probe: its summary line comes back as written
+        assert out["what"] == doc["what"]
+    # every point goes through the writer's add_* calls: the same keys and (rounded) numbers, but
+    # for the summaries of points a file may lack (the TMA pull check without copy_checks, the
+    # d2d copy without hbm_bandwidth)
+    fresh = ProbeResults({})
+    _replay(fresh, doc["results"])
+    lacks = {"tma_bulk_by_sms.pull_copy_correct", "bf16_gemm_and_copy.d2d_copy_GBps_rw"}
+    _assert_close(fresh.results, doc["results"], skip=lacks)
+    families = {r["family"] for r in res.rows}
+    assert families >= {"latency", "copy"} and len(res.table().splitlines()) >= len(families)
+    res.write_csv(tmp_path / "p.csv")
+    assert len((tmp_path / "p.csv").read_text().splitlines()) == len(res.rows) + 1
+
+
+def test_reader_rejects_what_is_not_a_probe(tmp_path):
+    profile = COMMITTED.with_name("h200.json")  # a fitted GPU profile, not a probe
+    with pytest.raises(ValueError, match=r"not a probe JSON \(found \[.*\]\): python -m mok"):
+        ProbeResults.read(profile)
+    with pytest.raises(ValueError, match="not a probe JSON"):
+        ProbeResults.from_json([1, 2])
+
+
+def test_reader_round_trips_what_the_writer_wrote(tmp_path):
+    res = _from_committed(json.loads(COMMITTED.read_text()))
+    res.add_grouped("h2048_i768", 2048, 768, 8, "down", 1024, 66, 50.0, by="sms")
+    res.add_grouped("h2048_i768", 2048, 768, 8, "down", 1024, 32, 60.0, by="sms", method="green")
+    res.mark_sm_limit("grouped_gemm_by_sms", "h2048_i768_rows1024", True, 1.9)
+    res.skip("green", "--skip")
+    res.write(tmp_path / "p.json")
+    back = ProbeResults.read(tmp_path / "p.json")
+    assert back.to_json() == json.loads((tmp_path / "p.json").read_text())
+    assert sorted(map(str, back.rows), key=str) != [] and back.table().endswith(
+        "skipped  green: --skip"
+    )
+
+
+def test_sections_run_in_the_order_the_results_name_them():
+    assert tuple(STEPS) == SECTIONS

@@ -4,7 +4,9 @@ Run with ``torchrun --nproc-per-node=2 -m mok.bench comm``. Each rank times back
 with CUDA events (median, p20, p80 of per-call times after warm-up); reported times are the max
 over ranks. NVLink bytes count only rows that cross NVLink (rows a rank sends to itself are
 excluded), per rank and direction; GB/s = those bytes / time, compared with the one-direction
-peer-copy ceiling measured on 2x H200 (``CEILING_GBPS``, docs/perf-notes.md).
+peer-copy ceiling measured on 2x H200 (``CEILING_GBPS``, docs/perf-notes.md). The process group,
+the timer, the CSV recorder with its provenance columns and the routing draw are the benchmarks'
+shared ones (mok.bench.common).
 
 mok's dispatch reads x from the workspace x buffer (as the megakernel will) and pull combine
 reads y from the workspace y buffer: no staging copies are timed. NCCL's dispatch includes the
@@ -16,63 +18,25 @@ through its public API (dispatch without a cached handle, combine), for each SM 
 from __future__ import annotations
 
 import argparse
-import csv
-import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from mok.bench.env import disable_multicast
-from mok.spec.rows import bench_routing_seed, git_sha
+from mok.bench.common import (
+    CEILING_GBPS,
+    Recorder,
+    draw_routing,
+    init_dist,
+    max_over_ranks,
+    provenance,
+    time_cuda,
+)
+from mok.spec.rows import bench_routing_seed
 
-CEILING_GBPS = 370.0
+__all__ = ["CEILING_GBPS", "MODELS", "CommRecorder", "build_parser", "main"]
+
 MODELS = {"deepseek-v3": (7168, 256), "qwen3-30b-a3b": (2048, 128)}
-
-
-def _timeit(fn, iters: int, warmup: int) -> tuple[float, float, float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    ev = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(iters)
-    ]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    t = torch.tensor(sorted(s.elapsed_time(e) * 1e3 for s, e in ev), dtype=torch.float64)
-    q = torch.tensor([t.median(), t.quantile(0.2), t.quantile(0.8)], device="cuda")
-    dist.all_reduce(q, op=dist.ReduceOp.MAX)
-    return tuple(float(v) for v in q.cpu())
-
-
-def _timeit_first(fn, then, iters: int, warmup: int) -> tuple[float, float, float]:
-    """Like _timeit for ``fn``, with ``then`` (untimed) run after each call (for steps that
-    need their consumer to run before they can run again)."""
-    for _ in range(warmup):
-        fn()
-        then()
-    torch.cuda.synchronize()
-    dist.barrier()
-    ev = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(iters)
-    ]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-        then()
-    torch.cuda.synchronize()
-    t = torch.tensor(sorted(s.elapsed_time(e) * 1e3 for s, e in ev), dtype=torch.float64)
-    q = torch.tensor([t.median(), t.quantile(0.2), t.quantile(0.8)], device="cuda")
-    dist.all_reduce(q, op=dist.ReduceOp.MAX)
-    return tuple(float(v) for v in q.cpu())
 
 
 def _print_stamps(what: str, t: tuple, split: dict[str, float]) -> None:
@@ -81,37 +45,7 @@ def _print_stamps(what: str, t: tuple, split: dict[str, float]) -> None:
         print(f"  phases {what}: event median {t[0]:.1f} us; {parts} us", flush=True)
 
 
-def init_dist() -> dict:
-    """Join the torchrun group (NCCL, one GPU per process, NVLink multicast off); the metadata
-    every CSV row carries."""
-    disable_multicast()  # before NCCL starts
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "num_ranks": dist.get_world_size(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "git_sha": git_sha(),
-    }
-
-
-class Recorder:
-    def __init__(self, path: str | None, meta: dict):
-        self.rows, self.path, self.meta = [], path, meta
-
-    def add(self, **row) -> None:
-        nb = row.get("nvlink_bytes", 0)
-        us = row["median_us"]
-        gbps = nb / (us * 1e3) if us > 0 else 0.0
-        row.update(nvlink_gbps=round(gbps, 1), frac_ceiling=round(gbps / CEILING_GBPS, 3))
-        for k in ("median_us", "p20_us", "p80_us"):
-            row[k] = round(row[k], 1)
-        self.rows.append({**row, **self.meta})
-        if dist.get_rank() == 0:
-            print(self.describe(row), flush=True)
-
+class CommRecorder(Recorder):
     def describe(self, row: dict) -> str:
         """The printed table line of a row."""
         return (
@@ -121,25 +55,6 @@ class Recorder:
             f"{row['median_us']:>9.1f} us {row['nvlink_gbps']:>6.1f} GB/s "
             f"({row['frac_ceiling']:.2f})"
         )
-
-    def write(self) -> None:
-        if dist.get_rank() or not self.path or not self.rows:
-            return
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(self.rows[0]))
-            w.writeheader()
-            w.writerows(self.rows)
-        print(f"wrote {self.path}", flush=True)
-
-
-def _routing(n: int, num_experts: int, topk: int, skew: str, seed: int):
-    from mok.spec.workload import make_routing
-
-    t = make_routing(n, num_experts, topk, dist.get_world_size(), skew, seed=seed)
-    r = dist.get_rank()
-    idx, w = t.rank_slice(r)
-    return torch.from_numpy(idx).cuda(), torch.from_numpy(w).cuda(), t
 
 
 def _remote_pull_dedup_combine(h: dict, rank: int, world: int) -> int:
@@ -175,9 +90,7 @@ def _phase_stamps(ws, fn, calls: int = 20) -> dict[str, float]:
         "span": (leave.amax(1) - entry.amin(1))[1:],
         "gap": entry.amin(1)[1:] - leave.amax(1)[:-1],
     }
-    q = torch.tensor([v.median() for v in split.values()], device="cuda")
-    dist.all_reduce(q, op=dist.ReduceOp.MAX)
-    return dict(zip(split, q.cpu().tolist(), strict=True))
+    return dict(zip(split, max_over_ranks([v.median() for v in split.values()]), strict=True))
 
 
 def bench_mok(
@@ -218,18 +131,18 @@ def bench_mok(
         )
 
     sch = mf.build_schedule
-    t = _timeit(lambda: sch(idx, w, ws), iters, warmup)
+    t = time_cuda(lambda: sch(idx, w, ws), iters, warmup)
     add("schedule", "-", "-", "local", t, 0, ws.schedule_blocks())
     xb = ws.x_buffer
     for eng in engines:
         # Comparable unit: one row per (token, destination rank) into the dedup buffer.
-        t = _timeit(lambda e=eng: mf.dispatch(xb, s, "dedup_pull", False, e), iters, warmup)
+        t = time_cuda(lambda e=eng: mf.dispatch(xb, s, "dedup_pull", False, e), iters, warmup)
         add("dispatch", "dedup_pull", eng, "comparable", t, remote_dedup * rb)
         dd = mf.dispatch(xb, s, "dedup_pull", False, eng)
-        t = _timeit(lambda e=eng, b=dd: mf.fanout(b, s, e), iters, warmup)
+        t = time_cuda(lambda e=eng, b=dd: mf.fanout(b, s, e), iters, warmup)
         add("dispatch", "fanout", eng, "local", t, 0)
         # Same unit without this rank's own rows (they stay in x; the fan-out reads them there).
-        t = _timeit(
+        t = time_cuda(
             lambda e=eng: mf.dispatch(xb, s, "dedup_pull", False, e, skip_local=True), iters, warmup
         )
         add("dispatch", "dedup_pull_remote", eng, "comparable", t, remote_dedup * rb)
@@ -239,13 +152,13 @@ def bench_mok(
             )
             _print_stamps(f"dedup_pull_remote {eng}", t, split)
         dd = mf.dispatch(xb, s, "dedup_pull", False, eng, skip_local=True)
-        t = _timeit(lambda e=eng, b=dd: mf.fanout(b, s, e, skip_local=True), iters, warmup)
+        t = time_cuda(lambda e=eng, b=dd: mf.fanout(b, s, e, skip_local=True), iters, warmup)
         add("dispatch", "fanout_remote", eng, "local", t, 0)
-        t = _timeit(lambda e=eng: mf.dispatch(xb, s, "dedup_pull", True, e), iters, warmup)
+        t = time_cuda(lambda e=eng: mf.dispatch(xb, s, "dedup_pull", True, e), iters, warmup)
         add("dispatch", "dedup_pull+fanout", eng, "end-to-end", t, remote_dedup * rb)
-        t = _timeit(lambda e=eng: mf.dispatch(xb, s, "pull", True, e), iters, warmup)
+        t = time_cuda(lambda e=eng: mf.dispatch(xb, s, "pull", True, e), iters, warmup)
         add("dispatch", "pull", eng, "end-to-end", t, remote_rows * rb)
-    t = _timeit(lambda: mf.dispatch(x, s, "push"), iters, warmup)
+    t = time_cuda(lambda: mf.dispatch(x, s, "push"), iters, warmup)
     add("dispatch", "push", "vector", "end-to-end", t, remote_rows * rb)
 
     # Dedup pull combine: partials (expert epilogue, local), then the transfer + sum.
@@ -254,24 +167,27 @@ def bench_mok(
     # NOTE: repeated sums of one set of partials keep them (release=False); the one releasing
     # sum after each timing loop lets the next dedup_partials overwrite them.
     mf.dedup_partials(y, s)
-    t = _timeit(lambda: mf.dedup_sum(s, engine="gather", release=False), iters, warmup)
+    t = time_cuda(lambda: mf.dedup_sum(s, engine="gather", release=False), iters, warmup)
     mf.dedup_sum(s)
     add("combine", "dedup_pull_sum", "gather", "comparable", t, remote_dedup_combine * rb)
     for eng in engines:
-        t = _timeit_first(
-            lambda e=eng: mf.dedup_partials(y, s, engine=e), lambda: mf.dedup_sum(s), iters, warmup
-        )
-        add("combine", "dedup_partials", eng, "local", t, 0)
-        t = _timeit_first(
-            lambda e=eng: mf.dedup_partials(y, s, grid=full, engine=e),
-            lambda: mf.dedup_sum(s),
+        t = time_cuda(
+            lambda e=eng: mf.dedup_partials(y, s, engine=e),
             iters,
             warmup,
+            then=lambda: mf.dedup_sum(s),
+        )
+        add("combine", "dedup_partials", eng, "local", t, 0)
+        t = time_cuda(
+            lambda e=eng: mf.dedup_partials(y, s, grid=full, engine=e),
+            iters,
+            warmup,
+            then=lambda: mf.dedup_sum(s),
         )
         add("combine", "dedup_partials", eng, "local", t, 0, full)
         mf.dedup_partials(y, s)
         # NOTE: no shared-expert term in the combines (as in DeepEP's combine and v1's numbers).
-        t = _timeit(lambda e=eng: mf.dedup_sum(s, engine=e, release=False), iters, warmup)
+        t = time_cuda(lambda e=eng: mf.dedup_sum(s, engine=e, release=False), iters, warmup)
         add("combine", "dedup_pull_sum", eng, "comparable", t, remote_dedup_combine * rb)
         if stamps:
             split = _phase_stamps(ws, lambda e=eng: mf.dedup_sum(s, engine=e, release=False))
@@ -282,14 +198,14 @@ def bench_mok(
         mf.dedup_partials(y, s)
         mf.dedup_sum(s)
 
-    t = _timeit(dedup_pull_e2e, iters, warmup)
+    t = time_cuda(dedup_pull_e2e, iters, warmup)
     add("combine", "dedup_pull", "vector", "end-to-end", t, remote_dedup_combine * rb)
     for mode, dd_, nb in (
         ("push", False, remote_rows),
         ("pull", False, remote_pull_combine),
         ("push", True, remote_dedup),
     ):
-        t = _timeit(lambda m=mode, d=dd_: mf.combine(y, s, m, dedup=d), iters, warmup)
+        t = time_cuda(lambda m=mode, d=dd_: mf.combine(y, s, m, dedup=d), iters, warmup)
         add("combine", ("dedup_" if dd_ else "") + mode, "vector", "end-to-end", t, nb * rb)
     ws.check()
     mok.clear_workspaces()
@@ -315,7 +231,7 @@ def bench_nccl(rec, base, x, idx, w, num_experts, iters, warmup):
         dist.all_to_all_single(out, rows, rc, sc)
         state.update(out=out, sc=sc, rc=rc)
 
-    t = _timeit(dispatch, iters, warmup)
+    t = time_cuda(dispatch, iters, warmup)
     rec.add(
         **base,
         what="dispatch",
@@ -339,7 +255,7 @@ def bench_nccl(rec, base, x, idx, w, num_experts, iters, warmup):
         out = (slots.view(n, topk, hidden).float() * wf.view(n, topk, 1)).sum(1)
         return out.to(torch.bfloat16)
 
-    t = _timeit(combine, iters, warmup)
+    t = time_cuda(combine, iters, warmup)
     rec.add(
         **base,
         what="combine",
@@ -391,7 +307,7 @@ def _deepep_one(rec, base, buf, x, idx64, w, num_experts, sms, remote_dedup, ite
             topk_weights=w,
         )
 
-    t = _timeit(dispatch, iters, warmup)
+    t = time_cuda(dispatch, iters, warmup)
     rec.add(
         **base,
         what="dispatch",
@@ -406,7 +322,7 @@ def _deepep_one(rec, base, buf, x, idx64, w, num_experts, sms, remote_dedup, ite
         nvlink_bytes=remote_dedup * hidden * 2,
     )
     recv_x, _, recv_w, _, handle, _ = state["recv"]
-    t = _timeit(lambda: buf.combine(recv_x, handle, topk_weights=recv_w), iters, warmup)
+    t = time_cuda(lambda: buf.combine(recv_x, handle, topk_weights=recv_w), iters, warmup)
     rec.add(
         **base,
         what="combine",
@@ -422,7 +338,7 @@ def _deepep_one(rec, base, buf, x, idx64, w, num_experts, sms, remote_dedup, ite
     )
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m mok.bench comm")
     ap.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
@@ -439,9 +355,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--stamps", action="store_true", help="print the dedup kernels' per-phase split (us)"
     )
-    args = ap.parse_args(argv)
+    return ap
 
-    rec = Recorder(args.csv, init_dist())
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+
+    init_dist("mok.bench comm")
+    rec = CommRecorder(args.csv, provenance())
     for model in args.models.split(","):
         hidden, num_experts = MODELS[model]
         for skew in args.skews.split(","):
@@ -455,7 +376,7 @@ def main(argv: list[str]) -> int:
                     tokens_per_rank=n,
                     routing_seed=bench_routing_seed(n),  # which trace the row ran on
                 )
-                idx, w, _ = _routing(n, num_experts, args.topk, skew, seed=base["routing_seed"])
+                idx, w, _ = draw_routing(n, num_experts, args.topk, skew, seed=base["routing_seed"])
                 g = torch.Generator(device="cuda").manual_seed(1 + dist.get_rank())
                 x = torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16)
                 remote_dedup = 0

@@ -14,7 +14,8 @@ Run with ``torchrun --nproc-per-node=N -m mok.bench layer`` (N = 1 works too). I
 Every implementation includes its routing bookkeeping (mok: the schedule build). Times are CUDA
 event medians of back-to-back calls after warm-up, max over ranks. TFLOP/s counts the real rows
 only (no padding): received rows x 6 H I + tokens x 6 H Is. NVLink bytes are the rows that cross
-NVLink per rank (dispatch + combine).
+NVLink per rank (dispatch + combine). The process group, the timer, the CSV recorder with its
+provenance columns and the routing draw are the benchmarks' shared ones (mok.bench.common).
 
 ``python -m mok.bench sweep`` times the fused layer over communication SMs x minibatch x dispatch
 mode and writes the CSV the simulator is validated against.
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mok.bench.comm import Recorder, _routing, _timeit, init_dist
+from mok.bench.common import Recorder, draw_routing, init_dist, provenance, time_cuda
 from mok.spec.rows import bench_routing_seed
 
 MODELS = ("deepseek-v3", "kimi-k2", "qwen3-30b-a3b")
@@ -220,7 +221,7 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
     )
     w = _weights(shape, world, seed=7)
     seed = bench_routing_seed(n)  # recorded in every row
-    idx, tw, t = _routing(n, E, K, skew, seed=seed)
+    idx, tw, t = draw_routing(n, E, K, skew, seed=seed)
     g = torch.Generator(device="cuda").manual_seed(11 + rank)
     x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
     received, remote, remote_dedup = _counts(t, rank, world, E, K)
@@ -229,7 +230,7 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
     base.update(tokens_per_rank=n, routing_seed=seed)
 
     def add(impl, mode, sms, mb, fn, nvlink_rows, row_tile=0):
-        ts = _timeit(fn, iters, warmup)
+        ts = time_cuda(fn, iters, warmup)
         rec.add(
             **base,
             impl=impl,
@@ -284,9 +285,7 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
         mok.clear_workspaces()
 
 
-def main(argv: list[str], sweep: bool = False) -> int:
-    from tqdm import tqdm
-
+def build_parser(sweep: bool = False) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"python -m mok.bench {'sweep' if sweep else 'layer'}")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="4096")
@@ -303,8 +302,15 @@ def main(argv: list[str], sweep: bool = False) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--csv", default=f"mok-bench-{'sweep' if sweep else 'layer'}.csv")
     ap.add_argument("--trace-dir", default=None, help="also trace one fused call per config")
-    args = ap.parse_args(argv)
-    rec = LayerRecorder(args.csv, init_dist())
+    return ap
+
+
+def main(argv: list[str], sweep: bool = False) -> int:
+    from tqdm import tqdm
+
+    args = build_parser(sweep).parse_args(argv)
+    init_dist(f"mok.bench {'sweep' if sweep else 'layer'}")
+    rec = LayerRecorder(args.csv, provenance())
     impls = ("mok-fused",) if sweep else tuple(args.impls.split(","))
     configs = [
         dict(dispatch_mode=m, combine_mode="push", num_comm_sms=s, minibatch_size=b, row_tile=r)

@@ -1,9 +1,16 @@
-"""The probe's results: what each measurement means (METHODS), the JSON / CSV writer and the
-printed table of ``python -m mok.bench probe`` (mok/bench/probe.py runs the measurements)."""
+"""The probe's results: what each measurement means (:data:`METHODS`), the sections
+(:data:`SECTIONS`) and :class:`ProbeResults`, the JSON / CSV writer, the printed table of
+``python -m mok.bench probe`` and the reader of a probe JSON (:meth:`ProbeResults.read`).
+
+Pure Python: the CPU tests build one from synthetic numbers and read the committed probe files.
+"""
 
 from __future__ import annotations
 
+import copy
 import csv
+import json
+import re
 from pathlib import Path
 
 __all__ = ["SECTIONS", "METHODS", "ProbeResults"]
@@ -62,10 +69,10 @@ METHODS = {
 }
 
 
-# ---- the JSON writer ---------------------------------------------------------------------------
+# ---- the JSON writer and reader ----------------------------------------------------------------
 class ProbeResults:
     """The probe JSON (nested, keys and units of the committed probe) plus flat rows for the
-    printed table and the CSV. Pure Python: the CPU tests build one from synthetic numbers."""
+    printed table and the CSV."""
 
     def __init__(self, meta: dict):
         self.meta = dict(meta)
@@ -255,8 +262,6 @@ class ProbeResults:
         }
 
     def write(self, path: str | Path) -> None:
-        import json
-
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -269,6 +274,30 @@ class ProbeResults:
             w = csv.DictWriter(f, fieldnames=["family", "case", "x", "value", "unit", *meta])
             w.writeheader()
             w.writerows({**r, **meta} for r in self.rows)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> ProbeResults:
+        """A probe JSON read back (one this writer wrote, or the older two-GPU probe without
+        ``meta`` / ``skipped``): results, meta and skipped as in the document, the flat rows of
+        :meth:`table` and :meth:`write_csv` rebuilt from the results (``what`` and ``methods``
+        of :meth:`to_json` are this writer's). Raises ValueError for a document without a
+        ``results`` object (a fitted GPU profile, say)."""
+        if not isinstance(doc, dict) or not isinstance(doc.get("results"), dict):
+            found = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+            raise ValueError(
+                f"not a probe JSON (found {found}): python -m mok.bench probe writes "
+                "what / methods / results / meta / skipped"
+            )
+        res = cls(doc.get("meta") or {})
+        _replay(res, doc["results"])
+        res.results = copy.deepcopy(doc["results"])
+        res.skipped = dict(doc.get("skipped") or {})
+        return res
+
+    @classmethod
+    def read(cls, path: str | Path) -> ProbeResults:
+        """:meth:`from_json` of a probe JSON file."""
+        return cls.from_json(json.loads(Path(path).read_text()))
 
     def table(self) -> str:
         """One line per (family, case): a single value, or x1/x2/..: v1/v2/.. for sweeps."""
@@ -292,3 +321,70 @@ class ProbeResults:
 
 def _fmt(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _replay(res: ProbeResults, results: dict) -> None:
+    """Feed every point of ``results`` through ``res``'s add_* calls (keys it does not know are
+    left out of the rows)."""
+    for key, v in results.items():
+        if key == "p2p_access":
+            res.add_p2p_access(v)
+        elif key in ("signal_latency", "signal_latency_gpu_scope"):
+            for pair, pt in v.items():
+                res.add_signal(pair, pt["round_trip_us"], gpu_scope=key != "signal_latency")
+        elif key == "remote_load_latency":
+            for name, ns in v.items():
+                m = re.fullmatch(r"reader(\d+)_mem(\d+)_(\d+)MB_ns", name)
+                if m:
+                    res.add_load_latency(int(m[1]), int(m[2]), int(m[3]), ns)
+        elif key == "p2p_bandwidth_by_sms":
+            for kind, pts in v.items():
+                if kind == "memcpyPeer_GBps":
+                    res.add_memcpy_peer(pts)
+                else:
+                    for n, gbps in pts.items():
+                        res.add_copy(kind, "st", int(n), gbps)
+        elif key == "p2p_bidirectional_by_sms":
+            for kind, pts in v.items():
+                for n, pt in pts.items():
+                    res.add_copy(kind, "st", int(n), pt["per_direction_GBps"], bidir=True)
+        elif key == "tma_bulk_by_sms":
+            for name, pts in v.items():
+                m = re.fullmatch(r"(\w+)_(onedir|bidir)_chunk(\d+)", name)
+                if m:  # (pull_copy_correct: the copy checks' summary)
+                    for n, gbps in pts.items():
+                        res.add_copy(
+                            m[1], "tma", int(n), gbps, bidir=m[2] == "bidir", chunk=int(m[3])
+                        )
+        elif key == "copy_checks":
+            for name, ok in v.items():
+                res.add_copy_check(name, ok)
+        elif key == "bf16_gemm_and_copy":
+            if "bf16_tflops" in v:
+                res.add_bf16_gemm(v["bf16_tflops"])
+            if "hbm_bandwidth" not in results and "d2d_copy_GBps_rw" in v:
+                res._row("hbm", "copy (read+write)", None, v["d2d_copy_GBps_rw"], "GB/s")
+        elif key == "hbm_bandwidth":
+            res.add_hbm(v["bytes"], v["copy_GBps_rw"], v["read_GBps"], v["write_GBps"])
+        elif key == "nccl_all_to_all":
+            for tokens, pt in v.items():
+                res.add_a2a(int(tokens), pt["ms"], pt["GBps_out_per_gpu"])
+        elif key == "grouped_gemm_by_rows":
+            for shape, e in v.items():
+                info = (shape, e["hidden"], e["intermediate"], e["num_experts"])
+                for op in ("gate_up", "down"):
+                    for rows, pt in e.get(op, {}).items():
+                        res.add_grouped(*info, op, int(rows), e["num_sms"], pt["us"])
+        elif key.startswith("grouped_gemm_by_sms"):
+            method = key[len("grouped_gemm_by_sms") :].lstrip("_") or "carveout"
+            for case, e in v.items():
+                info = (re.sub(r"_rows\d+$", "", case), e["hidden"], e["intermediate"])
+                for op in ("gate_up", "down"):
+                    for sms, pt in e.get(op, {}).items():
+                        res.add_grouped(
+                            *info, e["num_experts"], op, e["rows_per_expert"], int(sms), pt["us"],
+                            by="sms", method=method,
+                        )  # fmt: skip
+                if "sm_limit_effective" in e:
+                    ratio = e.get("time_ratio_fewest_to_all_sms", 0.0)
+                    res.mark_sm_limit(key, case, e["sm_limit_effective"], ratio)

@@ -1,0 +1,236 @@
+"""What every benchmark shares (``comm``, ``layer`` / ``sweep`` and ``probe``).
+
+- :func:`init_dist`: join the process group, NCCL with one GPU per process and NVLink multicast
+  off before NCCL starts (:func:`mok.bench.env.disable_multicast`); a plain ``python -m mok.bench
+  <command>`` without torchrun runs as a world of one.
+- :func:`provenance`: the columns every CSV row carries (:data:`mok.spec.rows.PROVENANCE_COLUMNS`,
+  less the per-row ``routing_seed``), from the getters of :data:`PROVENANCE`, which also give the
+  probe JSON's ``meta`` (with ``driver`` and ``date``).
+- :func:`time_cuda`: CUDA-event times of back-to-back calls after warm-up, (median, p20, p80) in
+  us, each the max over ranks (:func:`max_over_ranks`); :func:`time_cuda_local` for one rank
+  alone.
+- :class:`Recorder`: the rows of one CSV (GB/s over NVLink bytes, fraction of
+  :data:`CEILING_GBPS`, provenance), printed as they come and written by rank 0.
+- :func:`draw_routing`: the routing a benchmark runs on, drawn with
+  :func:`mok.spec.workload.make_routing` (seed :func:`mok.spec.rows.bench_routing_seed`).
+
+Importing this module touches neither CUDA nor the process group.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import socket
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from mok.bench.env import disable_multicast
+from mok.errors import MoKUnsupportedError
+from mok.spec.rows import PROVENANCE_COLUMNS, bench_routing_seed, git_sha
+
+__all__ = [
+    "CEILING_GBPS",
+    "PROVENANCE",
+    "Recorder",
+    "Timing",
+    "draw_routing",
+    "driver_version",
+    "init_dist",
+    "is_rank0",
+    "max_over_ranks",
+    "provenance",
+    "time_cuda",
+    "time_cuda_local",
+    "world_size",
+]
+
+# One-direction peer-copy ceiling measured on 2x H200 (docs/perf-notes.md): frac_ceiling of a row.
+CEILING_GBPS = 370.0
+
+
+# ---- the process group -------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_dist(command: str = "mok.bench") -> torch.device:
+    """Join the torchrun group (NCCL, one GPU per process, NVLink multicast off) and return this
+    process's GPU. Without torchrun (no ``RANK``) the process is a world of one. Raises
+    :class:`mok.errors.MoKUnsupportedError` without a CUDA GPU (``command`` names the caller)."""
+    if not torch.cuda.is_available():
+        raise MoKUnsupportedError(
+            f"{command} needs a CUDA GPU (torch.cuda.is_available() is False; torch "
+            f"{torch.__version__}); the simulator's committed profiles need none"
+        )
+    disable_multicast()  # before NCCL starts
+    if "RANK" not in os.environ:  # plain `python -m mok.bench ...`: a world of one
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    return dev
+
+
+def _joined() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_rank0() -> bool:
+    """Whether this process prints and writes (rank 0, or no process group)."""
+    return not _joined() or dist.get_rank() == 0
+
+
+def world_size() -> int:
+    """Ranks of the process group (1 without one)."""
+    return dist.get_world_size() if _joined() else 1
+
+
+# ---- provenance --------------------------------------------------------------------------------
+def driver_version() -> str:
+    """The NVIDIA driver version (``nvidia-smi``; ``unknown`` where it cannot be read)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# column -> getter of a measured value's provenance. Rows carry the PROVENANCE_COLUMNS found here
+# (routing_seed is the row's own: see draw_routing); the probe's meta takes all of them.
+PROVENANCE: dict[str, Callable[[], object]] = {
+    "gpu": lambda: torch.cuda.get_device_name(),
+    "num_ranks": world_size,
+    "torch": lambda: torch.__version__,
+    "cuda": lambda: torch.version.cuda,
+    "git_sha": git_sha,
+    "driver": driver_version,
+    "date": lambda: datetime.date.today().isoformat(),
+}
+
+
+def provenance() -> dict:
+    """The provenance columns of every CSV row of this run (after :func:`init_dist`), in the order
+    of :data:`mok.spec.rows.PROVENANCE_COLUMNS`."""
+    return {c: PROVENANCE[c]() for c in PROVENANCE_COLUMNS if c in PROVENANCE}
+
+
+# ---- timing ------------------------------------------------------------------------------------
+class Timing(NamedTuple):
+    """Per-call time in us of back-to-back calls (max over ranks)."""
+
+    median_us: float
+    p20_us: float
+    p80_us: float
+
+
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    """Each value's maximum over the ranks (float64, all-reduced on this process's GPU)."""
+    q = torch.tensor([float(v) for v in values], dtype=torch.float64, device="cuda")
+    dist.all_reduce(q, op=dist.ReduceOp.MAX)
+    return [float(v) for v in q.cpu()]
+
+
+def _event_times_us(fn, iters: int, warmup: int, then, barrier: bool) -> list[float]:
+    """Sorted per-call CUDA-event times (us) of ``iters`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+        if then is not None:
+            then()
+    torch.cuda.synchronize()
+    if barrier:
+        dist.barrier()
+    ev = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+        if then is not None:
+            then()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) * 1e3 for s, e in ev)
+
+
+def time_cuda(fn, iters: int, warmup: int, then=None) -> Timing:
+    """Median, p20 and p80 (us) of ``fn``'s back-to-back calls timed with CUDA events after
+    ``warmup`` untimed calls, the ranks in step (a barrier before the timed calls), each the max
+    over ranks. ``then`` (untimed) runs after every call: for steps that need their consumer to
+    run before they can run again."""
+    t = torch.tensor(_event_times_us(fn, iters, warmup, then, True), dtype=torch.float64)
+    return Timing(*max_over_ranks([t.median(), t.quantile(0.2), t.quantile(0.8)]))
+
+
+def time_cuda_local(fn, iters: int, warmup: int) -> float:
+    """Median us of ``fn`` on this rank alone (no collectives: usable inside a green context)."""
+    t = _event_times_us(fn, iters, warmup, None, False)
+    return t[len(t) // 2]
+
+
+# ---- rows --------------------------------------------------------------------------------------
+class Recorder:
+    """The rows of one benchmark CSV: each row gets ``nvlink_gbps`` (``nvlink_bytes`` / median),
+    ``frac_ceiling`` (of :data:`CEILING_GBPS`), times rounded to 0.1 us and the run's provenance
+    ``meta``; rank 0 prints :meth:`describe` of each and :meth:`write` writes the CSV."""
+
+    def __init__(self, path: str | None, meta: dict):
+        self.rows, self.path, self.meta = [], path, meta
+
+    def add(self, **row) -> None:
+        nb = row.get("nvlink_bytes", 0)
+        us = row["median_us"]
+        gbps = nb / (us * 1e3) if us > 0 else 0.0
+        row.update(nvlink_gbps=round(gbps, 1), frac_ceiling=round(gbps / CEILING_GBPS, 3))
+        for k in ("median_us", "p20_us", "p80_us"):
+            row[k] = round(row[k], 1)
+        self.rows.append({**row, **self.meta})
+        if is_rank0():
+            print(self.describe(row), flush=True)
+
+    def describe(self, row: dict) -> str:
+        """The printed line of a row (each benchmark's recorder names its own columns)."""
+        return f"{row['median_us']:>9.1f} us {row['nvlink_gbps']:>6.1f} GB/s"
+
+    def write(self) -> None:
+        if not is_rank0() or not self.path or not self.rows:
+            return
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(self.rows[0]))
+            w.writeheader()
+            w.writerows(self.rows)
+        print(f"wrote {self.path}", flush=True)
+
+
+# ---- routing -----------------------------------------------------------------------------------
+def draw_routing(n: int, num_experts: int, topk: int, skew: str, seed: int | None = None):
+    """(this rank's topk_idx, topk_weights on the GPU, the whole trace) of ``n`` tokens per rank,
+    drawn with :func:`mok.spec.workload.make_routing` for the process group's ranks; ``seed``
+    defaults to :func:`mok.spec.rows.bench_routing_seed` (the seed rows record)."""
+    from mok.spec.workload import make_routing
+
+    seed = bench_routing_seed(n) if seed is None else seed
+    t = make_routing(n, num_experts, topk, dist.get_world_size(), skew, seed=seed)
+    idx, w = t.rank_slice(dist.get_rank())
+    return torch.from_numpy(idx).cuda(), torch.from_numpy(w).cuda(), t
