@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from mok.errors import MoKInputError
 from mok.spec.config import MoKConfig
@@ -39,6 +38,7 @@ from mok.workspace import get_workspace
 if TYPE_CHECKING:
     from reference.weights import MoEWeights
 from mok.comm import combine, dedup_partials, dedup_sum, dispatch, fanout
+from mok.experts import dense_swiglu, grouped_swiglu
 from mok.fused import forward
 from mok.schedule import DeviceSchedule, build_schedule
 
@@ -78,23 +78,6 @@ def as_config(config: MoKConfig | dict | str | Path | None) -> MoKConfig:
     if isinstance(config, MoKConfig):
         return config
     return MoKConfig.from_json(config)
-
-
-_GMM_FP32_OUT: bool | None = None
-
-
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """a [M, K] bf16 @ b [G, K, N] per group of rows ending at offs [G]; fp32 output where
-    torch supports it (no extra rounding of the intermediate), else bf16."""
-    global _GMM_FP32_OUT
-    if _GMM_FP32_OUT is not False:
-        try:
-            out = torch._grouped_mm(a, b, offs=offs, out_dtype=torch.float32)
-            _GMM_FP32_OUT = True
-            return out
-        except (RuntimeError, TypeError):
-            _GMM_FP32_OUT = False
-    return torch._grouped_mm(a, b, offs=offs).float()
 
 
 def moe_forward(
@@ -185,18 +168,10 @@ def moe_forward(
     if fused:
         return forward(x, sched, weights)
     recv = dispatch(x, sched)
-    offs = sched.group_ends
-    # NOTE: gate and up as two grouped GEMMs: concatenating the weights would copy them (GBs)
-    # on every call.
-    g = _grouped_mm(recv, wg.transpose(1, 2), offs)  # [capacity, I] fp32
-    u = _grouped_mm(recv, wu.transpose(1, 2), offs)
-    h = (F.silu(g) * u).to(torch.bfloat16)
-    y = _grouped_mm(h, wd.transpose(1, 2), offs).to(torch.bfloat16)  # [capacity, H]
+    y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends)  # [capacity, H] bf16
     shared_y = None
     if getattr(weights, "shared_w_gate", None) is not None:
-        xf = x.float()
-        g = xf @ weights.shared_w_gate.float().T
-        u = xf @ weights.shared_w_up.float().T
-        sh = (F.silu(g) * u).to(torch.bfloat16).float()
-        shared_y = (sh @ weights.shared_w_down.float().T).to(torch.bfloat16)
+        shared_y = dense_swiglu(
+            x, weights.shared_w_gate, weights.shared_w_up, weights.shared_w_down
+        )
     return combine(y, sched, shared_y=shared_y)

@@ -158,3 +158,20 @@ def test_skew_fields_must_be_finite_numbers():
         Skew("hot", hot_experts=1.0)
     with pytest.raises(ValueError, match=r"a skew spec must be a string \(found int 3\)"):
         Skew.parse(3)
+
+
+def test_aligned_routing_gives_every_expert_the_same_rows():
+    import numpy as np
+
+    for experts, topk, ranks in ((128, 8, 1), (256, 8, 2), (64, 8, 1), (384, 8, 2)):
+        t = make_routing(4096, experts, topk, ranks, "aligned", seed=3)
+        counts = np.bincount(t.topk_idx.ravel(), minlength=experts)
+        rows = 4096 * ranks * topk
+        assert counts.sum() == rows and counts.max() - counts.min() <= 1
+        if rows % experts == 0:
+            assert counts.min() == rows // experts
+        assert all(len(set(row)) == topk for row in t.topk_idx.tolist())
+        np.testing.assert_allclose(t.topk_weights.sum(1), 1.0, rtol=1e-6)
+    assert Skew.parse("aligned").label() == "aligned"
+    with pytest.raises(ValueError, match="no per-rank correlation"):
+        Skew.parse("aligned@0.5")

@@ -2,14 +2,28 @@
 
 Run with ``torchrun --nproc-per-node=N -m mok.bench layer`` (N = 1 works too). Implementations:
 
+- ``torch-best`` (one rank only: every expert is local): the best layer we build from torch
+  parts: a stable argsort of the (token, k) pairs by expert, one ``index_select`` gather, the
+  experts of :func:`torch_experts`, the inverse-permutation gather and a ``bmm`` weighted k-sum,
+  plus the shared expert; timed eager (mode ``eager``) and ``torch.compile``d (``compile``);
+- ``torch-ffn``: the experts of :func:`torch_experts` alone on the same expert-sorted rows (the
+  floor of any unfused design);
 - ``nccl``:  count exchange + permute + NCCL ``all_to_all_single``, local sort by expert,
-  ``torch._grouped_mm`` SwiGLU experts, NCCL back, unpermute, weighted k-sum (+ shared expert);
+  the experts of :func:`torch_experts`, NCCL back, unpermute, weighted k-sum (+ shared expert);
 - ``mok-unfused``: mok's schedule, dispatch and combine kernels with ``torch._grouped_mm``
   experts (:func:`mok.functional.moe_forward` with ``fused=False``);
 - ``mok-fused``: the fused layer (:func:`mok.functional.moe_forward` with ``fused=True``);
-- ``deepep``: DeepEP V1 normal dispatch, ``torch._grouped_mm`` SwiGLU experts over the received
+- ``deepep``: DeepEP V1 normal dispatch, the experts of :func:`torch_experts` over the received
   (token, local expert) pairs, per-token weighted partials, DeepEP combine (+ shared expert),
   for each ``--deepep-sms`` (optional: runs when ``deep_ep`` imports and there are >= 2 ranks).
+
+The torch experts are built as well as we know how: gate and up as one ``torch._grouped_mm``
+over the ``[L, 2I, H]`` weight prepared once (its transposed view is the column-major layout the
+grouped GEMM is fastest on; :mod:`mok.experts`), bf16 outputs, SwiGLU in bf16 in place, the
+down projection as a second grouped GEMM; the shared expert the same way with ``torch.mm``.
+
+``--emulate-ep N`` on one GPU runs the per-rank work of EP N: the model's experts / N, all on
+this rank, and the same tokens per rank (so the same rows per expert as a rank of EP N gets).
 
 Every implementation includes its routing bookkeeping (mok: the schedule build). Times are CUDA
 event medians of back-to-back calls after warm-up, max over ranks. TFLOP/s counts the real rows
@@ -29,9 +43,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from mok.bench.common import Recorder, draw_routing, init_dist, provenance, time_cuda
+from mok.experts import clear_cache, dense_swiglu, gate_up_weight, grouped_swiglu
 from mok.spec.rows import bench_routing_seed
 
 MODELS = ("deepseek-v3", "kimi-k2", "qwen3-30b-a3b")
@@ -70,20 +84,48 @@ def _weights(shape, world: int, seed: int):
     )
 
 
-def _shared(x: torch.Tensor, w) -> torch.Tensor | None:
+def torch_experts(a: torch.Tensor, w, offs: torch.Tensor, wgu=None) -> torch.Tensor:
+    """The baselines' routed experts: a [rows, hidden] bf16 grouped by local expert (``offs``:
+    int32 group ends) -> [rows, hidden] bf16 (:func:`mok.experts.grouped_swiglu`, bf16).
+    ``wgu``: the prepared [L, 2I, H] gate/up weight (None: :func:`mok.experts.gate_up_weight`)."""
+    return grouped_swiglu(a, w.w_gate, w.w_up, w.w_down, offs, exact=False, w_gate_up=wgu)
+
+
+def _shared(x: torch.Tensor, w, swgu=None) -> torch.Tensor | None:
     if w.shared_w_gate is None:
         return None
-    g, u = (x @ w.shared_w_gate.T).float(), (x @ w.shared_w_up.T).float()
-    return (F.silu(g) * u).to(torch.bfloat16) @ w.shared_w_down.T
+    return dense_swiglu(
+        x, w.shared_w_gate, w.shared_w_up, w.shared_w_down, exact=False, w_gate_up=swgu
+    )
 
 
-def swiglu_experts(a: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
-    """The baselines' routed experts: a [rows, hidden] bf16 grouped by local expert (``offs``:
-    int32 group ends) -> [rows, hidden] bf16, gate and up as two grouped GEMMs, SwiGLU in fp32."""
-    g = torch._grouped_mm(a, w.w_gate.transpose(1, 2), offs=offs).float()
-    u = torch._grouped_mm(a, w.w_up.transpose(1, 2), offs=offs).float()
-    h = (F.silu(g) * u).to(torch.bfloat16)
-    return torch._grouped_mm(h, w.w_down.transpose(1, 2), offs=offs)
+def prepare(w) -> tuple:
+    """The fused gate/up weights of the routed and shared experts, built once per model."""
+    shared = None if w.shared_w_gate is None else gate_up_weight(w.shared_w_gate, w.shared_w_up)
+    return gate_up_weight(w.w_gate, w.w_up), shared
+
+
+def sort_by_expert(idx: torch.Tensor, num_local: int):
+    """(order, offs) of the (token, k) pairs of idx [n, K] (local expert ids) sorted by expert:
+    order [n K] int64 (stable), offs [num_local] int32 group ends."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=num_local), 0).to(torch.int32)
+    return order, offs
+
+
+def torch_best_layer(x, idx, tw, w, wgu, swgu):
+    """The whole layer on one rank from torch parts (every expert local; see the module
+    docstring); ``wgu`` / ``swgu``: :func:`prepare`'s weights."""
+    n, k = idx.shape
+    order, offs = sort_by_expert(idx, w.w_gate.shape[0])
+    y = torch_experts(x.index_select(0, order // k), w, offs, wgu)  # expert-sorted rows
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    slots = y.index_select(0, inv).view(n, k, -1)  # (token, k) order
+    out = torch.bmm(tw.to(torch.bfloat16).view(n, 1, k), slots).view(n, -1)
+    sh = _shared(x, w, swgu)
+    return out if sh is None else out + sh
 
 
 def nccl_layer(x, idx, tw, w, num_experts):
@@ -106,18 +148,17 @@ def nccl_layer(x, idx, tw, w, num_experts):
     dist.all_to_all_single(eid, (flat[order] % L).contiguous(), rc, sc)
     by_expert = torch.argsort(eid, stable=True)
     offs = torch.cumsum(torch.bincount(eid, minlength=L), 0).to(torch.int32)
-    y = swiglu_experts(recv.index_select(0, by_expert), w, offs)
+    y = torch_experts(recv.index_select(0, by_expert), w, offs)
     back_rows = torch.empty_like(y)
     back_rows[by_expert] = y
     back = torch.empty(n * topk, hidden, dtype=x.dtype, device=x.device)
     dist.all_to_all_single(back, back_rows, sc, rc)
     slots = torch.empty_like(back)
     slots[order] = back
-    out = (slots.view(n, topk, hidden).float() * tw.view(n, topk, 1)).sum(1)
+    out = torch.bmm(tw.to(torch.bfloat16).view(n, 1, topk), slots.view(n, topk, hidden))
+    out = out.view(n, hidden)
     sh = _shared(x, w)
-    if sh is not None:
-        out = out + sh.float()
-    return out.to(torch.bfloat16)
+    return out if sh is None else out + sh
 
 
 # DeepEP V1's intranode dispatch asserts num_experts / num_ranks <= its 128 threads per block.
@@ -159,7 +200,7 @@ class DeepEPLayer:
         order = torch.argsort(e, stable=True)
         tok, kk, e = tok[order], kk[order], e[order]
         offs = torch.cumsum(torch.bincount(e, minlength=L), 0).to(torch.int32)
-        y = swiglu_experts(recv_x.index_select(0, tok), w, offs).float()
+        y = torch_experts(recv_x.index_select(0, tok), w, offs).float()
         part = torch.zeros(recv_x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         part.index_add_(0, tok, y * rw[tok, kk].float().unsqueeze(1))
         out, _, _ = self.buf.combine(part.to(torch.bfloat16), handle)
@@ -205,13 +246,50 @@ def _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, num_experts) -> None:
         print(f"trace {tag}: " + ", ".join(f"{k}={v:.0f}us" for k, v in split.items()), flush=True)
 
 
-def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(), trace_dir=None):
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """``torch.compile(fn)`` (one per function, so each shape compiles once per process), or None
+    (with the reason printed) where it does not build."""
+    if fn not in _COMPILED:
+        try:
+            _COMPILED[fn] = torch.compile(fn, dynamic=False)
+        except Exception as e:  # noqa: BLE001 - any compile failure just drops the row
+            if dist.get_rank() == 0:
+                print(f"torch.compile unavailable ({type(e).__name__}: {e})", flush=True)
+            _COMPILED[fn] = None
+    return _COMPILED[fn]
+
+
+def run_model(
+    rec,
+    model,
+    n,
+    skew,
+    impls,
+    configs,
+    iters,
+    warmup,
+    deepep_sms=(),
+    trace_dir=None,
+    emulate_ep=0,
+):
+    import dataclasses
+
     import mok
     from mok import functional as mf
     from mok.spec.workload import get_shape
 
     shape = get_shape(model)
     world, rank = dist.get_world_size(), dist.get_rank()
+    if emulate_ep:
+        # the per-rank work of EP emulate_ep on this world: the experts of one rank of it
+        if shape.num_experts % emulate_ep:
+            raise ValueError(
+                f"{model}: {shape.num_experts} experts do not split over EP{emulate_ep}"
+            )
+        shape = dataclasses.replace(shape, num_experts=shape.num_experts * world // emulate_ep)
     E, H, inter, si, K = (
         shape.num_experts,
         shape.hidden,
@@ -227,9 +305,11 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
     received, remote, remote_dedup = _counts(t, rank, world, E, K)
     flops = received * 6 * H * inter + n * 6 * H * si
     base = dict(model=model, hidden=H, intermediate=inter, num_experts=E, num_topk=K, skew=skew)
-    base.update(tokens_per_rank=n, routing_seed=seed)
+    base.update(tokens_per_rank=n, routing_seed=seed, emulated_ep=emulate_ep or world)
 
     def add(impl, mode, sms, mb, fn, nvlink_rows, row_tile=0):
+        if fn is None:
+            return
         ts = time_cuda(fn, iters, warmup)
         rec.add(
             **base,
@@ -245,6 +325,23 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
             nvlink_bytes=2 * nvlink_rows * H * 2,
         )
 
+    prep = prepare(w)  # before any timing: the layout is prepared once, as a model would
+    wgu = prep[0]
+    if world == 1 and ("torch-best" in impls or "torch-ffn" in impls):
+        if "torch-ffn" in impls:
+            order, offs = sort_by_expert(idx, E)
+            rows = x.index_select(0, order // K)
+            add("torch-ffn", "ffn", 0, 0, lambda: torch_experts(rows, w, offs, wgu), 0)
+        if "torch-best" in impls:
+            add("torch-best", "eager", 0, 0, lambda: torch_best_layer(x, idx, tw, w, *prep), 0)
+            best = _compiled(torch_best_layer)
+            try:  # torch.compile builds on the first call
+                best is not None and best(x, idx, tw, w, *prep)
+            except Exception as e:  # noqa: BLE001 - a compile failure drops the row, says why
+                if rank == 0:
+                    print(f"torch.compile of torch-best failed ({type(e).__name__}: {e})")
+                best = None
+            add("torch-best", "compile", 0, 0, best and (lambda: best(x, idx, tw, w, *prep)), 0)
     if "nccl" in impls:
         add("nccl", "a2a", 0, 0, lambda: nccl_layer(x, idx, tw, w, E), remote)
     if "deepep" in impls and world >= 2:
@@ -283,6 +380,7 @@ def run_model(rec, model, n, skew, impls, configs, iters, warmup, deepep_sms=(),
         if trace_dir and "mok-fused" in impls:
             _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, E)
         mok.clear_workspaces()
+    clear_cache()  # the next model's weights replace these
 
 
 def build_parser(sweep: bool = False) -> argparse.ArgumentParser:
@@ -290,7 +388,14 @@ def build_parser(sweep: bool = False) -> argparse.ArgumentParser:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="4096")
     ap.add_argument("--skews", default="uniform,hot:0.5")
-    ap.add_argument("--impls", default="nccl,deepep,mok-unfused,mok-fused")
+    ap.add_argument("--impls", default="torch-ffn,torch-best,nccl,deepep,mok-unfused,mok-fused")
+    ap.add_argument(
+        "--emulate-ep",
+        type=int,
+        default=0,
+        help="run the per-rank work of this EP size (the model's experts / N on each of this "
+        "world's ranks, same tokens per rank; 0: the world size)",
+    )
     ap.add_argument("--deepep-sms", default="24,64,128", help="DeepEP SMs to try (comma list)")
     ap.add_argument("--modes", default="dedup_pull" if not sweep else "pull,dedup_pull")
     ap.add_argument("--sms", default="16" if not sweep else "8,16,24,32")
@@ -308,8 +413,12 @@ def build_parser(sweep: bool = False) -> argparse.ArgumentParser:
 def main(argv: list[str], sweep: bool = False) -> int:
     from tqdm import tqdm
 
-    args = build_parser(sweep).parse_args(argv)
+    ap = build_parser(sweep)
+    args = ap.parse_args(argv)
     init_dist(f"mok.bench {'sweep' if sweep else 'layer'}")
+    world = dist.get_world_size()
+    if args.emulate_ep and (args.emulate_ep < world or args.emulate_ep % world):
+        ap.error(f"--emulate-ep {args.emulate_ep} must be a multiple of the world size {world}")
     rec = LayerRecorder(args.csv, provenance())
     impls = ("mok-fused",) if sweep else tuple(args.impls.split(","))
     configs = [
@@ -329,7 +438,17 @@ def main(argv: list[str], sweep: bool = False) -> int:
     deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
     for model, n, skew in tqdm(jobs, disable=dist.get_rank() != 0, desc="layer"):
         run_model(
-            rec, model, n, skew, impls, configs, args.iters, args.warmup, deepep_sms, args.trace_dir
+            rec,
+            model,
+            n,
+            skew,
+            impls,
+            configs,
+            args.iters,
+            args.warmup,
+            deepep_sms,
+            args.trace_dir,
+            args.emulate_ep,
         )
         torch.cuda.empty_cache()
         rec.write()

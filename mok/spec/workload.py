@@ -11,6 +11,10 @@ Skew is controlled by :class:`Skew`:
 * ``hot``: a share ``hot_share`` of the tokens sends one of its k slots to one of ``hot_experts``
   hot experts (so each hot expert receives ``hot_share / hot_experts`` of the tokens), the other
   slots are uniform over the remaining experts;
+* ``aligned``: no randomness in the experts: token ``g`` (rank-major over all ranks) sends slot
+  ``j`` to expert ``(g + j * (num_experts // num_topk)) % num_experts``, so every expert receives
+  exactly ``num_topk * tokens / num_experts`` rows when ``num_experts`` divides the token count
+  (the GEMMs' best case: no ragged groups), and a token's experts spread over the ranks;
 * ``rank_correlation`` (0..1) mixes each rank's own popularity ordering into the global one, so
   different source ranks prefer different experts.
 
@@ -100,7 +104,7 @@ def get_shape(name: str) -> ModelShape:
 
 SKEW_SYNTAX = (
     "uniform, zipf:ALPHA (finite, >= 0), hot:SHARE[:NUM_HOT] (SHARE in [0, 1], NUM_HOT an "
-    "integer >= 1), each optionally followed by @CORRELATION (in [0, 1])"
+    "integer >= 1), each optionally followed by @CORRELATION (in [0, 1]); or aligned"
 )
 
 
@@ -122,7 +126,7 @@ class Skew:
     hot_share: float = 0.5
     rank_correlation: float = 0.0
 
-    KINDS = ("uniform", "zipf", "hot")
+    KINDS = ("uniform", "zipf", "hot", "aligned")
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or self.kind not in self.KINDS:
@@ -141,6 +145,8 @@ class Skew:
             raise ValueError(f"hot_share must be in [0, 1] (found {self.hot_share})")
         if not 0.0 <= self.rank_correlation <= 1.0:
             raise ValueError(f"rank_correlation must be in [0, 1] (found {self.rank_correlation})")
+        if self.kind == "aligned" and self.rank_correlation:
+            raise ValueError("aligned routing has no per-rank correlation (drop the @ suffix)")
 
     @classmethod
     def parse(cls, text: str) -> Skew:
@@ -162,8 +168,8 @@ class Skew:
         try:
             if corr is not None:
                 kw["rank_correlation"] = float(corr)
-            if parts[0] == "uniform" and len(parts) == 1:
-                return cls("uniform", **kw)
+            if parts[0] in ("uniform", "aligned") and len(parts) == 1:
+                return cls(parts[0], **kw)
             if parts[0] == "zipf" and len(parts) == 2:
                 return cls("zipf", alpha=float(parts[1]), **kw)
             if parts[0] == "hot" and len(parts) in (2, 3):
@@ -176,6 +182,7 @@ class Skew:
     def label(self) -> str:
         base = {
             "uniform": "uniform",
+            "aligned": "aligned",
             "zipf": f"zipf:{self.alpha:g}",
             "hot": f"hot:{self.hot_share:g}:{self.hot_experts}",
         }[self.kind]
@@ -335,10 +342,17 @@ def make_routing(
             f"hot routing {skew.label()!r} needs hot_experts + num_topk <= num_experts "
             f"({skew.hot_experts} + {num_topk} > {num_experts})"
         )
-    base = _popularity(num_experts, skew, rng)
-    base = base / base.sum()
     idx = np.empty((num_ranks, num_tokens, num_topk), dtype=np.int64)
-    for r in range(num_ranks):
+    if skew.kind == "aligned":
+        g = np.arange(num_ranks * num_tokens, dtype=np.int64)[:, None]
+        j = np.arange(num_topk, dtype=np.int64)[None, :]
+        idx[:] = ((g + j * (num_experts // num_topk)) % num_experts).reshape(idx.shape)
+        num_ranks_drawn = 0  # no expert draws; the weights below are still random
+    else:
+        num_ranks_drawn = num_ranks
+        base = _popularity(num_experts, skew, rng)
+        base = base / base.sum()
+    for r in range(num_ranks_drawn):
         p = base
         if skew.rank_correlation > 0:
             own = _popularity(num_experts, skew, rng) if skew.kind == "zipf" else base
