@@ -47,7 +47,7 @@ def test_spec_and_sim_import_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import mok, mok.spec.config, mok.spec.limits, mok.spec.rows, mok.spec.workload\n"
-        "import sim.fused_tune, sim.sweep, sim.validate\n"
+        "import sim.fused.tune, sim.layer.sweep, sim.app.validate, sim.app.cli\n"
         "assert 'torch' not in {m for m in sys.modules if sys.modules[m] is not None}\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -90,3 +90,13 @@ def test_routing_seed_rule():
     assert row_routing_seed({"tokens_per_rank": "512"}) == 512  # files before the column
     assert row_routing_seed({"tokens_per_rank": "512", "routing_seed": ""}) == 512
     assert row_routing_seed({"tokens_per_rank": "512", "routing_seed": "7"}) == 7
+
+
+def test_git_sha_names_the_commit_and_flags_uncommitted_changes(monkeypatch):
+    from mok.spec.rows import git_sha
+
+    monkeypatch.setenv("MOK_GIT_SHA", "feed123")
+    assert git_sha() == "feed123"
+    monkeypatch.delenv("MOK_GIT_SHA")
+    sha = git_sha()
+    assert sha == "unknown" or re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", sha), sha

@@ -37,18 +37,22 @@ def row_routing_seed(row: Mapping) -> int:
 
 
 def git_sha() -> str:
-    """The short commit of this checkout (``MOK_GIT_SHA`` overrides it; ``unknown`` outside git)."""
+    """The short commit of this checkout, with ``-dirty`` when tracked files differ from it (so a
+    row measured on uncommitted code says so); ``MOK_GIT_SHA`` overrides it; ``unknown`` outside
+    git."""
     env = os.environ.get("MOK_GIT_SHA")
     if env:
         return env
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parents[2],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        sha = git("rev-parse", "--short", "HEAD").stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    return f"{sha}-dirty" if dirty else sha
