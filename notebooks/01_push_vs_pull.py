@@ -32,9 +32,9 @@
 # %matplotlib inline
 from IPython.display import display
 
+from sim.app.plots import policy_comparison
 from sim.config import SimConfig, Workload
-from sim.plots import policy_comparison
-from sim.sweep import COMPARE_POLICIES, compare
+from sim.layer.sweep import COMPARE_POLICIES, compare
 
 # %% tags=["parameters"]
 # model preset (mok.spec.workload.PRESETS); its experts must divide every EP below

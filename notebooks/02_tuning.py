@@ -20,10 +20,10 @@
 # the GEMMs but move bytes slower; smaller minibatches overlap more but give each GEMM fewer
 # tiles, so its last wave runs partly empty.
 #
-# This notebook sweeps that grid with `sim.sweep`, checks the rule of thumb *each grouped GEMM
+# This notebook sweeps that grid with `sim.layer.sweep`, checks the rule of thumb *each grouped GEMM
 # should get at least two full waves of tiles*, and hands the tuner's pick to the kernel as a
 # `mok-config/1` JSON that `mok.MoKConfig.from_json` loads. The last section redoes the picture
-# for the fused layer with its measured kernel model (`sim.fused`, fitted on 2x H200) against
+# for the fused layer with its measured kernel model (`sim.fused.model`, fitted on 2x H200) against
 # the measured sweep.
 
 # %%
@@ -36,16 +36,18 @@ from pathlib import Path
 from IPython.display import display
 
 import mok
-import sim
 from mok.spec.workload import get_shape
+from sim.app.emit import tune_document, write_json
+from sim.app.plots import gantt, sweep_heatmap, sweep_heatmap_panels, waves_scatter
 from sim.config import Workload
-from sim.fused import fused_layer, load_fused_profile, tile_order
-from sim.fused_tune import tune_fused
-from sim.model import simulate
-from sim.plots import gantt, sweep_heatmap, sweep_heatmap_panels, waves_scatter
-from sim.sweep import grid, rank_rows, sweep, tune, tune_document, write_json
-from sim.topology import get_topology
-from sim.validate import read_rows
+from sim.core.topology import get_topology
+from sim.fused.model import fused_layer
+from sim.fused.profile import load_fused_profile
+from sim.fused.tiles import tile_order
+from sim.fused.tune import tune_fused
+from sim.layer.model import simulate
+from sim.layer.sweep import grid, rank_rows, sweep, tune
+from sim.measured import measured_path, read_rows
 
 # %% tags=["parameters"]
 SHAPE = "deepseek-v3"
@@ -62,14 +64,14 @@ COMM_SMS = (8, 16, 24, 32, 48)
 MINIBATCH_SIZES = (256, 512, 1024, 2048, 4096)
 RING_SLOTS = (1, 2, 4)  # 1: a round's dispatch waits until the previous round was combined
 MIN_WAVES = 2.0  # the rule of thumb under test
-# tuner search space (keys of sim.sweep.TUNE_SPACE; unspecified keys keep their defaults)
+# tuner search space (keys of sim.layer.sweep.TUNE_SPACE; unspecified keys keep their defaults)
 TUNE_SPACE = {
     "num_comm_sms": (16, 24, 32),
     "minibatch_size": (1024, 2048, 4096),
     "ring_slots": (2, 4),
 }
 JOBS = 1  # worker processes for the sweeps; results do not depend on it
-# fused layer (sim.fused, fitted on 2x H200): the profile's fabric (h200x2, EP2) and the
+# fused layer (sim.fused.model, fitted on 2x H200): the profile's fabric (h200x2, EP2) and the
 # measured sweep's workload (4096 tokens/rank, uniform routing); about 1 s at these sizes
 FUSED_PROFILE = "mok-fused-h200x2"
 FUSED_MODELS = ("deepseek-v3", "qwen3-30b-a3b")
@@ -78,7 +80,8 @@ FUSED_EP = 2
 FUSED_SKEW = "uniform"
 FUSED_COMM_SMS = (4, 8, 12, 16, 24, 32, 48)
 FUSED_MINIBATCH_SIZES = (1024, 2048, 4096, 8192)
-FUSED_MEASURED_CSV = "sim/profiles/h200x2-layer-sweep-2026-11-30.csv"  # mok.bench sweep rows
+# mok.bench sweep rows: a file of mok/bench/results (sim.measured.measured_path) or a path
+FUSED_MEASURED_CSV = "h200x2-layer-sweep-2026-11-30.csv"
 
 # %% [markdown]
 # ## Sweep comm SMs x minibatch x ring size
@@ -214,11 +217,12 @@ print(
 # ## The fused layer (measured kernel model)
 #
 # The fused layer (`csrc/layer.cuh`, one persistent kernel) has its own timing model,
-# `sim.fused.fused_layer`, fitted on 2x H200 (profile `mok-fused-h200x2`; docs/sim-validation.md,
-# "Fused layer" and "Tuner on the fused sweep"). Its ring holds the whole receive buffer, so only
-# dispatch x comm SMs x minibatch are swept, on the profile's fabric (h200x2, EP2). Boxed in the
-# text colour: the configs of the measured sweep, measured median (`m`) under the prediction;
-# red box: the model's best per panel. The colour scale is capped at 1.2x each model's best.
+# `sim.fused.model.fused_layer`, fitted on 2x H200 (profile `mok-fused-h200x2`;
+# docs/sim-validation.md, "Fused layer" and "Tuner on the fused sweep"). Its ring holds the whole
+# receive buffer, so only dispatch x comm SMs x minibatch are swept, on the profile's fabric
+# (h200x2, EP2). Boxed in the text colour: the configs of the measured sweep, measured median (`m`)
+# under the prediction; red box: the model's best per panel. The colour scale is capped at 1.2x each
+# model's best.
 
 # %%
 fused_prof = load_fused_profile(FUSED_PROFILE)
@@ -233,9 +237,7 @@ for model in FUSED_MODELS:
     fwl = Workload(model, FUSED_TOKENS_PER_RANK, FUSED_EP, fused_prof.topology, FUSED_SKEW)
     fused_rows += [{"model": model, **r} for r in tune_fused(fwl, fused_prof, fused_space)]
 csv_path = Path(FUSED_MEASURED_CSV)
-csv_path = (
-    csv_path if csv_path.is_absolute() else Path(sim.__file__).resolve().parents[1] / csv_path
-)
+csv_path = csv_path if csv_path.is_file() else measured_path(FUSED_MEASURED_CSV)
 fused_measured = [
     {
         "model": r["model"],
@@ -294,7 +296,7 @@ for m in fused_measured:
 # ### Two full waves, in the fused model
 #
 # One minibatch has `minibatch / 128 x intermediate / 128` gate/up tiles and `minibatch / 128 x
-# hidden / 256` down tiles (`sim.fused.tile_order`); its waves are the smaller count over the
+# hidden / 256` down tiles (`sim.fused.tiles.tile_order`); its waves are the smaller count over the
 # compute SMs. Per comm SMs: the model's best minibatch, its waves (`w`), and how much slower the
 # best minibatch with at least `MIN_WAVES` waves is. The model's list schedule has no barrier
 # between minibatches (each tile, in order, runs on the worker that frees first, as soon as its

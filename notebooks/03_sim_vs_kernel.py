@@ -16,11 +16,11 @@
 #
 # `mok/bench/results/*.csv` hold what the communication kernels measured on our 2x H200
 # machine (`torchrun --nproc-per-node=2 -m mok.bench comm`). The simulator's comm-phase model
-# (`sim.phases`) predicts every mok row of such a sweep from the calibrated H200 profile plus a
+# (`sim.comm.model`) predicts every mok row of such a sweep from the calibrated H200 profile plus a
 # few kernel knobs (`sim/profiles/mok-comm-h200x2.json`) that were fitted on a designated subset
 # of the rows (the grid's 4096-token rows); its 512- and 16384-token rows are the validation set.
 # The second part does the same for the fused layer (`csrc/layer.cuh`, one persistent kernel)
-# with the fused-kernel model (`sim.fused`, `sim/profiles/mok-fused-h200x2.json`).
+# with the fused-kernel model (`sim.fused.model`, `sim/profiles/mok-fused-h200x2.json`).
 #
 # This notebook scores the predictions the way `mok-sim validate` does: absolute % error,
 # Spearman rank correlation per workload group, and how much slower the simulator's chosen
@@ -34,37 +34,41 @@ from pathlib import Path
 
 from IPython.display import display
 
-import sim
-from sim.fused import load_fused_profile
-from sim.phases import load_kernel_profile
-from sim.plots import layer_validation, validation_scatter
-from sim.validate import (
+from sim.app.plots import layer_validation, validation_scatter
+from sim.app.validate import (
     TARGETS,
     format_report,
-    read_rows,
     rerun_spearman,
     summarise,
     validate_layer_rows,
     validate_rows,
 )
+from sim.comm.profile import load_kernel_profile
+from sim.fused.profile import load_fused_profile
+from sim.measured import measured_path, read_rows
 
 # %% tags=["parameters"]
-# A measured sweep in the format `python -m mok.bench comm` writes; the default is the snapshot
-# the regression test pins, measured on the current kernels (git 6760a48; the file under
-# mok/bench/results/ is the latest run). The older h200x2-comm-*.csv describe older kernels.
-MEASURED_CSV = "sim/profiles/h200x2-comm-grid-v4-2026-11-30.csv"
+# A measured sweep in the format `python -m mok.bench comm` writes: a file of mok/bench/results
+# (sim.measured.measured_path) or a path. The default is the snapshot the regression test pins,
+# measured on the current kernels (git 6760a48). The older h200x2-comm-*.csv describe older
+# kernels.
+MEASURED_CSV = "h200x2-comm-grid-v4-2026-11-30.csv"
 KERNEL_PROFILE = "mok-comm-h200x2"
-# fused layer: `mok.bench layer` and `mok.bench sweep` rows (snapshots of mok/bench/results/)
+# fused layer: `mok.bench layer` and `mok.bench sweep` rows (the snapshots the fit used)
 LAYER_CSVS = [
-    "sim/profiles/h200x2-layer-2026-11-30.csv",
-    "sim/profiles/h200x2-layer-sweep-2026-11-30.csv",
+    "h200x2-layer-2026-11-30.csv",
+    "h200x2-layer-sweep-2026-11-30.csv",
 ]
 FUSED_PROFILE = "mok-fused-h200x2"
 
+
 # %%
-root = Path(sim.__file__).resolve().parents[1]
-path = Path(MEASURED_CSV)
-path = path if path.is_absolute() else root / path
+def measured(name: str) -> Path:
+    """A path as given, or a file of mok/bench/results by name."""
+    return Path(name) if Path(name).is_file() else measured_path(name)
+
+
+path = measured(MEASURED_CSV)
 records = validate_rows(read_rows(path), load_kernel_profile(KERNEL_PROFILE))
 summary = summarise(records)
 print(format_report(records, summary))
@@ -101,8 +105,8 @@ print(f"Targets met: {', '.join(met) or 'none'}; missed: {', '.join(missed) or '
 #
 # The fused layer's comm SMs pull-dispatch minibatch by minibatch while the other SMs run
 # 128 x 256 GEMM tiles in the kernel's fixed order (shared expert, then gate/up and down per
-# minibatch), then all SMs run the weighted sum. `sim.fused` models that: a list schedule of the
-# tiles over the compute SMs (padding rows included), each tile `k_blocks x kblock_us +
+# minibatch), then all SMs run the weighted sum. `sim.fused.model` models that: a list schedule of
+# the tiles over the compute SMs (padding rows included), each tile `k_blocks x kblock_us +
 # tile_fixed_us` with `kblock_us` the worker's own rate or its share of a chip-wide operand
 # ceiling, gate/up tiles waiting for their minibatch's dispatch, plus the schedule kernel, the
 # launch and the HBM-bound sum. Four knobs were fitted on the DeepSeek-V3 and Qwen3 uniform
@@ -111,9 +115,7 @@ print(f"Targets met: {', '.join(met) or 'none'}; missed: {', '.join(missed) or '
 
 # %%
 fused_prof = load_fused_profile(FUSED_PROFILE)
-layer_records = validate_layer_rows(
-    read_rows(*(p if Path(p).is_absolute() else root / p for p in LAYER_CSVS)), fused_prof
-)
+layer_records = validate_layer_rows(read_rows(*(measured(p) for p in LAYER_CSVS)), fused_prof)
 layer_summary = summarise(layer_records)
 print(format_report(layer_records, layer_summary))
 

@@ -31,10 +31,10 @@
 from IPython.display import display
 
 from mok.spec.workload import get_shape
+from sim.app.plots import scaling_summary
 from sim.config import SimConfig, Workload
-from sim.plots import scaling_summary
-from sim.sweep import compare
-from sim.topology import get_topology
+from sim.core.topology import get_topology
+from sim.layer.sweep import compare
 
 # %% tags=["parameters"]
 # deepseek-v3 (256 experts) divides EP 2/8/64/128/256; kimi-k2 (384 experts) gives 64/128/192

@@ -3,38 +3,46 @@
 What it answers: for a topology, model shape, EP size and routing skew, how long one MoE layer
 forward takes in the MoK-style megakernel under each transfer policy, and which kernel config
 (pull or push per transfer, dedup or not, communication SMs, minibatch, ring size) is fastest.
-``mok-sim`` is the command line; :func:`sim.model.simulate` the library entry point.
+``mok-sim`` is the command line (:mod:`sim.app.cli`); :func:`simulate` the library entry point.
 
-Layout (one concept per module):
+Layout: subpackages that import one way, ``core`` <- ``config`` / ``measured`` <- ``comm`` <-
+``layer`` <- ``fused`` <- ``app`` (a module imports only from its own level and those below;
+tests/test_sim_imports.py checks it):
 
-* :mod:`sim.hardware` / ``sim/profiles/*.json``: GPU profiles as validated data. ``h200.json`` is
-  fitted by :mod:`sim.calibrate` from our H200 probe (copied to ``sim/profiles``); H100, B200,
-  GB200 and GB300 are datasheet leads scaled from it, each assumption listed in the profile.
-* :mod:`sim.topology`: h200x2, hgx-h200/h100/b200, gb200-nvl72, gb300-nvl72 and ``<preset>xN``
-  (N NVLink domains joined by one scale-out NIC per GPU) as data, and the flow-network resources.
-* :mod:`sim.flows`: max-min fair bandwidth sharing (numba progressive filling).
-* :mod:`sim.engine`: task graph + lean event loop (numba); :mod:`sim.simpy_engine` runs the same
-  graph with SimPy for cross-checks.
-* :mod:`sim.schedule`: MoK's receive layout (expert regions padded to the row tile, sources
-  interleaved round-robin) reduced to rows per (destination, round, source).
-* :mod:`sim.gemm`: grouped-GEMM tiles and waves. :mod:`sim.policies`: push / pull / dedup-pull
-  dispatch, push / pull combine. :mod:`sim.model`: the layer. :mod:`sim.results`: records, CSV,
-  breakdown. :mod:`sim.trace`: Chrome trace. :mod:`sim.plots`: figures. :mod:`sim.sweep`: grids,
-  sweeps, comparison, tuner. :mod:`sim.cli`, :mod:`sim.bench`.
-* Standalone comm kernels against measurements (``mok-sim validate``): :mod:`sim.kernel_specs`
-  (what each mok kernel moves, its phases and entry points, as data), :mod:`sim.phases` (those
-  kernels as task graphs, and the benchmark's host floor), :mod:`sim.kernel_rates` (the comm
-  rates of a measured kernel, shared with the layer model's opt-in kernel profile),
-  :mod:`sim.kernel_rows` (how the kernels walk their rows: padded receive layout, busiest warp,
-  copy-ring items, warp row rounds), :mod:`sim.kernel_profile` (the fitted knobs as data,
-  ``sim/profiles/mok-comm-h200x2.json``), :mod:`sim.kernel_fit` (the fit) and
-  :mod:`sim.validate` (errors, Spearman, chosen-vs-best gap, report).
-* Measured rows (both fits and ``mok-sim validate``): :mod:`sim.measured` (the measured-CSV
-  readers and the fit / validation split of every fit).
-* The fused layer kernel against measurements (``mok-sim validate`` on layer CSVs):
-  :mod:`sim.fused` (comm blocks, the GEMM tile order as a list schedule over the compute SMs,
-  the final sum; knobs in ``sim/profiles/mok-fused-h200x2.json``), :mod:`sim.fused_fit` and
-  :mod:`sim.fused_tune` (``mok-sim tune --fused``).
+* :mod:`sim.core`: GPU profiles as validated data (:mod:`sim.core.hardware`, ``sim/profiles/
+  *.json``: ``h200.json`` fitted by :mod:`sim.app.calibrate` from our H200 probe, H100, B200,
+  GB200 and GB300 datasheet leads scaled from it, each assumption listed in the profile),
+  topologies (h200x2, hgx-h200/h100/b200, gb200-nvl72, gb300-nvl72 and ``<preset>xN``: N NVLink
+  domains joined by one scale-out NIC per GPU) and their flow-network resources
+  (:mod:`sim.core.topology`), max-min fair sharing (:mod:`sim.core.flows`, numba progressive
+  filling), the task graph and its lean event loop (:mod:`sim.core.engine`, numba;
+  :mod:`sim.core.simpy_engine` runs the same graph with SimPy for cross-checks), grouped-GEMM
+  tiles and waves (:mod:`sim.core.gemm`) and the one transfer builder (:mod:`sim.core.transfer`);
+* :mod:`sim.config`: what to simulate (:class:`Workload`, :class:`SimConfig`; no file I/O);
+  :mod:`sim.measured`: where the measured files are (``mok/bench/results``), their readers and
+  the fit / validation split of every fit;
+* :mod:`sim.comm`: the standalone comm kernels against measurements (``mok-sim validate``): what
+  each mok kernel moves (:mod:`sim.comm.catalog`), how it walks its rows (:mod:`sim.comm.rows`),
+  its comm-engine rate law (:mod:`sim.comm.rates`, shared with the layer model's opt-in kernel
+  profile), the fitted knobs (:mod:`sim.comm.profile`, ``sim/profiles/mok-comm-h200x2.json``),
+  the kernels as task graphs and the benchmark's host floor (:mod:`sim.comm.model`), the fit
+  (:mod:`sim.comm.fit`);
+* :mod:`sim.layer`: the layer: MoK's receive layout (expert regions padded to the row tile,
+  sources interleaved round-robin) reduced to rows per (destination, round, source)
+  (:mod:`sim.layer.plan`), push / pull / dedup-pull dispatch and push / pull combine
+  (:mod:`sim.layer.policies`), the layer's task graph (:mod:`sim.layer.model`), records, CSV and
+  breakdown (:mod:`sim.layer.results`), grids, sweeps, comparison and tuner
+  (:mod:`sim.layer.sweep`);
+* :mod:`sim.fused`: the fused layer kernel against measurements (``mok-sim validate`` on layer
+  CSVs): its knobs (:mod:`sim.fused.profile`, ``sim/profiles/mok-fused-h200x2.json``), the GEMM
+  tile order as a list schedule over the compute SMs (:mod:`sim.fused.tiles`), comm blocks and
+  the final sum (:mod:`sim.fused.model`), the fit (:mod:`sim.fused.fit`) and the tuner
+  (:mod:`sim.fused.tune`, ``mok-sim tune --fused``);
+* :mod:`sim.app`: the command line, validation report (errors, Spearman, chosen-vs-best gap),
+  calibration, ``mok-config/1`` writer, figures, Chrome trace and speed benchmark.
+
+This package itself offers the few entry points the notebooks use (:data:`__all__`), each loaded
+on first use, so that importing one module (say :mod:`sim.measured`) does not load the models.
 
 The model, per layer forward:
 
@@ -68,5 +76,36 @@ inter-domain bytes at no comm-SM cost over a non-blocking fabric; a transfer of 
 one flow whose bytes split over the peers in proportion to their rows (``flow_granularity=
 "round"``; ``"peer"`` gives one flow per peer: slower, used to check the aggregate); dedup
 combine folds rank-local rows into an fp32 partial (``dedup_accumulate_bytes_per_elem``); only
-the forward pass is modelled (:data:`sim.model.PASSES`).
+the forward pass is modelled (:data:`sim.layer.model.PASSES`).
 """
+
+from importlib import import_module
+
+# name -> the module that defines it
+_ENTRY_POINTS = {
+    "Workload": "sim.config",
+    "SimConfig": "sim.config",
+    "simulate": "sim.layer.model",
+    "compare": "sim.layer.sweep",
+    "tune": "sim.layer.sweep",
+    "fused_layer": "sim.fused.model",
+    "fused_row": "sim.fused.model",
+    "load_fused_profile": "sim.fused.profile",
+    "tune_fused": "sim.fused.tune",
+    "read_rows": "sim.measured",
+    "read_measured": "sim.measured",
+    "measured_path": "sim.measured",
+}
+__all__ = list(_ENTRY_POINTS)
+
+
+def __getattr__(name: str):
+    if name not in _ENTRY_POINTS:
+        raise AttributeError(f"module 'sim' has no attribute {name!r}")
+    value = getattr(import_module(_ENTRY_POINTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

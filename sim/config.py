@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from mok.spec.config import MoKConfig
+from mok.spec.config import COMBINE_MODES, MoKConfig
+from mok.spec.config import DISPATCH_MODES as KERNEL_DISPATCH_MODES
 from mok.spec.workload import ModelShape, RoutingTrace, Skew, get_shape, make_routing
-from sim.topology import Topology, get_topology
+from sim.core.topology import Topology, get_topology
 
 __all__ = ["Workload", "SimConfig", "DISPATCH_MODES", "COMBINE_MODES"]
 
-DISPATCH_MODES = ("push", "pull", "dedup_pull")
-COMBINE_MODES = ("push", "pull")
+# the kernel's dispatch modes (mok.spec.config) in the order the simulator's sweeps, tables and
+# --help list them: the all-push baseline first
+DISPATCH_MODES = ("push", *(m for m in KERNEL_DISPATCH_MODES if m != "push"))
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,8 @@ class SimConfig:
     # KernelProfile JSON (format mok-kernel-profile/1, e.g. "mok-comm-h200x2"). None: the
     # per-SM comm rates are the probe's curves. Set: the dispatch and combine transfers run at
     # the probe rates times the fitted in-flight factor and SM congestion of the mok kernel
-    # that plays each role (sim.model.kernel_knobs; no per-call costs are added). Checked
-    # against the profile where it is used (sim.model.check_kernel_profile), not here: a
+    # that plays each role (sim.layer.model.kernel_knobs; no per-call costs are added). Checked
+    # against the profile where it is used (sim.layer.model.check_kernel_profile), not here: a
     # SimConfig validates its own fields and reads no file
     kernel_profile: str | None = None
 

@@ -1,4 +1,10 @@
-"""Measured rows: reading the measured CSVs, and the fit / hold-out subsets of every fit.
+"""Measured rows: where the measured files live, reading the measured CSVs, and the fit / hold-out
+subsets of every fit.
+
+Where: :func:`results_dir` (``mok/bench/results``, package data of ``mok``: every raw
+measurement the benchmarks wrote, CSV and probe JSON, one copy each; its README says where each
+came from) and :func:`measured_path` (one file there by name). ``sim/profiles`` holds only what
+was fitted from them.
 
 Readers: :func:`read_rows` (rows of any CSVs, tagged with their file name) and
 :func:`read_measured` (one ``mok.bench comm`` or ``mok.bench layer`` / ``sweep`` CSV, checked:
@@ -8,13 +14,13 @@ apart and :func:`row_tile_of` reads a layer row's ``row_tile`` (CSVs that predat
 
 Subsets (a row is a fit row or a validation row; the fits see only the fit rows):
 
-* comm kernels (:mod:`sim.kernel_fit`): :func:`is_fit_row`, by problem size (:data:`FIT_TOKENS`);
-* the fused layer (:mod:`sim.fused_fit`): :func:`is_fused_fit_row`, by model, dispatch mode, comm
+* comm kernels (:mod:`sim.comm.fit`): :func:`is_fit_row`, by problem size (:data:`FIT_TOKENS`);
+* the fused layer (:mod:`sim.fused.fit`): :func:`is_fused_fit_row`, by model, dispatch mode, comm
   SMs (:data:`FUSED_FIT_SMS`), routing, run (:data:`FUSED_FIT_SOURCES`) and row tile;
   :data:`FUSED_FIT_SUBSET` says it in words (written into the fitted profile).
 
-Standard library only, and no other ``sim`` module: the fits, :mod:`sim.fused`,
-:mod:`sim.validate` and the command line import this module.
+Standard library only, and no other ``sim`` module: the fits, :mod:`sim.fused.model`,
+:mod:`sim.app.validate` and the command line import this module.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ import csv
 import io
 import math
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 
 __all__ = [
+    "results_dir",
+    "measured_path",
     "read_rows",
     "read_measured",
     "MeasuredCSVError",
@@ -41,6 +50,24 @@ __all__ = [
     "FUSED_FIT_SUBSET",
     "is_fused_fit_row",
 ]
+
+
+# -- where the measured files are --------------------------------------------------------------
+def results_dir() -> Path:
+    """``mok/bench/results``: the raw measurements of the benchmarks (``mok.bench comm`` /
+    ``layer`` / ``sweep`` CSVs, ``mok.bench probe`` JSON), in this checkout or in the installed
+    ``mok`` package (its package data)."""
+    return Path(str(resources.files("mok").joinpath("bench", "results")))
+
+
+def measured_path(name: str) -> Path:
+    """The measured file ``name`` (e.g. ``h200x2-comm-grid-v4-2026-11-30.csv``) under
+    :func:`results_dir`; FileNotFoundError, naming the files there, if there is none."""
+    p = results_dir() / name
+    if not p.is_file():
+        have = ", ".join(sorted(q.name for q in results_dir().glob("*.*") if q.is_file()))
+        raise FileNotFoundError(f"no measured file {name} under {results_dir()} (there: {have})")
+    return p
 
 
 # -- reading measured CSVs ----------------------------------------------------------------------
@@ -157,7 +184,7 @@ def is_layer_csv(rows: Sequence[dict]) -> bool:
 
 
 # the row tile of layer CSVs that predate the `row_tile` column: 128-row expert regions (the
-# fused kernel's full tile, sim.fused.TILE_M)
+# fused kernel's full tile, sim.fused.model.TILE_M)
 DEFAULT_ROW_TILE = 128
 
 
@@ -168,10 +195,10 @@ def row_tile_of(row: dict) -> int:
     return DEFAULT_ROW_TILE if v is None or str(v).strip() == "" else int(v)
 
 
-# -- the comm-kernel fit subset (sim.kernel_fit) -------------------------------------------------
+# -- the comm-kernel fit subset (sim.comm.fit) -------------------------------------------------
 # The calibration subset: a mok row is a FIT row iff its tokens_per_rank is in FIT_TOKENS. The
 # committed comm profile is fitted on the 4096-token rows of the v4 grid
-# (sim/profiles/h200x2-comm-grid-v4-2026-11-30.csv, both models, both skews); its 512- and
+# (mok/bench/results/h200x2-comm-grid-v4-2026-11-30.csv, both models, both skews); its 512- and
 # 16384-token rows are validation only (a holdout in problem size: host-time-bound calls,
 # padding-dominated receive buffers and NVLink-bound streams). NOTE: chosen after earlier
 # models' errors had been looked at; it is a holdout by size, not a blind one.
@@ -183,7 +210,7 @@ def is_fit_row(row: dict) -> bool:
     return int(row.get("tokens_per_rank") or 0) in FIT_TOKENS
 
 
-# -- the fused-layer fit subset (sim.fused_fit) --------------------------------------------------
+# -- the fused-layer fit subset (sim.fused.fit) --------------------------------------------------
 # (model, dispatch mode) -> comm SMs of its fit rows (None: all)
 FUSED_FIT_SMS = {
     ("deepseek-v3", "dedup_pull"): None,
@@ -192,9 +219,9 @@ FUSED_FIT_SMS = {
 }
 # the committed snapshots the fit rows come from; rows of other CSVs (re-runs) are held out
 FUSED_FIT_SOURCES = ("h200x2-layer-2026-11-30.csv", "h200x2-layer-sweep-2026-11-30.csv")
-# NOTE: the text names sim.fused_fit.is_fused_fit_row (the committed fused profile holds it)
+# NOTE: the committed fused profile holds this text (its fit_subset)
 FUSED_FIT_SUBSET = (
-    "mok-fused rows with uniform routing (sim.fused_fit.is_fused_fit_row): deepseek-v3 and "
+    "mok-fused rows with uniform routing (sim.measured.is_fused_fit_row): deepseek-v3 and "
     "qwen3-30b-a3b dedup_pull, qwen3-30b-a3b pull at 8 SMs; the 2 matching rows of "
     "h200x2-layer-2026-11-30.csv and the 14 of h200x2-layer-sweep-2026-11-30.csv (8/16/32 SMs x "
     "minibatch 2048/4096). Validation: deepseek-v3 pull, qwen3-30b-a3b pull at 16/32 SMs, "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,15 @@ from mok.bench import __main__ as bench_main
 from mok.bench.probe import METHODS, SECTIONS, ProbeResults, parse_args, plan_points
 from mok.bench.probe.results import _replay
 from mok.bench.probe.run import STEPS
-from sim.calibrate import GEMM_FIT_MIN_ROWS, fit_gpu_profile, grouped_gemm_points
-from sim.cli import main as sim_main
-from sim.gemm import gemm_us
-from sim.hardware import GpuProfile
+from sim.app.calibrate import GEMM_FIT_MIN_ROWS, fit_gpu_profile, grouped_gemm_points
+from sim.app.cli import main as sim_main
+from sim.core.gemm import gemm_us
+from sim.core.hardware import GpuProfile, profiles_dir
+from sim.measured import measured_path
 from tests import tolerances as tol
 
-COMMITTED = Path(str(resources.files("sim") / "profiles" / "h200x2-probe-2026-11-29.json"))
+COMMITTED = measured_path("h200x2-probe-2026-11-29.json")  # raw probes: mok/bench/results
+PROFILES = profiles_dir()  # the GPU profiles fitted from them
 META = {"gpu": "NVIDIA H200", "num_sms": 132, "l2_mb": 60.0, "num_ranks": 2, "git_sha": "test"}
 
 
@@ -253,9 +254,9 @@ def test_mok_probe_on_two_h200_calibrates_to_the_committed_profiles(tmp_path):
     cmd = ["calibrate", str(MOK_PROBE), "--name", "h200-mok-probe", "--out", str(out)]
     assert sim_main(cmd) == 0
     got = GpuProfile.from_dict(json.loads(out.read_text()))
-    committed = COMMITTED.with_name("h200-mok-probe.json")
+    committed = PROFILES / "h200-mok-probe.json"
     tol.assert_json_close(json.loads(out.read_text()), json.loads(committed.read_text()))
-    ref = GpuProfile.from_dict(json.loads(COMMITTED.with_name("h200.json").read_text()))
+    ref = GpuProfile.from_dict(json.loads((PROFILES / "h200.json").read_text()))
     assert got.comm_curves.keys() == ref.comm_curves.keys()
     for name, c in ref.comm_curves.items():
         g = got.comm_curves[name]
@@ -311,7 +312,7 @@ def test_reader_reads_every_committed_probe(path, tmp_path):
 
 
 def test_reader_rejects_what_is_not_a_probe(tmp_path):
-    profile = COMMITTED.with_name("h200.json")  # a fitted GPU profile, not a probe
+    profile = PROFILES / "h200.json"  # a fitted GPU profile, not a probe
     with pytest.raises(ValueError, match=r"not a probe JSON \(found \[.*\]\): python -m mok"):
         ProbeResults.read(profile)
     with pytest.raises(ValueError, match="not a probe JSON"):

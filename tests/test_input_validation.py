@@ -10,8 +10,6 @@ import io
 import json
 import math
 import re
-from importlib import resources
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,12 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mok.spec.workload import Skew, make_routing
-from sim.cli import build_parser, main
+from sim.app.cli import build_parser, main
+from sim.core.hardware import profiles_dir
+from sim.measured import measured_path
 
 SMALL = ["--shape", "tiny", "--tokens", "256", "--ep", "8", "--topology", "hgx-h200"]
-PROFILES = Path(str(resources.files("sim") / "profiles"))
-COMM = PROFILES / "h200x2-comm-2026-11-30.csv"
-PROBE = PROFILES / "h200x2-probe-2026-11-29.json"
+PROFILES = profiles_dir()
+COMM = measured_path("h200x2-comm-2026-11-30.csv")
+PROBE = measured_path("h200x2-probe-2026-11-29.json")
 MISSING = "/nonexistent/dir"
 # derandomize: the same examples on every run (reproducible CI)
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True)

@@ -10,11 +10,12 @@ import re
 import pytest
 from matplotlib.figure import Figure
 
-from sim import plots
-from sim.cli import build_parser, main
+from sim.app import plots
+from sim.app.cli import build_parser, main
+from sim.app.trace import chrome_trace
 from sim.config import SimConfig, Workload
-from sim.model import simulate
-from sim.trace import chrome_trace
+from sim.layer.model import simulate
+from sim.measured import measured_path
 
 SMALL = ["--shape", "tiny", "--tokens", "256", "--ep", "8", "--topology", "hgx-h200"]
 
@@ -105,9 +106,7 @@ def test_trace_writes_a_chrome_trace(tmp_path, capsys):
 
 
 def test_calibrate_writes_a_profile(tmp_path, capsys):
-    from importlib import resources
-
-    probe = resources.files("sim") / "profiles" / "h200x2-probe-2026-11-29.json"
+    probe = measured_path("h200x2-probe-2026-11-29.json")
     out = tmp_path / "p.json"
     assert main(["calibrate", str(probe), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["format"] == "mok-gpu-profile/1"
@@ -161,7 +160,7 @@ def test_help_for_every_subcommand(sub, capsys):
 
 
 def test_bench_sweep_has_500_distinct_configs():
-    from sim.bench import _sweep_configs
+    from sim.app.bench import _sweep_configs
 
     cfgs = _sweep_configs(500)
     assert len(cfgs) == len(set(cfgs)) == 500

@@ -1,4 +1,4 @@
-"""Max-min fair solver (sim.flows) in isolation: closed forms and the optimality condition."""
+"""Max-min fair solver (sim.core.flows) in isolation: closed forms and the optimality condition."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.flows import FlowTable, solve
+from sim.core.flows import FlowTable, solve
 
 
 def _table(routes):

@@ -8,36 +8,27 @@ committed layer CSVs and a few more of the tuner's grid (CPU only, a few seconds
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from sim.fused import (
-    TILE_M,
-    FusedProfile,
-    _case,
-    _plan,
-    _tile_us,
-    fused_layer,
-    kblock_us,
-    load_fused_profile,
-    routed_halves,
-    tile_order,
+from sim.app.validate import summarise, validate_layer_rows
+from sim.core.hardware import load_gpu
+from sim.fused.model import _case, _plan, fused_layer
+from sim.fused.profile import FusedProfile, load_fused_profile
+from sim.fused.tiles import TILE_M, kblock_us, routed_halves, tile_order, tile_us
+from sim.fused.tune import pick_on_measured
+from sim.measured import (
+    DEFAULT_ROW_TILE,
+    is_fused_fit_row,
+    measured_path,
+    read_rows,
+    results_dir,
+    row_tile_of,
 )
-from sim.fused_tune import pick_on_measured
-from sim.hardware import load_gpu
-from sim.measured import DEFAULT_ROW_TILE, is_fused_fit_row, read_rows, row_tile_of
-from sim.validate import summarise, validate_layer_rows
 
-ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "sim" / "profiles"
-LAYER_CSVS = (
-    # the CSVs measured before row tile 64 existed (no row_tile column)
-    *sorted(p for p in PROFILES.glob("*layer*.csv") if "rowtile" not in p.name),
-    ROOT / "mok" / "bench" / "results" / "h200x2-layer.csv",
-    ROOT / "mok" / "bench" / "results" / "h200x2-sweep.csv",
-)
+# the CSVs measured before row tile 64 existed (no row_tile column)
+LAYER_CSVS = tuple(sorted(p for p in results_dir().glob("*layer*.csv") if "rowtile" not in p.name))
 REL = 1e-9  # predictions at row tile 128 must not move (float noise only)
 
 
@@ -242,8 +233,8 @@ def test_committed_csvs_predict_what_they_did_before():
     assert all("row_tile" not in r for r in rows)
     recs = validate_layer_rows(rows, load_fused_profile())
     ok = [r for r in recs if r["status"] == "ok"]
-    # fused rows: layer 6, sweep 24, re-runs 12 + 12, and results/'s twins of layer and sweep
-    assert len(ok) == 6 + 24 + 12 + 12 + 6 + 24
+    # fused rows: layer 6, sweep 24, re-runs 12 + 12, and the later layer run (h200x2-layer.csv)
+    assert len(ok) == 6 + 24 + 12 + 12 + 6
     for r in ok:
         assert r["row_tile"] == "128"
         key = (r["model"], int(r["tokens_per_rank"]), r["skew"], r["mode"])
@@ -333,7 +324,7 @@ def test_sub_tile_costs():
     o = tile_order(320, 512, 1, 256, 128, 0, region_starts=np.array([0, 64, 256]))
     np.testing.assert_array_equal(o.halves, [2, 0, 1, 2, 0, 1])  # GU then DN of 3 blocks
     np.testing.assert_array_equal(o.k_blocks, [4, 4, 4, 2, 2, 2])
-    dur = _tile_us(o, prof, tf, sms, 116)
+    dur = tile_us(o, prof, tf, sms, 116)
     # k-blocks per fixed part: (2 x 4 + 4 + 4 + 2 x 2 + 2 + 2) / (2 + 3 x half_fixed_factor x 2)
     mean_kb = 24 / (2 + 3 * 2 * prof.half_fixed_factor)
     kb, hb = (kblock_us(prof, tf, sms, 116, mean_kb, half=h) for h in (False, True))
@@ -416,7 +407,7 @@ def test_validate_keys_configs_by_row_tile():
     """A layer CSV with a row_tile column: configs differing only in it are distinct in the
     ranking, row tile 64 rows are predicted at 64, explicit 128 is the same as a missing
     column, other libraries' rows (row_tile 0) stay baselines, and no 64-row row is a fit row."""
-    sweep = read_rows(PROFILES / "h200x2-layer-sweep-2026-11-30.csv")
+    sweep = read_rows(measured_path("h200x2-layer-sweep-2026-11-30.csv"))
     qwen = [r for r in sweep if r["model"] == "qwen3-30b-a3b"]
     rows = _with_row_tile(qwen, "128") + _with_row_tile(qwen, "64", scale=0.97)
     recs = validate_layer_rows(rows, load_fused_profile())
@@ -439,19 +430,19 @@ def test_validate_keys_configs_by_row_tile():
     (g,) = summarise(same)["groups"]
     assert g["configs"] == 12
     # baselines carry row_tile 0 and are not predicted
-    layer = _with_row_tile(read_rows(PROFILES / "h200x2-layer-2026-11-30.csv"), "64")
+    layer = _with_row_tile(read_rows(measured_path("h200x2-layer-2026-11-30.csv")), "64")
     recs = validate_layer_rows(layer, load_fused_profile())
     assert {r["row_tile"] for r in recs if r["status"] == "baseline"} == {"0", "64"}
     assert {r["row_tile"] for r in recs if r["status"] == "ok"} == {"64"}
     assert not any(is_fused_fit_row(r) for r in layer)
     assert row_tile_of({}) == row_tile_of({"row_tile": ""}) == 128
     assert row_tile_of({"row_tile": "64"}) == 64
-    # CSVs without the column ran the fused kernel's full tile (sim.measured holds no sim.fused)
+    # CSVs without the column ran the fused kernel's full tile (sim.measured imports no sim.fused)
     assert DEFAULT_ROW_TILE == TILE_M
 
 
 def test_tuner_replay_keeps_row_tiles_apart():
-    sweep = read_rows(PROFILES / "h200x2-layer-sweep-2026-11-30.csv")
+    sweep = read_rows(measured_path("h200x2-layer-sweep-2026-11-30.csv"))
     qwen = [r for r in sweep if r["model"] == "qwen3-30b-a3b"]
     rows = _with_row_tile(qwen, "128") + _with_row_tile(qwen, "64", scale=0.97)
     (rec,) = pick_on_measured(rows, mma_bound())

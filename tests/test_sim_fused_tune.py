@@ -5,19 +5,16 @@ on the committed fused sweep (CPU only, a few seconds)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from sim.cli import main
+from sim.app.cli import main
 from sim.config import Workload
-from sim.fused import load_fused_profile
-from sim.fused_tune import fused_limits, fused_space, pick_on_measured, tune_fused
-from sim.measured import read_rows
+from sim.fused.profile import load_fused_profile
+from sim.fused.tune import fused_limits, fused_space, pick_on_measured, tune_fused
+from sim.measured import measured_path, read_rows
 
-SWEEP = (
-    Path(__file__).resolve().parents[1] / "sim" / "profiles" / "h200x2-layer-sweep-2026-11-30.csv"
-)
+SWEEP = measured_path("h200x2-layer-sweep-2026-11-30.csv")
 QWEN = ["--shape", "qwen3-30b-a3b", "--tokens", "4096"]
 
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from sim.cli import main
+from sim.app.cli import main
 from sim.config import SimConfig, Workload
-from sim.model import (
+from sim.layer.model import (
     LayerBuilder,
     check_kernel_profile,
     kernel_knobs,
@@ -16,7 +16,7 @@ from sim.model import (
     plan_for,
     simulate,
 )
-from sim.sweep import grid, sweep, tune
+from sim.layer.sweep import grid, sweep, tune
 
 KP = "mok-comm-h200x2"
 TINY = Workload("tiny", 256, 8, "hgx-h200")
@@ -58,7 +58,7 @@ def test_factor_mapping_picks_the_kernel_of_each_role(dispatch, combine, mech, w
 def test_role_rates_are_the_probe_slope_times_factor_and_congestion():
     """Below every ceiling (8 SMs, pull dispatch on TMA) the role's per-SM rate is the probe's
     times f x row-size scale x 1 / (1 + n / c); local copies skip the switch-hop factor."""
-    from sim.kernel_rates import layer_row_scale
+    from sim.comm.rates import layer_row_scale
 
     plan = plan_for(TINY)
     cfg = SimConfig(num_comm_sms=8)
@@ -103,7 +103,7 @@ def test_push_dispatch_factor_above_one_is_passed_through(shape, faster):
     same kernel is slower than the probe there. The push combine's knob is above 1 as well
     (one factor for its owner copies and its fixed-order sum, whose 16-byte loads of all top-8
     terms are in flight at once), and the same row-size scale decides its direction."""
-    from sim.kernel_rates import layer_row_scale
+    from sim.comm.rates import layer_row_scale
 
     wl = Workload(shape, 256, 8, "hgx-h200")
     cfg = SimConfig(dispatch_mode="push", num_comm_sms=8, mechanism="st")
@@ -125,7 +125,7 @@ def test_push_dispatch_factor_above_one_is_passed_through(shape, faster):
 
 def test_retime_matches_a_fresh_build_per_role():
     cfgs = [SimConfig(num_comm_sms=n, minibatch_size=256, kernel_profile=KP) for n in (8, 32)]
-    from sim.model import simulate_many
+    from sim.layer.model import simulate_many
 
     shared = [r.layer_us for r in simulate_many(TINY, cfgs)]
     fresh = [simulate(TINY, c).layer_us for c in cfgs]

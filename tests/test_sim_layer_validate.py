@@ -2,7 +2,8 @@
 model's terms, the fitted profile, CLI.
 
 The metric checks recompute every prediction from the committed snapshots of
-``mok/bench/results/h200x2-layer.csv`` and ``h200x2-sweep.csv`` (under ``sim/profiles``), the
+``mok.bench layer`` and ``sweep`` at git c1bf59f (``h200x2-layer-2026-11-30.csv``,
+``h200x2-layer-sweep-2026-11-30.csv`` in ``mok/bench/results``), the
 two DeepSeek-V3 sweep re-runs and the committed fused profile (CPU only, a few seconds) and pin
 today's numbers with a small margin, so a model change that makes them worse fails here. Fit
 rows (:func:`sim.measured.is_fused_fit_row`): of the two snapshots, DeepSeek-V3 and
@@ -14,37 +15,24 @@ from __future__ import annotations
 
 import csv
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from sim.cli import main
-from sim.fused import (
-    STAGE_BYTES,
-    FusedProfile,
-    _run_tiles,
-    fused_layer,
-    kblock_us,
-    load_fused_profile,
-    tile_order,
-)
-from sim.fused_fit import _FINE, FUSED_KNOBS, objective
-from sim.hardware import load_gpu
-from sim.measured import is_fused_fit_row, read_rows
-from sim.validate import (
-    rerun_spearman,
-    spearman,
-    summarise,
-    validate_layer_rows,
-)
+from sim.app.cli import main
+from sim.app.validate import rerun_spearman, spearman, summarise, validate_layer_rows
+from sim.core.hardware import load_gpu
+from sim.fused.fit import _FINE, FUSED_KNOBS, objective
+from sim.fused.model import fused_layer
+from sim.fused.profile import FusedProfile, load_fused_profile
+from sim.fused.tiles import STAGE_BYTES, kblock_us, run_tiles, tile_order
+from sim.measured import is_fused_fit_row, measured_path, read_rows
 
-PROFILES = Path(__file__).resolve().parents[1] / "sim" / "profiles"
-LAYER = PROFILES / "h200x2-layer-2026-11-30.csv"
-SWEEP = PROFILES / "h200x2-layer-sweep-2026-11-30.csv"
-COMM = PROFILES / "h200x2-comm-2026-11-30.csv"
+LAYER = measured_path("h200x2-layer-2026-11-30.csv")
+SWEEP = measured_path("h200x2-layer-sweep-2026-11-30.csv")
+COMM = measured_path("h200x2-comm-2026-11-30.csv")
 # DeepSeek-V3 sweep measured twice more (same kernel code, 40 iterations): held out
-RERUNS = tuple(PROFILES / f"h200x2-layer-sweep-rerun{i}-2026-11-30.csv" for i in (1, 2))
+RERUNS = tuple(measured_path(f"h200x2-layer-sweep-rerun{i}-2026-11-30.csv") for i in (1, 2))
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +248,7 @@ def test_tile_schedule_and_kblock_terms():
     wait_mb = np.array([0, 0, -1], dtype=i64)
     wait_group = np.array([-1, -1, 0], dtype=i64)
     group = np.array([0, 0, -1], dtype=i64)
-    end, busy = _run_tiles(kb * 3.0 + 1.0, wait_mb, wait_group, group, 1, 2, np.array([5.0]), 0.5)
+    end, busy = run_tiles(kb * 3.0 + 1.0, wait_mb, wait_group, group, 1, 2, np.array([5.0]), 0.5)
     # GU tiles 5..9 on workers 0 and 1; DN on worker 0 from 9 + 0.5 to 13.5
     assert (end, busy) == (pytest.approx(13.5), pytest.approx(8.0))
     # 3 GU tiles of 3, 1, 1 k-blocks: tile 2 goes to worker 1 (free at 9), not to worker 0
@@ -269,7 +257,7 @@ def test_tile_schedule_and_kblock_terms():
     wait_mb = np.array([0, 0, 0], dtype=i64)
     wait_group = np.array([-1, -1, -1], dtype=i64)
     group = np.array([0, 0, 0], dtype=i64)
-    end, busy = _run_tiles(kb * 3.0 + 1.0, wait_mb, wait_group, group, 1, 2, np.array([5.0]), 0.5)
+    end, busy = run_tiles(kb * 3.0 + 1.0, wait_mb, wait_group, group, 1, 2, np.array([5.0]), 0.5)
     assert (end, busy) == (pytest.approx(15.0), pytest.approx(10.0))
 
 
@@ -296,7 +284,7 @@ def test_tile_schedule_matches_a_plain_argmin():
         if group[t] >= 0:
             done[group[t]] = max(done[group[t]], free[w])
     last = int(np.argmax(free))
-    got = _run_tiles(kb * 2.0 + 1.0, wait_mb, wait_group, group, groups, workers, ready, 1.0)
+    got = run_tiles(kb * 2.0 + 1.0, wait_mb, wait_group, group, groups, workers, ready, 1.0)
     assert got == (free[last], busy[last])
 
 
@@ -366,7 +354,9 @@ def test_fused_profile_round_trip_and_errors(tmp_path):
 
 # Row tiles 64 and 128 (git 6760a48 and d561924, 20 iterations; all rows held out): the sweep of
 # 72 uniform configs, and its re-run with hot:0.5 added (144 configs).
-ROWTILE = tuple(PROFILES / f"h200x2-layer-sweep-rowtile{s}-2026-11-30.csv" for s in ("", "-rerun"))
+ROWTILE = tuple(
+    measured_path(f"h200x2-layer-sweep-rowtile{s}-2026-11-30.csv") for s in ("", "-rerun")
+)
 
 
 def test_row_tile_sweeps_held_out():

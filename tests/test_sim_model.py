@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.calibrate import PROTOCOL_TILE_BYTES
+from sim.app.calibrate import PROTOCOL_TILE_BYTES
 from sim.config import SimConfig, Workload
-from sim.engine import Graph, run_graph
-from sim.model import LayerBuilder, plan_for, simulate
-from sim.topology import NVL_RX, NVL_TX, get_topology
+from sim.core.engine import Graph, run_graph
+from sim.core.topology import NVL_RX, NVL_TX, get_topology
+from sim.layer.model import LayerBuilder, plan_for, simulate
 
 TINY = Workload("tiny", 256, 8, "hgx-h200", "uniform", seed=1)
 
@@ -221,7 +221,7 @@ def test_bad_inputs_say_what_is_supported():
 
 @pytest.mark.parametrize("dispatch", ["push", "dedup_pull"])
 def test_retimed_graph_equals_a_fresh_build(dispatch):
-    from sim.model import simulate_many
+    from sim.layer.model import simulate_many
 
     cfgs = [CFG.replace(dispatch_mode=dispatch, num_comm_sms=n) for n in (8, 16, 40)]
     shared = list(simulate_many(TINY, cfgs))
@@ -242,7 +242,7 @@ def test_peer_granularity_agrees_with_round_granularity_when_nothing_is_shared()
 
 
 def test_simpy_engine_matches_the_lean_loop():
-    from sim.simpy_engine import run_graph_simpy
+    from sim.core.simpy_engine import run_graph_simpy
 
     for dispatch, combine in (("push", "pull"), ("pull", "push")):
         b = LayerBuilder(

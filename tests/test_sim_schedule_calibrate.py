@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import json
 import math
-from importlib import resources
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mok.spec.workload import make_routing
-from sim.calibrate import (
+from sim.app.calibrate import (
     calibration_points,
     fit_gpu_profile,
     predict_bidirectional_gbps,
     predict_one_direction_gbps,
 )
-from sim.gemm import gemm_us
-from sim.hardware import GpuProfile, list_gpus, load_gpu
-from sim.schedule import RoutingPlan
+from sim.core.gemm import gemm_us
+from sim.core.hardware import GpuProfile, list_gpus, load_gpu, profiles_dir
+from sim.layer.plan import RoutingPlan
+from sim.measured import measured_path
 from tests import tolerances as tol
 
-PROFILES = Path(str(resources.files("sim") / "profiles"))
-PROBE = PROFILES / "h200x2-probe-2026-11-29.json"
+PROFILES = profiles_dir()
+PROBE = measured_path("h200x2-probe-2026-11-29.json")
 
 
 def _brute_positions(trace, row_tile):
@@ -112,7 +111,7 @@ def test_calibration_reproduces_the_probe_within_5_percent():
 
 
 def test_committed_h200_profile_is_the_fit_of_the_committed_probe():
-    fresh = fit_gpu_profile(json.loads(PROBE.read_text())).to_dict()
+    fresh = fit_gpu_profile(json.loads(PROBE.read_text()), probe_file=PROBE.name).to_dict()
     committed = json.loads((PROFILES / "h200.json").read_text())
     tol.assert_json_close(json.loads(json.dumps(fresh)), committed)
 

@@ -19,10 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.cli import main
-from sim.config import Workload
-from sim.kernel_fit import fit_kernel_profile
-from sim.kernel_rows import (
+from sim.app.cli import main
+from sim.app.validate import chosen_gap, spearman, summarise, validate_rows
+from sim.comm.catalog import KERNELS, kernel_key
+from sim.comm.fit import fit_kernel_profile
+from sim.comm.model import device_kernel_us, predict_row, schedule_device_us, schedule_serial_loads
+from sim.comm.profile import load_kernel_profile
+from sim.comm.rows import (
     busiest_share,
     counts_for,
     ring_items,
@@ -31,20 +34,12 @@ from sim.kernel_rows import (
     sum_ring_turns,
     warp_row_scale,
 )
-from sim.measured import read_rows
-from sim.phases import (
-    KERNELS,
-    kernel_key,
-    load_kernel_profile,
-    schedule_device_us,
-    schedule_serial_loads,
-)
-from sim.validate import chosen_gap, spearman, summarise, validate_rows
+from sim.config import Workload
+from sim.measured import measured_path, read_rows
 
-PROFILES = Path(__file__).resolve().parents[1] / "sim" / "profiles"
-GRID = PROFILES / "h200x2-comm-grid-v4-2026-11-30.csv"
+GRID = measured_path("h200x2-comm-grid-v4-2026-11-30.csv")
 # history: measured with older kernels and the older host path
-OLD = [PROFILES / f"h200x2-comm-{n}2026-11-30.csv" for n in ("grid-", "target-", "")]
+OLD = [measured_path(f"h200x2-comm-{n}2026-11-30.csv") for n in ("grid-", "target-", "")]
 PINNED = OLD[2]
 
 HEADER = (
@@ -175,6 +170,21 @@ def test_history_csvs_are_still_predicted():
     recs = validate_rows(read_rows(*OLD), load_kernel_profile())
     assert {r["status"] for r in recs if r["impl"] == "mok"} == {"ok"}
     assert sum(r["status"] == "ok" for r in recs) == 410
+
+
+def test_comm_predictions_use_the_rows_routing_seed():
+    """A measured row is predicted on its own routing trace: its ``routing_seed`` column, else the
+    benchmarks' rule (seed = tokens per rank, what every committed row ran)."""
+    prof = load_kernel_profile()
+    row = {"what": "dispatch", "mode": "pull", "engine": "vector", "scope": "unit", "impl": "mok"}
+    row.update(model="deepseek-v3", tokens_per_rank="512", skew="hot:0.5", sms="24", num_ranks="2")
+    key = kernel_key(row)
+    rule = predict_row(row, prof)[2]
+    assert rule == device_kernel_us(key, "deepseek-v3", 512, 2, "hot:0.5", 24, prof)
+    assert predict_row({**row, "routing_seed": "512"}, prof)[2] == rule
+    other = predict_row({**row, "routing_seed": "7"}, prof)[2]
+    assert other == device_kernel_us(key, "deepseek-v3", 512, 2, "hot:0.5", 24, prof, seed=7)
+    assert other != rule  # another trace: other per-rank counts
 
 
 def test_padded_receive_rows_load_the_low_offset_warps():

@@ -1,6 +1,6 @@
 // Microbenchmark kernels behind `python -m mok.bench probe`: the peer-copy engines (16-byte
 // vector copies, TMA bulk copies), HBM reads, flag ping-pong latency and dependent-load latency.
-// The simulator's GPU profile (sim/calibrate.py) is fitted from what they measure.
+// The simulator's GPU profile (sim/app/calibrate.py) is fitted from what they measure.
 //
 // Includes only CUDA and csrc/ headers (CI compile-checks it for sm_90a and sm_100a). The PTX
 // wrappers come from ptx/tma.cuh (mbarrier, cp.async.bulk) and ptx/sync.cuh (%globaltimer,
@@ -50,7 +50,7 @@ __device__ __forceinline__ void report_timeout(int64_t* out, int64_t iter, int64
 __global__ void __launch_bounds__(kCopyThreads)
     copy_vector_kernel(int4* __restrict__ dst, const int4* __restrict__ src, int64_t n16) {
   // NOTE: one int4 in flight per thread, 16 KiB per SM: the method of the committed probe
-  // (sim/profiles/h200x2-probe-2026-11-29.json), so new probes stay comparable with it.
+  // (mok/bench/results/h200x2-probe-2026-11-29.json), so new probes stay comparable with it.
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n16;
        i += stride)

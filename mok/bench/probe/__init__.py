@@ -3,9 +3,9 @@
 ``torchrun --nproc-per-node=2 -m mok.bench probe --out probe.json`` on two NVLink-connected GPUs
 (ranks 0 and 1 are the measured pair; further ranks only take part in the collectives), or plain
 ``python -m mok.bench probe`` on one GPU, where the peer parts are skipped and the JSON says why.
-``mok-sim calibrate probe.json`` fits a GPU profile from the result (sim/calibrate.py).
+``mok-sim calibrate probe.json`` fits a GPU profile from the result (sim/app/calibrate.py).
 
-The JSON keeps the keys and units of ``sim/profiles/h200x2-probe-2026-11-29.json``
+The JSON keeps the keys and units of ``mok/bench/results/h200x2-probe-2026-11-29.json``
 (``what`` / ``methods`` / ``results``) and adds ``meta``, ``skipped`` and the results
 ``hbm_bandwidth``, ``signal_latency_gpu_scope``, ``copy_checks``, ``grouped_gemm_by_rows``,
 ``grouped_gemm_by_sms`` (and ``grouped_gemm_by_sms_green``). Bandwidths and GEMM rates are

@@ -1,0 +1,597 @@
+"""``mok-sim``, the simulator's command line; no arguments runs the default job.
+
+mok-sim                                  # default comparison + PNG (under 10 s)
+mok-sim compare --shape kimi-k2 --ep 64 --topology gb300-nvl72 --skew zipf:1.2
+mok-sim sweep --ep 8 --topology hgx-h200 --sms 8,16,24,32 --minibatch 2048,4096 --out s.csv
+mok-sim tune --ep 8 --topology hgx-h200 --emit-config mok-config.json
+mok-sim tune --ep 8 --topology hgx-h200 --kernel-profile mok-comm-h200x2   # measured kernels
+mok-sim tune --fused --shape qwen3-30b-a3b --emit-config fused.json          # the fused layer
+mok-sim trace --ep 8 --topology hgx-h200 --out trace.json
+mok-sim calibrate probe.json --out h200.json
+mok-sim validate mok/bench/results/h200x2-comm-grid-v4-2026-11-30.csv --csv pred.csv --plot p.png
+mok-sim validate mok/bench/results/h200x2-layer-2026-11-30.csv \
+        mok/bench/results/h200x2-layer-sweep-2026-11-30.csv
+mok-sim bench
+
+Each command imports the models it runs inside its own function: the argument and path checks
+run, and ``--help`` answers, without loading the numba-compiled layer, comm and fused models or
+matplotlib (a second or more each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+from sim.app.cli_args import (
+    PROBE_KINDS,
+    CliError,
+    check_paths,
+    combine_modes_arg,
+    dispatch_modes_arg,
+    int_arg,
+    int_list,
+    positive_float,
+    read_probe,
+    skew_arg,
+)
+from sim.comm.profile import load_kernel_profile
+from sim.config import COMBINE_MODES, DISPATCH_MODES, SimConfig, Workload
+from sim.fused.profile import load_fused_profile
+
+__all__ = ["main", "build_parser", "DEFAULT_JOBS", "format_table"]
+
+# The embedded default job: the same question on the rack we design for and on the box we rent.
+DEFAULT_JOBS = (
+    Workload("deepseek-v3", 4096, 64, "gb300-nvl72", "zipf:0.2", seed=0),
+    Workload("deepseek-v3", 4096, 8, "hgx-h200", "zipf:0.2", seed=0),
+)
+DEFAULT_CONFIG = SimConfig(num_comm_sms=24, minibatch_size=4096, macrobatch_size=16384)
+
+
+def _add_workload(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--shape", default="deepseek-v3", help="model preset (mok.spec.workload.PRESETS)"
+    )
+    g.add_argument("--tokens", type=int_arg(1), default=4096, help="tokens per rank")
+    g.add_argument("--ep", type=int_arg(1), default=8, help="expert-parallel ranks")
+    g.add_argument("--topology", default="hgx-h200", help="topology preset, e.g. gb300-nvl72x2")
+    g.add_argument(
+        "--skew",
+        type=skew_arg,
+        default="uniform",
+        help="uniform | zipf:A | hot:SHARE[:N], each with an optional @CORR",
+    )
+    g.add_argument("--seed", type=int_arg(0), default=0)
+
+
+def _add_config(p: argparse.ArgumentParser, single: bool = True) -> None:
+    g = p.add_argument_group("kernel config")
+    if single:
+        g.add_argument("--dispatch", default="pull", choices=DISPATCH_MODES)
+        g.add_argument("--combine", default="push", choices=COMBINE_MODES)
+        g.add_argument("--sms", type=int_arg(1), default=24, help="communication SMs")
+        g.add_argument("--minibatch", type=int_arg(1), default=4096, help="rows per rank per round")
+        g.add_argument("--ring-slots", type=int_arg(1), default=4, help="macrobatch / minibatch")
+    g.add_argument("--row-tile", type=int_arg(1), default=128)
+    g.add_argument("--mechanism", default="tma", choices=("tma", "st"))
+    g.add_argument("--dtype", default="bf16", choices=("bf16", "mxfp8"))
+    g.add_argument("--granularity", default="round", choices=("round", "peer"))
+    g.add_argument(
+        "--kernel-profile",
+        metavar="NAME|PATH",
+        default=None,
+        help="scale the per-SM comm rates by the measured mok kernels' fitted efficiency "
+        "(kernel profile name under sim/profiles, e.g. mok-comm-h200x2, or a JSON path); "
+        "default: the probe curves",
+    )
+
+
+def _workload(a) -> Workload:
+    return Workload(a.shape, a.tokens, a.ep, a.topology, a.skew, a.seed)
+
+
+def _base_config(a, single: bool = True) -> SimConfig:
+    kw = {
+        "row_tile": a.row_tile,
+        "mechanism": a.mechanism,
+        "dtype": a.dtype,
+        "flow_granularity": a.granularity,
+        "kernel_profile": a.kernel_profile,
+    }
+    if single:
+        kw.update(
+            dispatch_mode=a.dispatch,
+            combine_mode=a.combine,
+            num_comm_sms=a.sms,
+            minibatch_size=a.minibatch,
+            macrobatch_size=a.minibatch * a.ring_slots,
+        )
+    from sim.layer.model import check_kernel_profile
+
+    return check_kernel_profile(SimConfig(**kw))
+
+
+def format_table(results, title: str = "") -> str:
+    """A readable comparison table of LayerResults (first row is the speedup reference)."""
+    head = (
+        f"{'dispatch/combine':<18}{'layer us':>10}{'vs first':>9}{'gemm':>9}{'exp.comm':>9}"
+        f"{'signal':>8}{'idle%':>7}{'NVLink MB/rank':>16}"
+    )
+    lines = [title, head, "-" * len(head)] if title else [head, "-" * len(head)]
+    ref = results[0].layer_us
+    for r in results:
+        b = r.breakdown
+        lines.append(
+            f"{r.config.dispatch_mode + '/' + r.config.combine_mode:<18}"
+            f"{r.layer_us:>10.1f}{ref / r.layer_us:>8.3f}x{b['gemm_us']:>9.1f}"
+            f"{b['exposed_comm_us']:>9.1f}{b['signalling_us']:>8.1f}"
+            f"{100 * r.compute_idle_frac:>6.1f}%"
+            f"{r.payload_bytes['nvlink'] / r.workload.ep / 1e6:>16.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _default_job(wl: Workload) -> list:
+    from sim.layer.model import plan_for
+    from sim.layer.sweep import compare
+
+    res = compare(wl, DEFAULT_CONFIG, plan=plan_for(wl, DEFAULT_CONFIG.row_tile))
+    for r in res:  # only the summary travels back from a worker
+        r.graph = r.run = None
+    return res
+
+
+def _cmd_default(a) -> int:
+    t0 = time.perf_counter()
+    if (os.cpu_count() or 1) > 1:
+        # the big workload in a worker, the small one here, then the PNG code while we wait
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(1) as pool:
+            pending = pool.map_async(_default_job, DEFAULT_JOBS[:1])
+            rest = [_default_job(wl) for wl in DEFAULT_JOBS[1:]]
+            from sim.app.plots import compare_bars
+
+            results = pending.get() + rest
+    else:
+        from sim.app.plots import compare_bars
+
+        results = [_default_job(wl) for wl in DEFAULT_JOBS]
+    groups = {}
+    for wl, res in zip(DEFAULT_JOBS, results, strict=True):
+        groups[wl.label()] = res
+        print(format_table(res, f"\n{wl.label()}  ({DEFAULT_CONFIG.label().split(' ', 1)[1]})"))
+        best = min(res, key=lambda r: r.layer_us)
+        print(
+            f"fastest: {best.config.dispatch_mode}/{best.config.combine_mode} "
+            f"({best.layer_us:.1f} us per layer forward)"
+        )
+    fig = compare_bars(groups)
+    out = Path(a.out)
+    fig.savefig(out, dpi=110)
+    print(f"\nwrote {out.resolve()}  ({time.perf_counter() - t0:.1f} s)")
+    print(
+        "next: mok-sim tune --shape deepseek-v3 --ep 8 --topology hgx-h200 --emit-config cfg.json"
+    )
+    return 0
+
+
+def _cmd_compare(a) -> int:
+    from sim.layer.results import write_csv
+    from sim.layer.sweep import compare
+
+    wl, base = _workload(a), _base_config(a)
+    res = compare(wl, base)
+    print(format_table(res, f"{wl.label()}  ({base.label().split(' ', 1)[1]})"))
+    if a.csv:
+        write_csv([r.summary() for r in res], a.csv)
+        print(f"wrote {a.csv}")
+    return 0
+
+
+def _cmd_sweep(a) -> int:
+    from sim.layer.results import write_csv
+    from sim.layer.sweep import grid, rank_rows, sweep
+
+    wl, base = _workload(a), _base_config(a, single=False)
+    configs = grid(a.dispatch, a.combine, a.sms, a.minibatch, a.ring_slots, base)
+    if not configs:
+        raise ValueError(
+            f"no configuration to sweep: --dispatch {','.join(a.dispatch)} x --combine "
+            f"{','.join(a.combine)} (dedup_pull runs only with the push combine)"
+        )
+    t0 = time.perf_counter()
+    rows = sweep(wl, configs, jobs=a.jobs, progress=not a.quiet)
+    dt = time.perf_counter() - t0
+    write_csv(rows, a.out)
+    best = rank_rows(rows)[0]
+    print(f"{len(rows)} configs in {dt:.1f} s -> {a.out}")
+    print(
+        f"best: {best['dispatch_mode']}/{best['combine_mode']} sms={best['num_comm_sms']} "
+        f"mb={best['minibatch_size']} ring={best['macrobatch_size']} -> {best['layer_us']:.1f} us"
+    )
+    if a.heatmap:
+        from sim.app.plots import sweep_heatmap
+
+        sweep_heatmap(rows).savefig(a.heatmap, dpi=110)
+        print(f"wrote {a.heatmap}")
+    return 0
+
+
+def _cmd_tune(a) -> int:
+    if a.fused:
+        return _tune_fused(a)
+    a.topology, a.ep = a.topology or "hgx-h200", a.ep or 8
+    a.row_tile = a.row_tile or 128
+    return _tune_unfused(a)
+
+
+def _tune_space(a) -> dict[str, list]:
+    """The config axes the user narrowed with --sms / --minibatch / --dispatch."""
+    space = {}
+    if a.sms:
+        space["num_comm_sms"] = list(a.sms)
+    if a.minibatch:
+        space["minibatch_size"] = list(a.minibatch)
+    if a.dispatch:
+        space["dispatch_mode"] = list(a.dispatch)
+    return space
+
+
+def _tune_unfused(a, fused_unsupported: list[str] | None = None) -> int:
+    from sim.app.emit import tune_document, write_json
+    from sim.layer.model import simulate
+    from sim.layer.sweep import tune
+
+    wl, base = _workload(a), _base_config(a, single=False)
+    space = _tune_space(a)
+    cfg, rows = tune(wl, space, jobs=a.jobs, progress=not a.quiet, base=base)
+    doc = tune_document(wl, cfg, simulate(wl, cfg))
+    if fused_unsupported:
+        doc["workload"]["layer"] = "unfused"
+        doc["workload"]["fused_unsupported"] = fused_unsupported
+    text = json.dumps(doc, indent=1)
+    print(text)
+    print(
+        f"searched {len(rows)} configs; runner-up: "
+        + ", ".join(
+            f"{r['dispatch_mode']}/{r['combine_mode']} sms={r['num_comm_sms']} "
+            f"mb={r['minibatch_size']} {r['layer_us']:.1f} us"
+            for r in rows[1:3]
+        )
+    )
+    if a.emit_config:
+        write_json(doc, a.emit_config)
+        print(f"wrote {a.emit_config}")
+    return 0
+
+
+def _tune_fused(a) -> int:
+    from sim.app.emit import fused_tune_document, write_json
+    from sim.core.topology import get_topology
+    from sim.fused.tune import format_fused_table, fused_limits, tune_fused
+
+    prof = load_fused_profile(a.fused_profile)
+    ptopo = get_topology(prof.topology)
+    # default workload: the fused profile's own machine (h200x2: EP2)
+    a.ep = a.ep or (ptopo.num_gpus if a.topology is None else 8)
+    a.topology = a.topology or prof.topology
+    wl = _workload(a)
+    why = fused_limits(wl, prof, a.dtype, a.row_tile)
+    if why:
+        print(
+            "mok-sim tune --fused: the fused layer does not apply to "
+            f"{wl.label()}:\n  - " + "\n  - ".join(why) + "\ntuning the unfused layer instead "
+            "(communication kernels + grouped GEMM: run it with moe_forward(..., fused=False))",
+            file=sys.stderr,
+        )
+        a.row_tile = a.row_tile or 128
+        return _tune_unfused(a, fused_unsupported=why)
+    if a.topology != prof.topology or a.ep != ptopo.num_gpus:
+        print(
+            f"note: the fused profile {a.fused_profile} was fitted at EP{ptopo.num_gpus} on "
+            f"{prof.topology}; EP{a.ep} on {a.topology} extrapolates it (same GPU)",
+            file=sys.stderr,
+        )
+    space = _tune_space(a)
+    if a.row_tile:
+        space["row_tile"] = [a.row_tile]
+    rows = tune_fused(wl, prof, space)
+    title = (
+        f"fused layer, {wl.label()} (routing seed {wl.tokens_per_rank}), profile "
+        f"{a.fused_profile}: best {min(a.top, len(rows))} of {len(rows)} configs, combine push, "
+        "macrobatch 0 (whole receive buffer)"
+    )
+    print(format_fused_table(rows, a.top, title))
+    doc = fused_tune_document(wl, rows[0], prof, str(a.fused_profile), len(rows))
+    print(json.dumps(doc, indent=1))
+    if a.emit_config:
+        write_json(doc, a.emit_config)
+        print(f"wrote {a.emit_config} (run it with moe_forward(..., fused=True))")
+    return 0
+
+
+def _cmd_trace(a) -> int:
+    from sim.app.trace import write_chrome_trace
+    from sim.layer.model import simulate
+    from sim.layer.results import write_csv
+
+    wl, cfg = _workload(a), _base_config(a)
+    res = simulate(wl, cfg, record_links=True)
+    p = write_chrome_trace(res, a.out)
+    print(f"{wl.label()} | {cfg.label()}: {res.layer_us:.1f} us; wrote {p} (open in Perfetto)")
+    if a.csv:
+        write_csv(res.records(), a.csv)
+        print(f"wrote {a.csv}")
+    if a.gantt:
+        from sim.app.plots import gantt
+
+        gantt(res).savefig(a.gantt, dpi=110)
+        print(f"wrote {a.gantt}")
+    if a.links:
+        from sim.app.plots import link_utilisation
+
+        link_utilisation(res).savefig(a.links, dpi=110)
+        print(f"wrote {a.links}")
+    return 0
+
+
+def _cmd_calibrate(a) -> int:
+    from sim.app.calibrate import fit_gpu_profile
+
+    probe = read_probe(a.probe)
+    over = {}
+    if a.num_sms:
+        over["num_sms"] = a.num_sms
+    if a.nvlink_gbps:
+        over["nvlink_gbps_per_direction"] = a.nvlink_gbps
+    try:
+        prof = fit_gpu_profile(probe, a.name, Path(a.probe).name, **over)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise CliError(
+            f"cannot fit {a.probe}: a malformed probe JSON ({type(e).__name__}: {e}); {PROBE_KINDS}"
+        ) from None
+    prof.save(a.out)
+    fit = prof.fit
+    print(
+        f"fitted {a.name}: wire {fit['wire_gbps_per_direction']:.1f} GB/s per direction, "
+        f"{fit['num_points']} probe points, max error {100 * fit['max_rel_error']:.2f}% "
+        f"(mean {100 * fit['mean_rel_error']:.2f}%)"
+    )
+    for name, c in prof.comm_curves.items():
+        print(
+            f"  {name:<10} {c.per_sm_gbps:6.1f} GB/s per SM, ceiling "
+            f"{c.ceiling_knee_gbps:7.1f} @ {c.sm_knee:g} SMs -> {c.ceiling_max_gbps:7.1f} @ "
+            f"{c.sm_max:g} SMs"
+        )
+    print(f"wrote {a.out}")
+    return 0
+
+
+def _cmd_validate(a) -> int:
+    from sim.app.validate import format_report, summarise
+    from sim.layer.results import write_csv
+    from sim.measured import MeasuredCSVError, read_measured
+
+    tables = []
+    for path in a.measured:
+        try:
+            tables.append(read_measured(path))
+        except MeasuredCSVError as e:
+            raise CliError(str(e)) from None
+    kinds = {kind for kind, _ in tables}
+    if len(kinds) > 1:
+        raise ValueError(
+            "mix of layer CSVs (mok.bench layer / sweep) and comm CSVs (mok.bench comm): "
+            "validate them in separate runs"
+        )
+    layer = kinds == {"layer"}
+    rows = [r for _, t in tables for r in t]
+    names = ", ".join(map(str, a.measured))
+    records = _validate_layer(a, rows) if layer else _validate_comm(a, rows)
+    summary = summarise(records)
+    print(f"{names}: {len(rows)} rows")
+    print(format_report(records, summary, rows=a.rows))
+    if a.csv:
+        write_csv(records, a.csv)
+        print(f"wrote {a.csv}")
+    if a.plot:
+        from sim.app.plots import layer_validation, validation_scatter
+
+        fig = layer_validation(records) if layer else validation_scatter(records)
+        fig.savefig(a.plot, dpi=110)
+        print(f"wrote {a.plot}")
+    return 0
+
+
+def _validate_comm(a, rows: list[dict]) -> list[dict]:
+    from sim.app.validate import validate_rows
+    from sim.comm.fit import fit_kernel_profile
+
+    prof = load_kernel_profile(a.profile)
+    if a.refit:
+        print("refitting the kernel profile on the fit rows (a few minutes)", flush=True)
+        prof = fit_kernel_profile(rows, prof, log=lambda m: print(f"  {m}", flush=True))
+        print(f"refitted kernel knobs on {prof.fit_subset}: {prof.fit}")
+        if a.save_profile:
+            prof.save(a.save_profile)
+            print(f"wrote {a.save_profile}")
+    print(f"comm-kernel model, profile {a.profile} fitted on: {prof.fit_subset}")
+    return validate_rows(rows, prof)
+
+
+def _validate_layer(a, rows: list[dict]) -> list[dict]:
+    from sim.app.validate import validate_layer_rows
+    from sim.fused.fit import FUSED_KNOBS, fit_fused_profile
+
+    prof = load_fused_profile(a.fused_profile)
+    if a.refit:
+        print("refitting the fused-layer knobs on the fit rows (a few minutes)", flush=True)
+        prof = fit_fused_profile(rows, prof, log=lambda m: print(f"  {m}", flush=True))
+        print("refitted: " + ", ".join(f"{k}={getattr(prof, k)}" for k in FUSED_KNOBS), prof.fit)
+        if a.save_profile:
+            prof.save(a.save_profile)
+            print(f"wrote {a.save_profile}")
+    print(f"fused-layer model, profile {a.fused_profile} fitted on: {prof.fit_subset}")
+    return validate_layer_rows(rows, prof)
+
+
+def _cmd_bench(a) -> int:
+    from sim.app.bench import main as bench_main
+
+    return bench_main(["--sweep-configs", str(a.sweep_configs)] + (["--quick"] if a.quick else []))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mok-sim",
+        description="Discrete-event model of push vs pull MoE dispatch/combine on NVLink "
+        "topologies. With no subcommand: the default comparison (writes a PNG).",
+    )
+    p.add_argument("--out", default="mok-sim-default.png", help="PNG of the default run")
+    sub = p.add_subparsers(dest="cmd")
+
+    c = sub.add_parser("compare", help="push vs pull vs dedup-pull for one workload")
+    _add_workload(c)
+    _add_config(c)
+    c.add_argument("--csv", help="also write the rows as CSV")
+
+    s = sub.add_parser("sweep", help="grid over policy x comm SMs x minibatch x ring size")
+    _add_workload(s)
+    _add_config(s, single=False)
+    s.add_argument("--dispatch", type=dispatch_modes_arg, default=",".join(DISPATCH_MODES))
+    s.add_argument("--combine", type=combine_modes_arg, default=",".join(COMBINE_MODES))
+    s.add_argument("--sms", type=int_list(1), default="16,24,32")
+    s.add_argument("--minibatch", type=int_list(1), default="2048,4096")
+    s.add_argument("--ring-slots", type=int_list(1), default="2,4")
+    s.add_argument("--jobs", type=int_arg(1), default=None, help="worker processes (default: CPUs)")
+    s.add_argument("--out", default="mok-sim-sweep.csv")
+    s.add_argument("--heatmap", help="PNG heatmap of comm SMs x minibatch")
+    s.add_argument("--quiet", action="store_true")
+
+    t = sub.add_parser(
+        "tune",
+        help="best config for a workload, as mok-config/1 JSON",
+        description="Search the config space of one MoE layer forward and print the best "
+        "config as mok-config/1 JSON (mok.MoKConfig.from_json loads --emit-config). Default: "
+        "the unfused layer (communication kernels + grouped GEMM, moe_forward(..., "
+        "fused=False)) with the layer model; topology hgx-h200, EP8. --fused: the fused layer "
+        "(one kernel, moe_forward(..., fused=True)) with the fused model (sim/fused/model.py, "
+        "--fused-profile): row tile 64|128 (--row-tile pins one) x dispatch pull|dedup_pull x "
+        "comm SMs x minibatch, combine push, macrobatch 0 (the whole receive buffer, as the "
+        "model was fitted); topology and EP default to the profile's (h200x2, EP2). It prints "
+        "the best --top configs. Where the fused layer does not apply (hidden %% 256, "
+        "intermediate %% 128, bf16 only, a row tile other than 64 or 128, "
+        "a GPU the profile was not fitted on, EP across NVLink domains) it says why and tunes "
+        "the unfused layer instead.",
+    )
+    _add_workload(t)
+    _add_config(t, single=False)
+    # resolved per layer: see the description (row tile: 128 unfused, searched fused)
+    t.set_defaults(topology=None, ep=None, row_tile=None)
+    t.add_argument("--sms", type=int_list(1), help="comm SMs to try (default 8,16,24,32,48)")
+    t.add_argument(
+        "--minibatch", type=int_list(1), help="minibatch sizes to try (default 1024..8192)"
+    )
+    t.add_argument(
+        "--dispatch",
+        type=dispatch_modes_arg,
+        help="dispatch modes to try (default: all; with --fused pull,dedup_pull)",
+    )
+    t.add_argument("--emit-config", help="write the JSON here (mok.MoKConfig.from_json)")
+    t.add_argument("--jobs", type=int_arg(1), default=None, help="worker processes (unfused model)")
+    t.add_argument("--quiet", action="store_true")
+    f = t.add_argument_group("fused layer")
+    f.add_argument(
+        "--fused",
+        action="store_true",
+        help="tune the fused layer with the fused model (routing seed = tokens, as mok.bench "
+        "layer draws it; --seed, --mechanism, --granularity and --kernel-profile apply to the "
+        "unfused model only)",
+    )
+    f.add_argument(
+        "--fused-profile",
+        metavar="NAME|PATH",
+        default="mok-fused-h200x2",
+        help="fused-layer profile name under sim/profiles or a JSON path",
+    )
+    f.add_argument("--top", type=int_arg(1), default=5, help="with --fused: rows of the table")
+
+    tr = sub.add_parser("trace", help="Chrome trace (Perfetto) of one run")
+    _add_workload(tr)
+    _add_config(tr)
+    tr.add_argument("--out", default="mok-sim-trace.json")
+    tr.add_argument("--csv", help="timeline records as CSV")
+    tr.add_argument("--gantt", help="Gantt PNG")
+    tr.add_argument("--links", help="link utilisation PNG")
+
+    cal = sub.add_parser("calibrate", help="fit a GPU profile from a probe JSON")
+    cal.add_argument("probe", help="probe JSON (python -m mok.bench probe)")
+    cal.add_argument("--name", default="h200")
+    cal.add_argument("--out", default="gpu-profile.json")
+    cal.add_argument("--num-sms", type=int_arg(1), default=None)
+    cal.add_argument(
+        "--nvlink-gbps", type=positive_float, default=None, help="datasheet, per direction"
+    )
+
+    v = sub.add_parser("validate", help="predict a measured mok kernel sweep and score it")
+    v.add_argument(
+        "measured",
+        nargs="+",
+        help="CSV(s) of mok.bench comm, or of mok.bench layer / sweep (fused layer rows)",
+    )
+    v.add_argument("--profile", default="mok-comm-h200x2", help="kernel profile name or JSON")
+    v.add_argument(
+        "--fused-profile",
+        default="mok-fused-h200x2",
+        help="fused-layer profile name or JSON (layer CSVs)",
+    )
+    v.add_argument("--csv", help="write the per-row predictions here")
+    v.add_argument("--plot", help="PNG scatter of predicted vs measured")
+    v.add_argument("--rows", action="store_true", help="list every row under its group")
+    v.add_argument("--refit", action="store_true", help="refit the knobs on the CSVs' fit rows")
+    v.add_argument("--save-profile", help="with --refit: write the refitted profile here")
+
+    b = sub.add_parser("bench", help="simulator speed benchmark (same as python -m sim.app.bench)")
+    b.add_argument("--sweep-configs", type=int_arg(1), default=500)
+    b.add_argument("--quick", action="store_true")
+    return p
+
+
+_COMMANDS = {
+    None: _cmd_default,
+    "compare": _cmd_compare,
+    "sweep": _cmd_sweep,
+    "tune": _cmd_tune,
+    "trace": _cmd_trace,
+    "calibrate": _cmd_calibrate,
+    "bench": _cmd_bench,
+    "validate": _cmd_validate,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; bad arguments exit 2 (argparse), a bad path or input file and a
+    workload or config the simulator rejects print one line on stderr and return 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        check_paths(args)
+        return _COMMANDS[args.cmd](args)
+    except CliError as e:
+        print(f"mok-sim: {e}", file=sys.stderr)
+    except OSError as e:  # a file that went away or a disk that filled up after the checks
+        name = e.filename if e.filename is not None else "a file"
+        print(f"mok-sim: cannot access {name}: {e.strerror or e}", file=sys.stderr)
+    except ValueError as e:
+        print(f"mok-sim: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

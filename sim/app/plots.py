@@ -1,0 +1,452 @@
+"""Figures of simulation results; each function returns a matplotlib Figure (Agg backend)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from sim.core.topology import RES_PER_GPU  # noqa: E402
+from sim.layer.results import LayerResult  # noqa: E402
+
+__all__ = [
+    "gantt",
+    "link_utilisation",
+    "sweep_heatmap",
+    "sweep_heatmap_panels",
+    "compare_bars",
+    "policy_comparison",
+    "scaling_summary",
+    "waves_scatter",
+    "validation_scatter",
+    "layer_validation",
+    "PHASE_COLORS",
+]
+
+PHASE_COLORS = {
+    "schedule": "#7f7f7f",
+    "shared_expert": "#9467bd",
+    "gemm": "#1f77b4",
+    "reduce": "#17becf",
+    "dispatch": "#ff7f0e",
+    "combine": "#2ca02c",
+    "signal": "#d62728",
+    "credit": "#e377c2",
+}
+_LANE = {"dispatch": 1, "combine": 2, "signal": 3, "credit": 3}
+BREAKDOWN_COLORS = {
+    "gemm_us": "#1f77b4",
+    "exposed_comm_us": "#ff7f0e",
+    "signalling_us": "#d62728",
+    "schedule_us": "#7f7f7f",
+}
+
+
+def gantt(result: LayerResult, ranks: Sequence[int] | None = None) -> Figure:
+    """Per-rank Gantt chart: compute, dispatch, combine and signal lanes."""
+    recs = result.records()
+    ranks = list(ranks) if ranks is not None else list(range(min(result.workload.ep, 8)))
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.75 * len(ranks)))
+    lane_h = 0.2
+    for i, r in enumerate(ranks):
+        for rec in recs:
+            if rec["rank"] not in (r, -1) or rec["duration_us"] <= 0:
+                continue
+            lane = _LANE.get(rec["phase"], 0)
+            ax.broken_barh(
+                [(rec["start_us"], rec["duration_us"])],
+                (i - 0.4 + lane * lane_h, lane_h * 0.9),
+                color=PHASE_COLORS.get(rec["phase"], "k"),
+                linewidth=0,
+            )
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (us)")
+    ax.set_title(f"{result.workload.label()} | {result.config.label()}", fontsize=9)
+    handles = [
+        matplotlib.patches.Patch(color=c, label=p)
+        for p, c in PHASE_COLORS.items()
+        if any(rec["phase"] == p for rec in recs)
+    ]
+    ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=4)
+    fig.tight_layout()
+    return fig
+
+
+def link_utilisation(result: LayerResult, ranks: Sequence[int] | None = None) -> Figure:
+    """NVLink utilisation per direction (tx and rx of each rank's port) over time; needs a run
+    with ``record_links=True``."""
+    run, topo = result.run, result.topology
+    fig, axes = plt.subplots(2, 1, figsize=(11, 5), sharex=True)
+    if run is None or not run.link_series:
+        axes[0].text(0.5, 0.5, "no link series recorded (record_links=True)", ha="center")
+        return fig
+    caps = np.asarray(topo.capacities())
+    t = np.array([s[0] for s in run.link_series])
+    used = np.stack([s[1] for s in run.link_series])
+    ranks = list(ranks) if ranks is not None else list(range(min(result.workload.ep, 4)))
+    for ax, kind, name in ((axes[0], 1, "tx"), (axes[1], 2, "rx")):
+        for r in ranks:
+            res = r * RES_PER_GPU + kind
+            ax.step(t, used[:, res] / caps[res], where="post", label=f"rank {r}", lw=0.9)
+        ax.set_ylabel(f"NVLink {name} utilisation")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=7, loc="upper right", ncol=4)
+    axes[1].set_xlabel("time (us)")
+    axes[0].set_title(f"{result.workload.label()} | {result.config.label()}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _grid_axes(ax, x: str, y: str, xs: list, ys: list) -> None:
+    """Ticks at the cells of a heatmap over ``xs`` x ``ys`` and the axis names."""
+    ax.set_xticks(range(len(xs)))
+    ax.set_xticklabels(xs)
+    ax.set_yticks(range(len(ys)))
+    ax.set_yticklabels(ys)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+
+
+def _best_grid(rows, x: str, y: str, value: str, xs: list, ys: list) -> np.ndarray:
+    """[len(ys), len(xs)]: the smallest ``value`` of the rows in each (x, y) cell, NaN if none."""
+    grid = np.full((len(ys), len(xs)), np.nan)
+    for r in rows:
+        i, j = ys.index(r[y]), xs.index(r[x])
+        if np.isnan(grid[i, j]) or r[value] < grid[i, j]:
+            grid[i, j] = r[value]
+    return grid
+
+
+def sweep_heatmap(
+    rows: Sequence[dict],
+    x: str = "num_comm_sms",
+    y: str = "minibatch_size",
+    value: str = "layer_us",
+    where: dict | None = None,
+) -> Figure:
+    """Heatmap of the best ``value`` over the other swept fields, for each (x, y) cell."""
+    where = where or {}
+    sel = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+    xs = sorted({r[x] for r in sel})
+    ys = sorted({r[y] for r in sel})
+    grid = _best_grid(sel, x, y, value, xs, ys)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(xs), 1.2 + 0.6 * len(ys)))
+    im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
+    _grid_axes(ax, x, y, xs, ys)
+    for i in range(len(ys)):
+        for j in range(len(xs)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=7, color="w")
+    fig.colorbar(im, ax=ax, label=value)
+    title = ", ".join(f"{k}={v}" for k, v in where.items()) or "best over other fields"
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_heatmap_panels(
+    rows: Sequence[dict],
+    x: str = "num_comm_sms",
+    y: str = "minibatch_size",
+    value: str = "layer_us",
+    row: str = "model",
+    col: str = "dispatch_mode",
+    measured: Sequence[dict] = (),
+    measured_value: str = "measured_us",
+    vmax_rel: float | None = None,
+) -> Figure:
+    """:func:`sweep_heatmap` panels, one per (``row``, ``col``) value pair, with one colour
+    scale per panel row (capped at ``vmax_rel`` x the row's best when given; lighter is faster).
+    Each panel's best cell is outlined in red. The cells of ``measured`` (records with the same
+    x, y, row and col fields plus ``measured_value``) are outlined in the text colour and show
+    the measured value under the predicted one (``m ...``)."""
+    prows = list(dict.fromkeys(r[row] for r in rows))
+    pcols = list(dict.fromkeys(r[col] for r in rows))
+    xs = sorted({r[x] for r in rows})
+    ys = sorted({r[y] for r in rows})
+    meas = {(m[row], m[col], m[x], m[y]): m[measured_value] for m in measured}
+    fig, axes = plt.subplots(
+        len(prows),
+        len(pcols),
+        figsize=(
+            0.6 + (1.2 + 0.9 * len(xs)) * len(pcols),
+            0.6 + (1.0 + 0.7 * len(ys)) * len(prows),
+        ),
+        squeeze=False,
+        layout="constrained",
+    )
+    for i, pr in enumerate(prows):
+        grids = []
+        for pc in pcols:
+            panel = [r for r in rows if r[row] == pr and r[col] == pc]
+            grids.append(_best_grid(panel, x, y, value, xs, ys))
+        lo = np.nanmin(grids)
+        hi = np.nanmax(grids) if vmax_rel is None else min(np.nanmax(grids), vmax_rel * lo)
+        for j, (pc, grid) in enumerate(zip(pcols, grids, strict=True)):
+            ax = axes[i][j]
+            im = ax.imshow(grid, cmap="viridis_r", aspect="auto", vmin=lo, vmax=hi)
+            _grid_axes(ax, x, y, xs, ys)
+            best = np.unravel_index(np.nanargmin(grid), grid.shape)
+            for a in range(len(ys)):
+                for b in range(len(xs)):
+                    if np.isnan(grid[a, b]):
+                        continue
+                    m = meas.get((pr, pc, xs[b], ys[a]))
+                    text = f"{grid[a, b]:.0f}" + (f"\nm {m:.0f}" if m is not None else "")
+                    # black on the light (fast) end of viridis_r, white elsewhere
+                    ink = "k" if grid[a, b] < lo + 0.35 * (hi - lo) else "w"
+                    ax.text(b, a, text, ha="center", va="center", fontsize=7, color=ink)
+                    if m is not None or (a, b) == best:
+                        ax.add_patch(
+                            matplotlib.patches.Rectangle(
+                                (b - 0.46, a - 0.46),
+                                0.92,
+                                0.92,
+                                fill=False,
+                                edgecolor="r" if (a, b) == best else ink,
+                                lw=1.5,
+                            )
+                        )
+            ax.set_title(f"{row}={pr}, {col}={pc}", fontsize=8)
+        capped = hi < np.nanmax(grids)
+        fig.colorbar(im, ax=axes[i].tolist(), label=value, extend="max" if capped else "neither")
+    return fig
+
+
+def compare_bars(groups: dict[str, Sequence[LayerResult]]) -> Figure:
+    """Stacked critical-path breakdown per policy, one panel per workload label."""
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
+    for ax, (title, results) in zip(axes[0], groups.items(), strict=True):
+        labels = [f"{r.config.dispatch_mode}\n{r.config.combine_mode}" for r in results]
+        bottom = np.zeros(len(results))
+        for key, color in BREAKDOWN_COLORS.items():
+            vals = np.array([r.breakdown[key] for r in results])
+            ax.bar(labels, vals, bottom=bottom, color=color, label=key.removesuffix("_us"))
+            bottom += vals
+        for i, r in enumerate(results):
+            ax.text(i, r.layer_us, f"{r.layer_us:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("layer time (us), critical-path breakdown")
+        ax.set_ylim(0, bottom.max() * 1.12)
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def _policy(row: dict) -> str:
+    return f"{row['dispatch_mode']}/{row['combine_mode']}"
+
+
+def policy_comparison(rows: Sequence[dict], reference: str = "pull/push") -> Figure:
+    """Layer time, layer time relative to the ``reference`` policy and NVLink payload per rank
+    of each (dispatch, combine) policy: one row of panels per routing skew, one group of bars per
+    (topology, EP). ``rows`` are :meth:`LayerResult.summary` rows."""
+    skews = list(dict.fromkeys(r["skew"] for r in rows))
+    cases = list(dict.fromkeys((r["topology"], r["ep"]) for r in rows))
+    policies = list(dict.fromkeys(_policy(r) for r in rows))
+    ref = {
+        (r["topology"], r["ep"], r["skew"]): r["layer_us"] for r in rows if _policy(r) == reference
+    }
+    fig, axes = plt.subplots(
+        len(skews), 3, figsize=(15, 2.6 * len(skews) + 0.6), squeeze=False, sharex=True
+    )
+    width = 0.8 / len(policies)
+    metrics = (
+        ("layer time (us)", lambda r: r["layer_us"]),
+        (
+            f"layer time / {reference}",
+            lambda r: r["layer_us"] / ref.get((r["topology"], r["ep"], r["skew"]), np.nan),
+        ),
+        ("NVLink MB per rank", lambda r: r["nvlink_payload_mb"] / r["ep"]),
+    )
+    for i, skew in enumerate(skews):
+        for j, (label, get) in enumerate(metrics):
+            ax = axes[i][j]
+            for p, pol in enumerate(policies):
+                vals = np.full(len(cases), np.nan)
+                for r in rows:
+                    if r["skew"] == skew and _policy(r) == pol:
+                        vals[cases.index((r["topology"], r["ep"]))] = get(r)
+                xs = np.arange(len(cases)) + (p - (len(policies) - 1) / 2) * width
+                ax.bar(xs, vals, width, label=pol)
+            ax.set_ylabel(label, fontsize=8)
+            ax.set_title(f"skew {skew}", fontsize=8)
+        axes[i][1].axhline(1.0, color="k", lw=0.6)
+    for ax in axes[-1]:
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels([f"{t}\nEP{ep}" for t, ep in cases], fontsize=7)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def scaling_summary(rows: Sequence[dict], where: dict | None = None) -> Figure:
+    """One bar per step (in row order) of a scale-out: the critical-path breakdown of the layer
+    time, the exposed-communication share and compute idle fraction, and NVLink vs NIC payload
+    per rank. ``rows`` are :meth:`LayerResult.summary` rows; ``where`` filters them."""
+    where = where or {}
+    sel = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+    labels = [f"{r['topology']}\nEP{r['ep']}" for r in sel]
+    x = np.arange(len(sel))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    bottom = np.zeros(len(sel))
+    for key, color in BREAKDOWN_COLORS.items():
+        vals = np.array([r[key] for r in sel])
+        axes[0].bar(x, vals, bottom=bottom, color=color, label=key.removesuffix("_us"))
+        bottom += vals
+    axes[0].set_ylabel("layer time (us), critical-path breakdown")
+    axes[0].legend(fontsize=7)
+    share = np.array([r["exposed_comm_us"] / r["layer_us"] for r in sel])
+    idle = np.array([r["compute_idle_frac"] for r in sel])
+    axes[1].plot(x, 100 * share, "o-", color=BREAKDOWN_COLORS["exposed_comm_us"], label="exposed")
+    axes[1].plot(x, 100 * idle, "s--", color="#7f7f7f", label="compute idle")
+    axes[1].set_ylabel("% of layer time")
+    axes[1].set_ylim(0, 100)
+    axes[1].legend(fontsize=7)
+    nv = np.array([r["nvlink_payload_mb"] / r["ep"] for r in sel])
+    nic = np.array([r["nic_payload_mb"] / r["ep"] for r in sel])
+    axes[2].bar(x, nv, color="#1f77b4", label="NVLink")
+    axes[2].bar(x, nic, bottom=nv, color="#ff7f0e", label="NIC")
+    axes[2].set_ylabel("payload MB per rank")
+    axes[2].legend(fontsize=7)
+    for ax in axes:
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, fontsize=7)
+    title = ", ".join(f"{k}={v}" for k, v in where.items())
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def waves_scatter(
+    rows: Sequence[dict],
+    x: str = "gemm_waves",
+    y: str = "layer_us",
+    hue: str = "num_comm_sms",
+    threshold: float | None = 2.0,
+) -> Figure:
+    """Scatter of ``y`` against ``x`` (e.g. GEMM waves per minibatch, a field the caller adds to
+    sweep rows), one colour per ``hue`` value, with a vertical line at ``threshold``."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for h in sorted({r[hue] for r in rows}):
+        sel = [r for r in rows if r[hue] == h]
+        ax.scatter([r[x] for r in sel], [r[y] for r in sel], s=18, label=f"{hue}={h}")
+    if threshold is not None:
+        ax.axvline(threshold, color="k", ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def validation_scatter(records: Sequence[dict]) -> Figure:
+    """Predicted vs measured phase time of ``sim.app.validate`` records (log-log, y = x and +-15%
+    lines), coloured by ``what``, hollow markers for the rows the knobs were fitted on."""
+    ok = [r for r in records if r.get("status") == "ok"]
+    fig, ax = plt.subplots(figsize=(6.4, 6.0), layout="constrained")
+    colors = {"schedule": "#7f7f7f", "dispatch": "#ff7f0e", "combine": "#2ca02c"}
+    for what in sorted({r["what"] for r in ok}):
+        for role, face in (("validation", None), ("fit", "none")):
+            pts = [r for r in ok if r["what"] == what and r["role"] == role]
+            if not pts:
+                continue
+            c = colors.get(what, "#1f77b4")
+            ax.scatter(
+                [r["measured_us"] for r in pts],
+                [r["predicted_us"] for r in pts],
+                s=28,
+                edgecolors=c,
+                facecolors=face or c,
+                label=f"{what} ({role})",
+            )
+    if ok:
+        lo = min(min(r["measured_us"], r["predicted_us"]) for r in ok) * 0.8
+        hi = max(max(r["measured_us"], r["predicted_us"]) for r in ok) * 1.25
+        x = np.array([lo, hi])
+        ax.plot(x, x, color="k", lw=0.8)
+        for f in (0.85, 1.15):
+            ax.plot(x, f * x, color="k", lw=0.6, ls="--")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured us")
+    ax.set_ylabel("predicted us")
+    ax.set_title("mok-sim validate: predicted vs measured (dashed: +-15%)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def layer_validation(records: Sequence[dict]) -> Figure:
+    """Fused-layer rows of ``sim.app.validate.validate_layer_rows``: per row, the prediction error
+    ``predicted / measured - 1`` (filled: validation row, hollow: fit row) against the measured
+    p20-p80 band around the median (grey bar), one panel per model; dotted lines at +-5 %.
+    With several measured CSVs, tick labels end in the CSV's letter (legend title)."""
+    ok = [r for r in records if r.get("status") == "ok"]
+    models = list(dict.fromkeys(r["model"] for r in ok)) or ["(no rows)"]
+    sources = list(dict.fromkeys(r.get("source", "") for r in ok))
+    tag = {src: f" {chr(97 + i)}" if len(sources) > 1 else "" for i, src in enumerate(sources)}
+    fig, axes = plt.subplots(
+        len(models), 1, figsize=(12, 2.7 * len(models)), squeeze=False, layout="constrained"
+    )
+    colors = {"pull": "#ff7f0e", "dedup_pull": "#1f77b4"}
+    for ax, model in zip(axes[:, 0], models, strict=True):
+        rows = sorted(
+            (r for r in ok if r["model"] == model),
+            key=lambda r: (r["skew"], r["mode"], int(r["sms"]), int(r["minibatch"]), r["source"]),
+        )
+        x = np.arange(len(rows))
+        lo = [100 * (r["p20_us"] / r["measured_us"] - 1) for r in rows]
+        hi = [100 * (r["p80_us"] / r["measured_us"] - 1) for r in rows]
+        ax.bar(x, np.subtract(hi, lo), bottom=lo, width=0.6, color="#cccccc", label="p20-p80")
+        errs = [100 * r["err"] for r in rows]
+        for mode, c in colors.items():
+            for role, face in (("validation", c), ("fit", "none")):
+                sel = [i for i, r in enumerate(rows) if r["mode"] == mode and r["role"] == role]
+                if sel:
+                    ax.scatter(
+                        x[sel],
+                        [errs[i] for i in sel],
+                        s=36,
+                        edgecolors=c,
+                        facecolors=face,
+                        zorder=3,
+                        label=f"{mode} ({role})",
+                    )
+        ax.axhline(0, color="k", lw=0.6)
+        for y in (-5, 5):
+            ax.axhline(y, color="k", lw=0.6, ls=":")
+        top = 1.15 * max([6.0] + [abs(v) for v in errs + lo + hi])
+        ax.set_ylim(-top, top)
+        ax.set_xlim(-0.5, max(len(rows), 8) - 0.5)
+        ax.set_xticks(x)
+        ax.set_xticklabels(
+            [
+                f"{r['skew'].replace('uniform', 'uni')}{tag[r['source']]}\n"
+                f"{r['sms']}/{r['minibatch']}"
+                for r in rows
+            ],
+            fontsize=7,
+        )
+        ax.set_ylabel("% vs measured")
+        ax.set_title(f"{model} (x: skew, comm SMs / minibatch)", fontsize=9)
+        ax.legend(
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.0, 1.0),
+            title="\n".join(f"{t.strip()}: {src}" for src, t in tag.items() if t) or None,
+            title_fontsize=6,
+        )
+    fig.suptitle("fused layer: predicted vs measured median (grey: measured p20-p80)", fontsize=10)
+    return fig

@@ -1,0 +1,359 @@
+"""Task graph and the lean discrete-event loop that runs it over a flow network.
+
+A layer is a DAG of tasks. Each task starts when its last dependency ends and is one of
+
+* ``delay``: a fixed duration (GEMM on the compute SMs, a flag crossing NVLink, a fence);
+* ``join``: zero duration (a ring slot becoming free when several readers are done);
+* ``transfer``: a latency, then a set of flows in the flow network; it ends when its last flow
+  has moved its last byte.
+
+Ordering on a shared server (the compute SMs of a rank run their GEMMs one after another; the comm
+SMs walk their schedule in order) is expressed as a dependency on the previous task of that
+server, so no task ever queues behind a busy resource: bandwidth contention is the flow
+network's job.
+
+The loop keeps a heap of delay completions and the set of active flows. Whenever the flow set
+changes (a batch of simultaneous starts/ends) the max-min rates are re-solved once
+(:func:`sim.core.flows.maxmin_rates`); between changes every flow drains at a constant rate, so the
+next flow event is computed in closed form. Why not SimPy: the process layer here is a static DAG,
+and a generator-per-task SimPy model of the same graph runs several times slower (measured by
+``python -m sim.app.bench``; see :mod:`sim.core.simpy_engine`), while the flow solve is the same
+numba code in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+from numba import njit
+
+from sim.core.flows import FlowTable, maxmin_rates
+
+__all__ = ["Graph", "RunResult", "run_graph", "DELAY", "JOIN", "TRANSFER"]
+
+DELAY, JOIN, TRANSFER = 0, 1, 2
+KIND_NAMES = ("delay", "join", "transfer")
+
+
+class Graph:
+    """Tasks with dependencies; transfers own a contiguous range of flows in ``flows``."""
+
+    def __init__(self) -> None:
+        self.kind: list[int] = []
+        self.duration: list[float] = []
+        self.deps: list[list[int]] = []
+        self.flow_lo: list[int] = []
+        self.flow_hi: list[int] = []
+        self.rank: list[int] = []
+        self.phase: list[str] = []
+        self.round: list[int] = []
+        self.payload_bytes: list[float] = []
+        self.flows = FlowTable()
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    def _add(self, kind, duration, deps, rank, phase, rnd, payload=0.0, lo=0, hi=0) -> int:
+        self.kind.append(kind)
+        self.duration.append(float(duration))
+        self.deps.append([d for d in deps if d is not None])
+        self.flow_lo.append(lo)
+        self.flow_hi.append(hi)
+        self.rank.append(rank)
+        self.phase.append(phase)
+        self.round.append(rnd)
+        self.payload_bytes.append(float(payload))
+        return len(self.kind) - 1
+
+    def delay(self, duration_us: float, deps=(), rank=-1, phase="", rnd=-1) -> int:
+        if duration_us < 0:
+            raise ValueError(f"negative duration {duration_us} for {phase}")
+        return self._add(DELAY, duration_us, deps, rank, phase, rnd)
+
+    def join(self, deps=(), rank=-1, phase="join", rnd=-1) -> int:
+        return self._add(JOIN, 0.0, deps, rank, phase, rnd)
+
+    def transfer(
+        self,
+        flows: list[tuple[float, dict[int, float]]],
+        latency_us: float,
+        deps=(),
+        rank=-1,
+        phase="",
+        rnd=-1,
+    ) -> int:
+        """A transfer of ``flows`` ([(payload bytes, route)]) after ``latency_us``."""
+        lo = len(self.flows)
+        total = 0.0
+        for size, route in flows:
+            if size > 0:
+                self.flows.add(size, route)
+                total += size
+        return self._add(TRANSFER, latency_us, deps, rank, phase, rnd, total, lo, len(self.flows))
+
+    def add_dep(self, task: int, dep: int | None) -> None:
+        if dep is not None:
+            self.deps[task].append(dep)
+
+
+@dataclass
+class RunResult:
+    start_us: np.ndarray  # [num_tasks]
+    end_us: np.ndarray  # [num_tasks]
+    crit_pred: np.ndarray  # [num_tasks] dependency that finished last (-1: none)
+    resource_bytes: np.ndarray  # [num_resources] capacity-units x us used (bytes for links)
+    num_events: int
+    num_solves: int
+    link_series: list[tuple[float, np.ndarray]] = field(default_factory=list)
+
+    @property
+    def makespan_us(self) -> float:
+        return float(self.end_us.max()) if self.end_us.size else 0.0
+
+
+@njit(cache=True, error_model="numpy")
+def _heap_push(ht, hc, size, t, code):  # pragma: no cover - numba
+    """Binary min-heap on (time, insertion order) stored in arrays; returns the new size."""
+    i = size
+    ht[i] = t
+    hc[i] = code
+    while i > 0:
+        p = (i - 1) // 2
+        if ht[p] <= ht[i]:
+            break
+        ht[p], ht[i] = ht[i], ht[p]
+        hc[p], hc[i] = hc[i], hc[p]
+        i = p
+    return size + 1
+
+
+@njit(cache=True, error_model="numpy")
+def _heap_pop(ht, hc, size):  # pragma: no cover - numba
+    """Remove the top (read it before calling); returns the new size."""
+    size -= 1
+    ht[0] = ht[size]
+    hc[0] = hc[size]
+    i = 0
+    while True:
+        a = 2 * i + 1
+        if a >= size:
+            break
+        b = a + 1
+        c = b if b < size and ht[b] < ht[a] else a
+        if ht[i] <= ht[c]:
+            break
+        ht[c], ht[i] = ht[i], ht[c]
+        hc[c], hc[i] = hc[i], hc[c]
+        i = c
+    return size
+
+
+@njit(cache=True, error_model="numpy")
+def _event_loop(
+    kind,
+    dur,
+    succ_ptr,
+    succ_idx,
+    indeg,
+    flow_lo,
+    flow_hi,
+    ptr,
+    res,
+    coef,
+    size,
+    cap,
+    start,
+    end,
+    crit,
+    res_bytes,
+    series_t,
+    series_used,
+    record,
+):  # pragma: no cover - numba
+    n = kind.shape[0]
+    nflows = size.shape[0]
+    num_res = cap.shape[0]
+    flow_task = np.empty(nflows, np.int64)
+    for t in range(n):
+        for f in range(flow_lo[t], flow_hi[t]):
+            flow_task[f] = t
+    pending = np.zeros(n, np.int64)
+    rem = size.copy()
+    act = np.empty(nflows, np.int64)
+    rates = np.zeros(nflows)
+    used = np.zeros(num_res)
+    na = 0
+    stack = np.empty(n, np.int64)  # tasks done at `now`, not yet propagated
+    ns = 0
+    ht = np.empty(n + 1)
+    hc = np.empty(n + 1, np.int64)
+    hn = 0
+    now = 0.0
+    dirty = False
+    num_events = 0
+    num_solves = 0
+    for t in range(n):
+        start[t] = np.nan
+        end[t] = np.nan
+        crit[t] = -1
+    # tasks to start: reuse a queue
+    queue = np.empty(n, np.int64)
+    nq = 0
+    for t in range(n):
+        if indeg[t] == 0:
+            queue[nq] = t
+            nq += 1
+    while True:
+        # start queued tasks, propagate completions at `now`
+        while nq > 0 or ns > 0:
+            while nq > 0:
+                nq -= 1
+                t = queue[nq]
+                start[t] = now
+                k = kind[t]
+                if k == JOIN:
+                    stack[ns] = t
+                    ns += 1
+                elif k == DELAY or dur[t] > 0.0:
+                    hn = _heap_push(ht, hc, hn, now + dur[t], t if k == DELAY else -1 - t)
+                else:
+                    if flow_hi[t] == flow_lo[t]:
+                        stack[ns] = t
+                        ns += 1
+                    else:
+                        pending[t] = flow_hi[t] - flow_lo[t]
+                        for f in range(flow_lo[t], flow_hi[t]):
+                            act[na] = f
+                            na += 1
+                        dirty = True
+            while ns > 0:
+                ns -= 1
+                t = stack[ns]
+                end[t] = now
+                for i in range(succ_ptr[t], succ_ptr[t + 1]):
+                    s = succ_idx[i]
+                    indeg[s] -= 1
+                    if indeg[s] == 0:
+                        crit[s] = t
+                        queue[nq] = s
+                        nq += 1
+        if dirty:
+            maxmin_rates(act[:na], ptr, res, coef, cap, rates, used)
+            if record and num_solves < series_t.shape[0] - 1:
+                series_t[num_solves] = now
+                for r in range(num_res):
+                    series_used[num_solves, r] = used[r]
+            num_solves += 1
+            dirty = False
+        t_flow = np.inf
+        for a in range(na):
+            r = rates[a]
+            if r > 0.0:
+                x = now + rem[act[a]] / r
+                if x < t_flow:
+                    t_flow = x
+        t_heap = ht[0] if hn > 0 else np.inf
+        if t_flow == np.inf and t_heap == np.inf:
+            break
+        t_next = t_flow if t_flow < t_heap else t_heap
+        dt = t_next - now
+        if na > 0 and dt > 0.0:
+            for a in range(na):
+                rem[act[a]] -= rates[a] * dt
+            for r in range(num_res):
+                res_bytes[r] += used[r] * dt
+        now = t_next
+        num_events += 1
+        if na > 0 and t_flow <= t_heap:
+            j = 0
+            for a in range(na):
+                f = act[a]
+                if rem[f] <= 1e-9 * size[f] + 1e-6:
+                    rem[f] = 0.0
+                    t = flow_task[f]
+                    pending[t] -= 1
+                    if pending[t] == 0:
+                        stack[ns] = t
+                        ns += 1
+                    dirty = True
+                else:
+                    act[j] = f
+                    rates[j] = rates[a]
+                    j += 1
+            na = j
+        while hn > 0 and ht[0] <= now:
+            code = hc[0]
+            hn = _heap_pop(ht, hc, hn)
+            if code >= 0:
+                stack[ns] = code
+                ns += 1
+            else:
+                t = -1 - code
+                if flow_hi[t] == flow_lo[t]:
+                    stack[ns] = t
+                    ns += 1
+                else:
+                    pending[t] = flow_hi[t] - flow_lo[t]
+                    for f in range(flow_lo[t], flow_hi[t]):
+                        act[na] = f
+                        na += 1
+                    dirty = True
+    if record:
+        series_t[num_solves] = now
+    return num_events, num_solves
+
+
+def run_graph(graph: Graph, capacities, record_series: bool = False) -> RunResult:
+    """Run ``graph`` to completion; ``capacities`` [R] per flow-network resource."""
+    n = len(graph)
+    cap = np.asarray(capacities, dtype=np.float64)
+    ptr, res, coef, size = graph.flows.arrays()
+    indeg = np.fromiter(map(len, graph.deps), dtype=np.int64, count=n)
+    src = np.repeat(np.arange(n, dtype=np.int64), indeg)
+    dst = np.fromiter(chain.from_iterable(graph.deps), dtype=np.int64, count=int(indeg.sum()))
+    # successors of each task in CSR, sorted by dependency id (stable)
+    order = np.argsort(dst, kind="stable")
+    succ_idx = src[order]
+    succ_ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(dst, minlength=n), out=succ_ptr[1:])
+    start = np.empty(n)
+    end = np.empty(n)
+    crit = np.empty(n, dtype=np.int64)
+    res_bytes = np.zeros(cap.shape[0])
+    max_series = 2 * len(size) + n + 2 if record_series else 1
+    series_t = np.zeros(max_series)
+    series_used = np.zeros((max_series, cap.shape[0]) if record_series else (1, 1))
+    num_events, num_solves = _event_loop(
+        np.asarray(graph.kind, dtype=np.int64),
+        np.asarray(graph.duration, dtype=np.float64),
+        succ_ptr,
+        succ_idx,
+        indeg,
+        np.asarray(graph.flow_lo, dtype=np.int64),
+        np.asarray(graph.flow_hi, dtype=np.int64),
+        ptr,
+        res,
+        coef,
+        size,
+        cap,
+        start,
+        end,
+        crit,
+        res_bytes,
+        series_t,
+        series_used,
+        record_series,
+    )
+    series = []
+    if record_series:
+        series = [(float(series_t[i]), series_used[i]) for i in range(num_solves)]
+        series.append((float(series_t[num_solves]), np.zeros(cap.shape[0])))
+    if np.isnan(end).any():
+        bad = int(np.flatnonzero(np.isnan(end))[0])
+        raise RuntimeError(
+            f"task graph deadlocked: task {bad} ({graph.phase[bad]}, rank {graph.rank[bad]}, "
+            f"round {graph.round[bad]}) never ran; check ring capacity / dependencies"
+        )
+    return RunResult(start, end, crit, res_bytes, int(num_events), int(num_solves), series)

@@ -1,0 +1,222 @@
+"""GPU profiles: validated hardware data with units in the field names.
+
+A profile is plain JSON under ``sim/profiles/<name>.json`` (format ``mok-gpu-profile/1``). The H200
+profile is produced by :mod:`sim.app.calibrate` from our probe measurements; the others are
+datasheet leads scaled from it, and every such step is listed in the profile's ``assumptions``.
+
+Communication bandwidth is modelled per *mechanism* (``push_st``: 16-byte stores to a peer,
+``pull_ld``: 16-byte loads from a peer, ``push_tma`` / ``pull_tma``: TMA bulk copies, ``local_*``:
+copies inside one GPU) as a function of the number of communication SMs::
+
+    bw(n) = min(per_sm_gbps * n, ceiling(n))
+    ceiling(n) = ceiling_knee_gbps + (ceiling_max_gbps - ceiling_knee_gbps)
+                 * clip(log(n / sm_knee) / log(sm_max / sm_knee), 0, 1)
+
+i.e. a per-SM rate (bytes in flight / latency) that saturates at a ceiling drifting slowly with the
+SM count. The curve is the *engine* limit of the issuing GPU in payload GB/s; the NVLink wire
+limit (with per-direction protocol overhead) is applied separately by the flow network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+__all__ = [
+    "CommCurve",
+    "Protocol",
+    "GpuProfile",
+    "MECHANISMS",
+    "load_gpu",
+    "list_gpus",
+    "PROFILE_FORMAT",
+    "profiles_dir",
+]
+
+PROFILE_FORMAT = "mok-gpu-profile/1"
+MECHANISMS = ("push_st", "pull_ld", "local_st", "push_tma", "pull_tma", "local_tma")
+
+
+@dataclass(frozen=True)
+class CommCurve:
+    """Payload bandwidth (GB/s, one direction) of one mechanism versus communication SMs."""
+
+    per_sm_gbps: float
+    sm_knee: float
+    ceiling_knee_gbps: float
+    sm_max: float
+    ceiling_max_gbps: float
+
+    def __post_init__(self) -> None:
+        if self.per_sm_gbps <= 0 or self.ceiling_knee_gbps <= 0 or self.ceiling_max_gbps <= 0:
+            raise ValueError(f"CommCurve rates must be positive (found {self})")
+        if not 0 < self.sm_knee <= self.sm_max:
+            raise ValueError(f"CommCurve needs 0 < sm_knee <= sm_max (found {self})")
+
+    def ceiling_gbps(self, num_sms: float) -> float:
+        if num_sms <= self.sm_knee or self.sm_max <= self.sm_knee:
+            return self.ceiling_knee_gbps
+        x = math.log(num_sms / self.sm_knee) / math.log(self.sm_max / self.sm_knee)
+        x = min(1.0, x)
+        return self.ceiling_knee_gbps + (self.ceiling_max_gbps - self.ceiling_knee_gbps) * x
+
+    def gbps(self, num_sms: float) -> float:
+        """Payload GB/s that ``num_sms`` SMs move with this mechanism (one direction)."""
+        if num_sms <= 0:
+            return 0.0
+        return min(self.per_sm_gbps * num_sms, self.ceiling_gbps(num_sms))
+
+    def scaled(self, per_sm: float = 1.0, ceiling: float = 1.0) -> CommCurve:
+        return CommCurve(
+            self.per_sm_gbps * per_sm,
+            self.sm_knee,
+            self.ceiling_knee_gbps * ceiling,
+            self.sm_max,
+            self.ceiling_max_gbps * ceiling,
+        )
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """NVLink bytes per payload byte, on the data direction and on the reverse direction.
+
+    Push: the data direction carries the stores and their headers, the reverse direction the
+    write acknowledgements. Pull: the data direction carries the read responses, the reverse
+    direction the read requests.
+    """
+
+    data_bytes_per_byte: float
+    reverse_bytes_per_byte: float
+
+    def __post_init__(self) -> None:
+        if self.data_bytes_per_byte < 1.0 or self.reverse_bytes_per_byte < 0.0:
+            raise ValueError(
+                f"protocol overhead must be >= 1 payload byte on the data direction and >= 0 on "
+                f"the reverse (found {self})"
+            )
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str
+    num_sms: int
+    l2_mb: float
+    hbm_gbps: float  # datasheet HBM bandwidth
+    hbm_copy_gbps: float  # achieved device-to-device copy rate (bytes copied / s, not r+w)
+    tensor_tflops: dict[str, float]  # achieved dense rate of a large GEMM, per dtype
+    gemm_efficiency: float  # grouped-GEMM tile rate as a fraction of tensor_tflops
+    gemm_n_tile: int  # N of a 128 x N output tile computed by one SM
+    flag_latency_remote_us: float  # one-way st.release.sys / ld.acquire.sys over NVLink
+    flag_latency_local_us: float  # same between two blocks on one GPU
+    remote_load_latency_us: float  # dependent load from peer memory
+    local_load_latency_us: float
+    nvlink_gbps_per_direction: float  # datasheet, whole GPU (all links), one direction
+    nvlink_wire_efficiency: float  # usable fraction of the datasheet wire rate (fitted)
+    protocol: dict[str, Protocol]  # "push" / "pull"
+    comm_curves: dict[str, CommCurve]  # by mechanism, see MECHANISMS
+    fence_us: float  # membar.sys before a remote completion flag
+    source: str = ""
+    assumptions: tuple[str, ...] = ()
+    fit: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_sms <= 0:
+            raise ValueError(f"{self.name}: num_sms must be positive (found {self.num_sms})")
+        if "bf16" not in self.tensor_tflops:
+            raise ValueError(f"{self.name}: tensor_tflops needs a 'bf16' entry")
+        if not 0 < self.gemm_efficiency <= 1:
+            raise ValueError(f"{self.name}: gemm_efficiency must be in (0, 1]")
+        if not 0 < self.nvlink_wire_efficiency <= 1:
+            raise ValueError(f"{self.name}: nvlink_wire_efficiency must be in (0, 1]")
+        missing = [m for m in MECHANISMS if m not in self.comm_curves]
+        if missing:
+            raise ValueError(f"{self.name}: comm_curves lacks {', '.join(missing)}")
+        for p in ("push", "pull"):
+            if p not in self.protocol:
+                raise ValueError(f"{self.name}: protocol lacks {p!r}")
+        for f in (
+            "flag_latency_remote_us",
+            "flag_latency_local_us",
+            "remote_load_latency_us",
+            "local_load_latency_us",
+            "fence_us",
+        ):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{self.name}: {f} must be >= 0")
+
+    @property
+    def nvlink_wire_gbps(self) -> float:
+        """Usable wire bytes per second per direction of the GPU's NVLink port."""
+        return self.nvlink_gbps_per_direction * self.nvlink_wire_efficiency
+
+    def tflops(self, dtype: str) -> float:
+        try:
+            return self.tensor_tflops[dtype]
+        except KeyError:
+            raise ValueError(
+                f"{self.name} has no tensor rate for {dtype!r}; known: {sorted(self.tensor_tflops)}"
+            ) from None
+
+    def curve(self, mechanism: str) -> CommCurve:
+        try:
+            return self.comm_curves[mechanism]
+        except KeyError:
+            raise ValueError(
+                f"unknown comm mechanism {mechanism!r}; known: {', '.join(MECHANISMS)}"
+            ) from None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["assumptions"] = list(self.assumptions)
+        return {"format": PROFILE_FORMAT, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GpuProfile:
+        d = dict(d)
+        fmt = d.pop("format", PROFILE_FORMAT)
+        if fmt != PROFILE_FORMAT:
+            raise ValueError(f"unsupported GPU profile format {fmt!r} (expected {PROFILE_FORMAT})")
+        d["protocol"] = {k: Protocol(**v) for k, v in d["protocol"].items()}
+        d["comm_curves"] = {k: CommCurve(**v) for k, v in d["comm_curves"].items()}
+        d["tensor_tflops"] = {k: float(v) for k, v in d["tensor_tflops"].items()}
+        d["assumptions"] = tuple(d.get("assumptions", ()))
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def profiles_dir() -> Path:
+    """``sim/profiles``: the fitted profiles (GPU, comm-kernel, fused-layer JSON) that the loaders
+    find by name (package data of ``sim``)."""
+    return Path(str(resources.files("sim") / "profiles"))
+
+
+def list_gpus() -> list[str]:
+    return sorted(
+        p.stem
+        for p in profiles_dir().glob("*.json")
+        if json.loads(p.read_text()).get("format") == PROFILE_FORMAT
+    )
+
+
+_CACHE: dict[str, GpuProfile] = {}
+
+
+def load_gpu(name_or_path: str | Path) -> GpuProfile:
+    """Load a GPU profile by preset name (``h200``, ``h100``, ``b200``, ``gb200``, ``gb300``) or
+    from a JSON path."""
+    key = str(name_or_path)
+    if key in _CACHE:
+        return _CACHE[key]
+    p = Path(key)
+    if not p.suffix:
+        p = profiles_dir() / f"{key}.json"
+        if not p.exists():
+            raise ValueError(f"unknown GPU profile {key!r}; presets are {', '.join(list_gpus())}")
+    prof = GpuProfile.from_dict(json.loads(p.read_text()))
+    _CACHE[key] = prof
+    return prof

@@ -1,0 +1,367 @@
+"""One MoE layer forward as a task graph over the flow network, and the function that runs it.
+
+Per rank r (EP ranks are the first ``ep`` GPUs of the topology):
+
+* ``schedule``: counts all-gather and the schedule table (one global task);
+* compute SMs, in order: shared expert (overlaps the first dispatch) -> expert FFN of round 0 ->
+  round 1 -> ... -> final weighted sum of the k combine rows of each token;
+* comm SMs: the dispatch and combine transfers of the policies (:mod:`sim.layer.policies`), sharing
+the
+  rank's comm engine with max-min fairness;
+* the receive ring has ``macrobatch_size / minibatch_size`` slots; round m reuses slot
+  ``m % slots`` once round ``m - slots`` was combined (back-pressure).
+
+Comm rates: by default each transfer's comm-engine rate is the probe's per-SM curve of the
+mechanism (:meth:`LayerBuilder._set_sms`; 1024 threads x 16 B in flight per SM). With
+``SimConfig.kernel_profile`` set, the dispatch and the combine transfers instead run at the rates
+of the measured mok kernel that plays that role (:func:`kernel_knobs`, :meth:`LayerBuilder.
+_kernel_rates`): the probe's per-SM rate times that kernel's fitted in-flight factor, the TMA
+row-size scale of the dispatch copy rings, and the SM congestion ``1 / (1 + n / c[engine])``,
+under the same ceilings. Assumption: the megakernel's comm SMs run the standalone kernels' copy
+loops, so their per-SM efficiency carries over; the standalone kernels' per-call costs (launch,
+fill/drain, host floor, handshakes) do not, since the megakernel is one launch whose signalling
+the layer already models.
+
+Backward is not modelled yet: :data:`PASSES` lists the passes, and a backward builder would add
+its own rounds (reverse-combine pull, dgrad GEMMs, reverse-dispatch push, wgrad at the end) with
+the same builder helpers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
+
+import numpy as np
+
+from sim.comm.profile import KernelProfile, load_kernel_profile
+from sim.comm.rates import kernel_rates
+from sim.config import SimConfig, Workload
+from sim.core.engine import Graph, run_graph
+from sim.core.gemm import expert_ffn_us, reduce_us
+from sim.core.transfer import Rates, TransferBuilder
+from sim.layer.plan import RoutingPlan
+from sim.layer.policies import get_combine, get_dispatch
+from sim.layer.results import LayerResult
+
+__all__ = [
+    "LayerBuilder",
+    "simulate",
+    "simulate_many",
+    "PASSES",
+    "plan_for",
+    "kernel_knobs",
+    "check_kernel_profile",
+    "layer_kernel_profile",
+    "ROLES",
+]
+
+PASSES = ("forward",)
+
+
+# -- measured kernel efficiency (opt-in) --------------------------------------------------------
+# The transfers of the layer, by the ``phase`` the policies pass to LayerBuilder.transfer.
+ROLES = ("dispatch", "combine")
+# SimConfig.mechanism -> engine label of the kernel profile's knobs (and back to probe curves)
+_ENGINE_OF_MECH = {"tma": "tma", "st": "vector"}
+
+
+@lru_cache(maxsize=16)
+def layer_kernel_profile(name_or_path: str) -> KernelProfile:
+    """The KernelProfile behind ``SimConfig.kernel_profile`` (a name under sim/profiles or a JSON
+    path), loaded once per process. Only its in-flight factors, congestion constants and row
+    terms (``tma_item_us``, ``warp_lookup_rounds``) are used by the layer; its fixed per-call and
+    host costs describe standalone launches and are ignored (the megakernel is one launch)."""
+    try:
+        return load_kernel_profile(name_or_path)
+    except OSError as e:
+        raise ValueError(
+            f"kernel profile {name_or_path!r} not found ({e.strerror}); give a name under "
+            "sim/profiles (e.g. mok-comm-h200x2) or a path to a mok-kernel-profile/1 JSON"
+        ) from None
+
+
+def _role_candidates(cfg: SimConfig) -> dict[str, tuple[str, ...]]:
+    """Kernel knobs that may play each role of the fused layer, preferred first.
+
+    ============================ ========================================================
+    dispatch pull                ``dispatch.pull.<engine>``
+    dispatch dedup_pull          ``dispatch.dedup_pull+fanout.<engine>``: the layer's dedup
+                                 dispatch moves the unique rows over NVLink and fans the rest
+                                 out locally in the same comm-SM transfer, as that kernel does
+    dispatch push                ``dispatch.push.<engine>`` (only ``vector`` was measured)
+    combine push                 ``combine.push.<engine>`` (only ``vector``)
+    combine push after dedup     ``combine.dedup_push.<engine>`` (only ``vector``): fold the
+                                 rank-local rows, push one row per (token, rank)
+    combine pull                 ``combine.pull.<engine>`` (only ``vector``)
+    ============================ ========================================================
+
+    ``<engine>`` is ``tma`` for ``mechanism="tma"`` and ``vector`` for ``"st"``. When the profile
+    has no kernel of that engine for a role, the role falls back to the other engine's kernel
+    and then runs on that kernel's probe curves and congestion constant (the copy loop that was
+    measured), not on the config's mechanism.
+    """
+    eng = _ENGINE_OF_MECH[cfg.mechanism]
+    other = "vector" if eng == "tma" else "tma"
+    disp = {
+        "pull": "dispatch.pull",
+        "dedup_pull": "dispatch.dedup_pull+fanout",
+        "push": "dispatch.push",
+    }[cfg.dispatch_mode]
+    comb = "combine.dedup_push" if cfg.dedup else f"combine.{cfg.combine_mode}"
+    return {
+        "dispatch": (f"{disp}.{eng}", f"{disp}.{other}"),
+        "combine": (f"{comb}.{eng}", f"{comb}.{other}"),
+    }
+
+
+def kernel_knobs(cfg: SimConfig) -> dict[str, str]:
+    """Role ("dispatch" / "combine") -> the kernel profile knob whose fitted efficiency sets
+    that role's comm rates under ``cfg`` (see :func:`_role_candidates`); {} without a profile."""
+    if cfg.kernel_profile is None:
+        return {}
+    prof = layer_kernel_profile(cfg.kernel_profile)
+    out = {}
+    for role, cands in _role_candidates(cfg).items():
+        hit = next((k for k in cands if k in prof.inflight_factor), None)
+        if hit is None:
+            raise ValueError(
+                f"kernel profile {cfg.kernel_profile!r} has no kernel for the {role} of "
+                f"{cfg.dispatch_mode}/{cfg.combine_mode} (wanted one of {', '.join(cands)})"
+            )
+        out[role] = hit
+    return out
+
+
+def check_kernel_profile(cfg: SimConfig) -> SimConfig:
+    """``cfg``, once checked against the kernel profile it names (if any): the profile loads and
+    has a kernel for the dispatch and the combine role under ``cfg``, else ValueError (see
+    :func:`kernel_knobs`). :class:`SimConfig` checks its own fields only and reads no file;
+    this check runs where the profile is used: :class:`LayerBuilder`, :func:`sim.layer.sweep.grid`,
+    :func:`sim.layer.sweep.sweep` and :func:`sim.layer.sweep.compare` (before any work starts) and
+    the ``mok-sim`` config of the command line."""
+    kernel_knobs(cfg)
+    return cfg
+
+
+class LayerBuilder(TransferBuilder):
+    """Builds the forward task graph; policies call :meth:`transfer` and friends (the policies'
+    builder interface: :class:`sim.layer.policies.Builder`)."""
+
+    # the phases whose comm rates a kernel profile sets (``_roles``, :func:`kernel_knobs`)
+    roles = ROLES
+
+    def __init__(self, wl: Workload, cfg: SimConfig, plan: RoutingPlan) -> None:
+        super().__init__(wl.topo, wl.ep, cfg.push_latency_fraction, cfg.flow_granularity)
+        self.wl, self.cfg = wl, cfg
+        self.shape = wl.model_shape
+        if plan.row_tile != cfg.row_tile:
+            raise ValueError(f"plan row_tile {plan.row_tile} != config row_tile {cfg.row_tile}")
+        self.rc = plan.rounds(cfg.minibatch_size)
+        self.plan = plan
+        h = self.shape.hidden
+        self.dispatch_row_bytes = float(h * 2 if cfg.dtype == "bf16" else h + h // 32)
+        self.combine_row_bytes = float(h * 2)
+        self._set_sms()
+        self.flag_local = self.gpu.flag_latency_local_us
+        self.combine_rows = self.rc.uniq_last if cfg.dedup else self.rc.rows
+        self.slot_free: dict[tuple[int, int], int] = {}
+        self._ffn: list[tuple[int, int, int]] = []  # task, row tiles, intermediate
+
+    def _set_sms(self) -> None:
+        gpu, topo, cfg = self.gpu, self.topo, self.cfg
+        if cfg.num_comm_sms >= gpu.num_sms:
+            raise ValueError(
+                f"num_comm_sms={cfg.num_comm_sms} leaves no compute SMs on {gpu.name} "
+                f"({gpu.num_sms} SMs)"
+            )
+        self.compute_sms = gpu.num_sms - cfg.num_comm_sms
+        mech = cfg.mechanism
+        lat_factor = topo.per_sm_latency_factor(gpu)
+        n = cfg.num_comm_sms
+
+        def rate(name: str, remote: bool) -> float:
+            c = gpu.curve(name)
+            if remote:
+                c = c.scaled(per_sm=lat_factor)
+            return c.gbps(n) * 1e3  # bytes per us
+
+        self.rates = Rates(
+            push=rate(f"push_{mech}", True),
+            pull=rate(f"pull_{'ld' if mech == 'st' else mech}", True),
+            local=rate(f"local_{mech}", False),
+        )
+        self.kernel_knobs = kernel_knobs(cfg)
+        if self.kernel_knobs:
+            self._roles = {r: self._kernel_rates(k) for r, k in self.kernel_knobs.items()}
+            self.rates = self._roles["dispatch"]
+
+    def _kernel_rates(self, knob: str) -> Rates:
+        """Comm-engine rates (bytes/us) of ``num_comm_sms`` SMs running the copy loop of the
+        measured kernel ``knob`` (``SimConfig.kernel_profile``).
+
+        Same form as the standalone kernel model (:func:`sim.comm.rates.phase_rates`; where the two
+        differ: :mod:`sim.comm.rates`): per-SM rate = probe per-SM rate of the kernel's engine x
+        in-flight factor ``f[knob]`` x row-size scale (:func:`sim.comm.rates.layer_row_scale`: the
+        warp routine's rounds per row, or a bulk-copy ring's item-rate cap) x ``1 / (1 + n /
+        sm_congestion_sms[engine])`` x the switch-hop latency factor for remote bytes; then the
+        probe ceilings cap it, as for the probe rates. Assumption: the megakernel's comm SMs reuse
+        the standalone kernels' copy loops, so their measured per-SM efficiency carries over to the
+        fused layer. Nothing else of the profile is used: its per-call costs (``call_fixed_us``,
+        ``handshake_us``, ``host_floor_us``, the schedule kernel's terms) belong to standalone
+        launches; the megakernel is one launch and the layer models its own flags and fences.
+        Caveat: the factors were fitted with the standalone model's byte accounting (the received
+        rows' local writes, the slot reduce of the combine), which the layer does not charge to the
+        comm engine; a factor above 1 (push dispatch) partly pays for those bytes and makes the
+        layer's role faster than the probe at low SM counts.
+        """
+        return kernel_rates(
+            self.gpu,
+            self.topo,
+            layer_kernel_profile(self.cfg.kernel_profile),
+            knob,
+            self.cfg.num_comm_sms,
+            self.dispatch_row_bytes,
+        )
+
+    def _ffn_us(self, row_tiles: int, intermediate: int) -> float:
+        return expert_ffn_us(
+            self.gpu,
+            row_tiles,
+            self.shape.hidden,
+            intermediate,
+            self.compute_sms,
+            self.cfg.dtype,
+            self.cfg.row_tile,
+        )
+
+    def retime(self, num_comm_sms: int) -> SimConfig:
+        """Re-target the built graph to another comm/compute SM split: only the comm-engine
+        coefficients and the GEMM durations depend on it, so a sweep over SMs reuses the graph."""
+        self.cfg = self.cfg.replace(num_comm_sms=num_comm_sms)
+        self._set_sms()
+        self.retime_engine()
+        dur = self.g.duration
+        for t, tiles, inter in self._ffn:
+            dur[t] = self._ffn_us(tiles, inter)
+        return self.cfg
+
+    # -- combine helpers ----------------------------------------------------------------------
+    def combine_local_bytes(self, d: int, m: int) -> float:
+        """Dedup combine: local bytes to fold round m's rows into per-(token, rank) partials."""
+        sent = self.rc.uniq_last[d, m].sum() - self.rc.uniq_last[d, m, d]
+        folded = max(0.0, float(self.rc.rows[d, m].sum() - sent))
+        return folded * self.shape.hidden * self.cfg.dedup_accumulate_bytes_per_elem
+
+    def combine_bytes(self, d: int, m: int) -> tuple[np.ndarray, float]:
+        """(peer bytes [R_home], local bytes) that owner d's round m sends back."""
+        b = self.combine_rows[d, m].astype(np.float64) * self.combine_row_bytes
+        if self.cfg.dedup:
+            b[d] = 0.0  # the home-rank partial stays in the accumulator
+            return b, self.combine_local_bytes(d, m)
+        return b, 0.0
+
+    # -- the layer ----------------------------------------------------------------------------
+    def build(self) -> Graph:
+        g, cfg, rc, shape, gpu = self.g, self.cfg, self.rc, self.shape, self.gpu
+        nr = self.num_ranks
+        rows_per_rank = self.wl.tokens_per_rank * shape.num_topk
+        self.sched = g.delay(
+            cfg.schedule_base_us
+            + 2 * self.flag_remote
+            + rows_per_rank * cfg.schedule_ns_per_row / 1e3,
+            [],
+            -1,
+            "schedule",
+        )
+        for d in range(nr):
+            for m in range(int(rc.num_rounds[d])):
+                self.slot_free[(d, m)] = g.join([], d, "slot_free", m)
+        ready = get_dispatch(cfg.dispatch_mode).build(self)
+        shared_tiles = -(-self.wl.tokens_per_rank // cfg.row_tile)
+        gemm_done = {}
+        chain = {}
+        sh_tiles = shared_tiles if shape.shared_intermediate else 0
+        for r in range(nr):
+            prev = g.delay(
+                self._ffn_us(sh_tiles, shape.shared_intermediate), [], r, "shared_expert"
+            )
+            self._ffn.append((prev, sh_tiles, shape.shared_intermediate))
+            for m in range(int(rc.num_rounds[r])):
+                tiles = int(rc.row_tiles[r, m])
+                dur = self._ffn_us(tiles, shape.intermediate)
+                prev = g.delay(dur, [ready[(r, m)], prev], r, "gemm", m)
+                self._ffn.append((prev, tiles, shape.intermediate))
+                gemm_done[(r, m)] = g.delay(self.flag_local, [prev], r, "signal", m)
+            chain[r] = prev
+        arrivals = get_combine(cfg.combine_mode).build(self, gemm_done)
+        rows_in = self.combine_rows.sum(axis=(0, 1))  # [R_home]
+        for s in range(nr):
+            dur = reduce_us(gpu, int(rows_in[s]), self.wl.tokens_per_rank, shape.hidden)
+            g.delay(dur, [chain[s], *arrivals[s]], s, "reduce")
+        return g
+
+
+def plan_for(wl: Workload, row_tile: int = 128) -> RoutingPlan:
+    return RoutingPlan(wl.make_trace(), row_tile)
+
+
+def simulate(
+    wl: Workload,
+    cfg: SimConfig | None = None,
+    plan: RoutingPlan | None = None,
+    record_links: bool = False,
+) -> LayerResult:
+    """Simulate one forward layer. Pass ``plan`` to reuse the routing across configs."""
+    return next(simulate_many(wl, [cfg or SimConfig()], plan, record_links))
+
+
+def _structure_key(cfg: SimConfig) -> SimConfig:
+    return cfg.replace(num_comm_sms=1)
+
+
+def simulate_many(
+    wl: Workload,
+    configs: Sequence[SimConfig],
+    plan: RoutingPlan | None = None,
+    record_links: bool = False,
+) -> Iterator[LayerResult]:
+    """Simulate several configs of one workload, yielding results in input order.
+
+    Configs that differ only in ``num_comm_sms`` share one task graph: it is built once and
+    re-timed (:meth:`LayerBuilder.retime`) for each SM split.
+    """
+    configs = list(configs)
+    groups: dict[SimConfig, list[int]] = {}
+    for i, c in enumerate(configs):
+        groups.setdefault(_structure_key(c), []).append(i)
+    out: dict[int, LayerResult] = {}
+    nxt = 0
+    for idx in groups.values():
+        cfg0 = configs[idx[0]]
+        t0 = time.perf_counter()
+        if plan is None or plan.row_tile != cfg0.row_tile:
+            plan = plan_for(wl, cfg0.row_tile)
+        b = LayerBuilder(wl, cfg0, plan)
+        graph = b.build()
+        caps = b.topo.capacities(b.gpu)
+        build_s = time.perf_counter() - t0
+        for n, i in enumerate(idx):
+            t1 = time.perf_counter()
+            cfg = b.retime(configs[i].num_comm_sms) if n else cfg0
+            run = run_graph(graph, caps, record_series=record_links)
+            t2 = time.perf_counter()
+            out[i] = LayerResult.from_run(
+                wl,
+                cfg,
+                graph,
+                run,
+                b.topo,
+                payload_bytes=b.payload_bytes,
+                build_s=build_s if n == 0 else 0.0,
+                run_s=t2 - t1,
+            )
+        while nxt in out:
+            yield out.pop(nxt)
+            nxt += 1

@@ -1,0 +1,243 @@
+"""Dispatch and combine policies: interchangeable classes chosen by name.
+
+Each policy adds its transfers and signals to the layer's task graph through a builder ``b``
+(:class:`Builder`: what the policies use of :class:`sim.layer.model.LayerBuilder`, which knows
+the topology, the comm-engine rates and the per-round row counts). Keys are ``(rank, round)``.
+
+Dispatch produces ``ready[(d, m)]``: the task after which the GEMM of round m on rank d may start.
+
+* push: every source stores its rows into the destination's ring, fences, then raises one flag
+  per destination; the destination polls one flag per sender. A source may only write ring slot
+  m once the destination freed slot m - ring_slots and told it so (a remote credit).
+* pull: the destination loads the rows it needs from the sources' symmetric buffers by the
+  schedule; completion is local (mbarrier) and reaches the compute SMs through a GPU-scope flag.
+* dedup_pull: like pull, but one NVLink row per (token, destination rank); the other rows of
+  that token are local fan-out copies.
+
+Combine consumes ``gemm_done[(d, m)]`` and produces the tasks each home rank waits on before its
+final weighted sum, and frees ring slots (``b.slot_free``).
+
+* push: the expert owner stores each output row into its unique slot on the home rank, fences,
+  flags; ring slot m is free as soon as its rows are sent.
+* pull: the owner flags "outputs of round m ready"; each home rank loads them; the ring slot is
+  free only after every reader says so (a remote flag back).
+* with dedup_pull dispatch, the (push) combine first folds the rank-local rows of a token into
+  one fp32 partial sum and moves one row per (token, rank); dedup_pull pairs only with push
+  combine (as in ``mok.MoKConfig``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from sim.config import SimConfig
+from sim.core.engine import Graph
+from sim.layer.plan import RoundCounts
+
+__all__ = ["Builder", "DISPATCH_POLICIES", "COMBINE_POLICIES", "get_dispatch", "get_combine"]
+
+
+class Builder(Protocol):
+    """What a policy reads and calls on the layer's builder (:class:`sim.layer.model.
+    LayerBuilder`); a protocol, so this module does not import the layer model."""
+
+    cfg: SimConfig
+    g: Graph
+    rc: RoundCounts
+    num_ranks: int
+    sched: int  # the schedule task
+    slot_free: dict[tuple[int, int], int]  # (rank, round) -> join task that frees its ring slot
+    dispatch_row_bytes: float
+    combine_row_bytes: float
+    combine_rows: np.ndarray  # [R_owner, max_rounds, R_home] rows the combine sends back
+    flag_local: float
+    flag_remote: float
+    fence: float
+
+    def transfer(
+        self,
+        issuer: int,
+        kind: str,
+        into: bool,
+        peer_bytes: np.ndarray,
+        local_bytes: float,
+        deps: Sequence[int | None],
+        rank: int,
+        phase: str,
+        rnd: int,
+    ) -> int: ...
+
+    def combine_bytes(self, d: int, m: int) -> tuple[np.ndarray, float]: ...
+
+
+class PullDispatch:
+    name = "pull"
+    dedup = False
+
+    def build(self, b: Builder) -> dict:
+        rc = b.rc
+        ready = {}
+        for d in range(b.num_ranks):
+            prev = None
+            for m in range(int(rc.num_rounds[d])):
+                peer, local = self.parts(b, d, m)
+                slot = b.slot_free.get((d, m - b.cfg.ring_slots))
+                deps = [b.sched, prev, slot]
+                t = b.transfer(d, "pull", True, peer, local, deps, d, "dispatch", m)
+                ready[(d, m)] = b.g.delay(b.flag_local, [t], d, "signal", m)
+                prev = t
+        return ready
+
+    def parts(self, b: Builder, d: int, m: int) -> tuple:
+        """(payload bytes from each source [R], local bytes) of round m on rank d."""
+        return b.rc.rows[d, m] * b.dispatch_row_bytes, 0.0
+
+
+class DedupPullDispatch(PullDispatch):
+    name = "dedup_pull"
+    dedup = True
+
+    def parts(self, b: Builder, d: int, m: int) -> tuple:
+        uniq = b.rc.uniq_first[d, m].copy()
+        uniq[d] = 0
+        local_rows = float(b.rc.rows[d, m].sum() - uniq.sum())
+        return uniq * b.dispatch_row_bytes, local_rows * b.dispatch_row_bytes
+
+
+class PushDispatch:
+    name = "push"
+    dedup = False
+
+    def build(self, b: Builder) -> dict:
+        rc = b.rc
+        nr, slots = b.num_ranks, b.cfg.ring_slots
+        has = rc.rows > 0  # [R_dst, max_rounds, R_src]
+        # the destination tells every sender that ring slot m is free again (remote flag)
+        credit = [
+            [
+                b.g.delay(b.flag_remote, [b.slot_free[(d, m)]], d, "credit", m)
+                if m < rc.num_rounds[d]
+                else None
+                for d in range(nr)
+            ]
+            for m in range(max(0, rc.max_rounds - slots))
+        ]
+        sig: list[list[int | None]] = [[None] * nr for _ in range(rc.max_rounds)]
+        for s in range(nr):
+            prev = None
+            for m in range(rc.max_rounds):
+                dests = np.flatnonzero(has[:, m, s]).tolist()
+                if not dests:
+                    continue
+                deps = [b.sched, prev]
+                if m >= slots:
+                    cm = credit[m - slots]
+                    deps += [cm[d] for d in dests]
+                peer = rc.rows[:, m, s] * b.dispatch_row_bytes
+                t = b.transfer(s, "push", False, peer, 0.0, deps, s, "dispatch", m)
+                sig[m][s] = b.g.delay(b.fence + b.flag_remote, [t], s, "signal", m)
+                prev = t
+        ready = {}
+        poll_us = b.cfg.flag_poll_us_per_peer
+        for d in range(nr):
+            for m in range(int(rc.num_rounds[d])):
+                sm = sig[m]
+                deps = [sm[s] for s in np.flatnonzero(has[d, m]).tolist()]
+                ready[(d, m)] = b.g.delay(poll_us * len(deps), deps, d, "signal", m)
+        return ready
+
+
+class PushCombine:
+    name = "push"
+
+    def build(self, b: Builder, gemm_done: dict) -> dict[int, list[int]]:
+        rc = b.rc
+        nr = b.num_ranks
+        last = {}
+        for d in range(nr):
+            prev = None
+            for m in range(int(rc.num_rounds[d])):
+                peer, local = b.combine_bytes(d, m)
+                deps = [gemm_done[(d, m)], prev]
+                t = b.transfer(d, "push", False, peer, local, deps, d, "combine", m)
+                b.g.add_dep(b.slot_free[(d, m)], t)
+                prev = t
+            last[d] = prev
+        # each owner fences and flags every home rank after its last combine store
+        done = {
+            d: b.g.delay(b.fence + b.flag_remote, [t], d, "signal", -1)
+            for d, t in last.items()
+            if t is not None
+        }
+        arrivals: dict[int, list[int]] = {s: [] for s in range(nr)}
+        sent = b.combine_rows.sum(axis=1)  # [R_owner, R_home]
+        for d, t in done.items():
+            for s in np.flatnonzero(sent[d]).tolist():
+                arrivals[s].append(t)
+        return arrivals
+
+
+class PullCombine:
+    name = "pull"
+
+    def build(self, b: Builder, gemm_done: dict) -> dict[int, list[int]]:
+        rc = b.rc
+        nr = b.num_ranks
+        cr = b.combine_rows  # [R_owner, max_rounds, R_home]
+        out_ready: list[list[int | None]] = [[None] * nr for _ in range(rc.max_rounds)]
+        for d in range(nr):
+            for m in range(int(rc.num_rounds[d])):
+                deps = [gemm_done[(d, m)]]
+                out_ready[m][d] = b.g.delay(b.fence + b.flag_remote, deps, d, "signal", m)
+        has = cr > 0
+        arrivals: dict[int, list[int]] = {s: [] for s in range(nr)}
+        comb: list[list[int | None]] = [[None] * nr for _ in range(rc.max_rounds)]
+        for s in range(nr):
+            prev = None
+            for m in range(rc.max_rounds):
+                owners = np.flatnonzero(has[:, m, s]).tolist()
+                if not owners:
+                    continue
+                peer = cr[:, m, s] * b.combine_row_bytes
+                om = out_ready[m]
+                deps = [om[d] for d in owners]
+                deps.append(prev)
+                t = b.transfer(s, "pull", True, peer, 0.0, deps, s, "combine", m)
+                comb[m][s] = t
+                prev = t
+            if prev is not None:
+                arrivals[s].append(b.g.delay(b.flag_local, [prev], s, "signal", -1))
+        # every reader of owner d's round m tells d it is done; then the ring slot is free
+        for d in range(nr):
+            for m in range(int(rc.num_rounds[d])):
+                cm = comb[m]
+                readers = [cm[s] for s in np.flatnonzero(has[d, m]).tolist()]
+                # a round whose outputs nobody reads frees its slot after the GEMM
+                rel = b.g.delay(b.flag_remote, readers, d, "credit", m) if readers else None
+                b.g.add_dep(b.slot_free[(d, m)], rel if readers else gemm_done[(d, m)])
+        return arrivals
+
+
+DISPATCH_POLICIES = {c.name: c for c in (PushDispatch, PullDispatch, DedupPullDispatch)}
+COMBINE_POLICIES = {c.name: c for c in (PushCombine, PullCombine)}
+
+
+def get_dispatch(name: str):
+    try:
+        return DISPATCH_POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown dispatch policy {name!r}; supported: {', '.join(DISPATCH_POLICIES)}"
+        ) from None
+
+
+def get_combine(name: str):
+    try:
+        return COMBINE_POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown combine policy {name!r}; supported: {', '.join(COMBINE_POLICIES)}"
+        ) from None
