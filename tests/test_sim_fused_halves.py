@@ -28,7 +28,10 @@ from sim.measured import (
 )
 
 # the CSVs measured before row tile 64 existed (no row_tile column)
-LAYER_CSVS = tuple(sorted(p for p in results_dir().glob("*layer*.csv") if "rowtile" not in p.name))
+# the EP2 layer CSVs of 2x H200 measured before the row_tile column existed
+LAYER_CSVS = tuple(
+    sorted(p for p in results_dir().glob("h200x2-*layer*.csv") if "rowtile" not in p.name)
+)
 REL = 1e-9  # predictions at row tile 128 must not move (float noise only)
 
 
@@ -228,7 +231,8 @@ def test_row_tile_128_predicts_what_it_did_before():
 
 
 def test_committed_csvs_predict_what_they_did_before():
-    """Every committed layer CSV lacks the row_tile column: its fused rows are row tile 128."""
+    """Every committed 2x H200 layer CSV lacks the row_tile column: its fused rows are row tile
+    128."""
     rows = read_rows(*LAYER_CSVS)
     assert all("row_tile" not in r for r in rows)
     recs = validate_layer_rows(rows, load_fused_profile())
