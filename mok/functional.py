@@ -26,21 +26,22 @@ next call runs normally; after a timeout it is unusable until :func:`mok.clear_w
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from mok.comm import combine, dedup_partials, dedup_sum, dispatch, fanout
 from mok.errors import MoKInputError
-from mok.spec.config import MoKConfig
+from mok.experts import dense_swiglu, grouped_swiglu
+from mok.fused import forward
+from mok.schedule import DeviceSchedule, build_schedule
+from mok.spec.config import MAX_COMM_SMS, MoKConfig
 from mok.workspace import get_workspace
 
 if TYPE_CHECKING:
     from reference.weights import MoEWeights
-from mok.comm import combine, dedup_partials, dedup_sum, dispatch, fanout
-from mok.experts import dense_swiglu, grouped_swiglu
-from mok.fused import forward
-from mok.schedule import DeviceSchedule, build_schedule
 
 __all__ = [
     "DeviceSchedule",
@@ -53,6 +54,7 @@ __all__ = [
     "forward",
     "moe_forward",
     "as_config",
+    "unfused_config",
 ]
 
 
@@ -78,6 +80,32 @@ def as_config(config: MoKConfig | dict | str | Path | None) -> MoKConfig:
     if isinstance(config, MoKConfig):
         return config
     return MoKConfig.from_json(config)
+
+
+# Expert regions of the unfused path are padded to this many rows: its grouped GEMMs compute
+# the padding rows too, and 16 keeps them to a few percent (128, the fused layer's tile, adds
+# ~25 % at 256 rows per expert).
+UNFUSED_ROW_TILE = 16
+
+
+def unfused_config(config: MoKConfig, num_sms: int) -> MoKConfig:
+    """The config :func:`moe_forward` runs its unfused path with: ``config`` with every SM of the
+    GPU given to the communication kernels (nothing runs beside them in this path;
+    ``num_comm_sms`` sizes the fused layer's split) and expert regions padded to
+    :data:`UNFUSED_ROW_TILE` rows when ``config.row_tile`` is larger.
+
+    Args:
+        config: the caller's config (the same on every rank).
+        num_sms: the GPU's SM count (capped at the kernels' limit, ``MAX_COMM_SMS``).
+
+    Returns:
+        A :class:`MoKConfig` (``config`` itself when nothing changes).
+    """
+    sms = min(int(num_sms), MAX_COMM_SMS)
+    row_tile = min(config.row_tile, UNFUSED_ROW_TILE)
+    if (config.num_comm_sms, config.row_tile) == (sms, row_tile):
+        return config
+    return dataclasses.replace(config, num_comm_sms=sms, row_tile=row_tile)
 
 
 def moe_forward(
@@ -110,7 +138,7 @@ def moe_forward(
         group: the process group of the expert-parallel ranks; None: the default group (one
             rank without torch.distributed).
         fused: run :func:`forward` (one kernel; Hopper); else the communication kernels with
-            ``torch._grouped_mm`` experts.
+            ``torch._grouped_mm`` experts (:mod:`mok.experts`), under :func:`unfused_config`.
 
     Returns:
         [num_tokens, hidden] bf16 = shared(x) + sum_k w_k expert_k(x), a new tensor.
@@ -132,6 +160,10 @@ def moe_forward(
             recorded it.
     """
     config = as_config(config)
+    if not fused and x.is_cuda:
+        config = unfused_config(
+            config, torch.cuda.get_device_properties(x.device).multi_processor_count
+        )
     if x.ndim != 2 or x.dtype != torch.bfloat16:
         raise MoKInputError(
             f"x must be [num_tokens, hidden] bf16 (found {tuple(x.shape)} {x.dtype})"

@@ -193,3 +193,16 @@ def test_eager_calls_skip_the_dispatcher_but_keep_its_bookkeeping():
     with FakeTensorMode() as mode:
         touch(mode.from_tensor(a), mode.from_tensor(b), 1)
     assert seen[-1] == "fake"
+
+
+def test_unfused_path_gives_every_sm_to_communication_and_pads_little():
+    from mok.functional import UNFUSED_ROW_TILE, unfused_config
+
+    cfg = MoKConfig(num_comm_sms=16, row_tile=128, minibatch_size=4096)
+    got = unfused_config(cfg, 132)
+    assert (got.num_comm_sms, got.row_tile) == (132, UNFUSED_ROW_TILE)
+    assert got.minibatch_size == cfg.minibatch_size  # everything else is the caller's
+    assert unfused_config(cfg, 148).num_comm_sms == 132  # capped at the kernels' limit
+    small = MoKConfig(num_comm_sms=16, row_tile=8, minibatch_size=4096)
+    assert unfused_config(small, 132).row_tile == 8  # never padded more than asked
+    assert unfused_config(got, 132) is got

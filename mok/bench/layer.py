@@ -10,8 +10,10 @@ Run with ``torchrun --nproc-per-node=N -m mok.bench layer`` (N = 1 works too). I
   floor of any unfused design);
 - ``nccl``:  count exchange + permute + NCCL ``all_to_all_single``, local sort by expert,
   the experts of :func:`torch_experts`, NCCL back, unpermute, weighted k-sum (+ shared expert);
-- ``mok-unfused``: mok's schedule, dispatch and combine kernels with ``torch._grouped_mm``
-  experts (:func:`mok.functional.moe_forward` with ``fused=False``);
+- ``mok-unfused``: mok's schedule, dispatch and combine kernels with the experts of
+  :mod:`mok.experts` (:func:`mok.functional.moe_forward` with ``fused=False``, which runs under
+  :func:`mok.functional.unfused_config`: all SMs for the kernels, regions padded to 16 rows; the
+  row records those);
 - ``mok-fused``: the fused layer (:func:`mok.functional.moe_forward` with ``fused=True``);
 - ``deepep``: DeepEP V1 normal dispatch, the experts of :func:`torch_experts` over the received
   (token, local expert) pairs, per-token weighted partials, DeepEP combine (+ shared expert),
@@ -368,14 +370,17 @@ def run_model(
         for impl, fused in (("mok-unfused", False), ("mok-fused", True)):
             if impl not in impls:
                 continue
+            # the row says what ran: the unfused path's own SMs and row tile (unfused_config)
+            sms_count = torch.cuda.get_device_properties(x.device).multi_processor_count
+            ran = cfg if fused else mf.unfused_config(cfg, sms_count)
             add(
                 impl,
-                cfg.dispatch_mode,
-                cfg.num_comm_sms,
-                cfg.minibatch_size,
+                ran.dispatch_mode,
+                ran.num_comm_sms,
+                ran.minibatch_size,
                 lambda fused=fused, cfg=cfg: mf.moe_forward(x, idx, tw, w, E, cfg, fused=fused),
                 rows,
-                cfg.row_tile,
+                ran.row_tile,
             )
         if trace_dir and "mok-fused" in impls:
             _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, E)
