@@ -49,6 +49,7 @@ __all__ = [
     "FUSED_FIT_SOURCES",
     "FUSED_FIT_SUBSET",
     "is_fused_fit_row",
+    "GEMM_WAVES_FIT_PROBES",
 ]
 
 
@@ -196,6 +197,10 @@ def row_tile_of(row: dict) -> int:
 
 
 # -- the comm-kernel fit subset (sim.comm.fit) -------------------------------------------------
+# GEMM waves (sim.app.gemm_fit): fit on these probes' grouped GEMMs by rows; the rest held out
+GEMM_WAVES_FIT_PROBES = ("h200-probe-1gpu-2026-11-30.json",)
+
+
 # The calibration subset: a mok row is a FIT row iff its tokens_per_rank is in FIT_TOKENS. The
 # committed comm profile is fitted on the 4096-token rows of the v4 grid
 # (mok/bench/results/h200x2-comm-grid-v4-2026-11-30.csv, both models, both skews); its 512- and

@@ -22,15 +22,15 @@ SMALL = ["--shape", "tiny", "--tokens", "256", "--ep", "8", "--topology", "hgx-h
 # `mok-sim` with no arguments: the table lines it must print (deterministic for seed 0).
 GOLDEN_DEFAULT = """
 deepseek-v3 T4096 EP64 gb300-nvl72 zipf:0.2  (sms=24 mb=4096 ring=4)
-push/push             3271.2   1.000x   3228.0     40.4     2.8  27.3%           924.8
-pull/push             3271.2   1.000x   3228.0     40.4     2.8  27.3%           924.8
-pull/pull             3268.6   1.001x   3228.0     36.9     3.6  27.2%           924.8
-dedup_pull/push       3270.0   1.000x   3225.5     41.8     2.8  27.4%           887.3
+push/push             3121.3   1.000x   3077.3     40.4     3.7  27.7%           924.8
+pull/push             3121.3   1.000x   3077.3     40.4     3.7  27.7%           924.8
+pull/pull             3117.8   1.001x   3077.3     36.9     3.6  27.6%           924.8
+dedup_pull/push       3119.2   1.001x   3074.7     40.9     3.7  27.7%           887.3
 deepseek-v3 T4096 EP8 hgx-h200 zipf:0.2  (sms=24 mb=4096 ring=4)
-push/push             6721.3   1.000x   6598.6    120.0     2.7   4.8%           821.8
-pull/push             6721.3   1.000x   6598.6    120.0     2.7   4.8%           821.8
-pull/pull             6717.4   1.001x   6598.6    115.3     3.5   4.7%           821.8
-dedup_pull/push       6706.6   1.002x   6561.0    142.9     2.7   5.1%           545.0
+push/push             5701.2   1.000x   5577.2    120.0     4.0   5.7%           821.8
+pull/push             5701.2   1.000x   5577.2    120.0     4.0   5.7%           821.8
+pull/pull             5696.0   1.001x   5577.2    115.3     3.5   5.6%           821.8
+dedup_pull/push       5670.7   1.005x   5539.6    127.1     4.0   5.8%           545.0
 """
 
 

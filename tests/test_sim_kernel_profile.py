@@ -89,9 +89,13 @@ def test_profile_never_speeds_up_policies_whose_kernels_are_below_the_probe():
     meas = sweep(TINY, [c.replace(kernel_profile=KP) for c in cfgs], jobs=1, progress=False)
     ratios = [m["layer_us"] / p["layer_us"] for p, m in zip(probe, meas, strict=True)]
     assert min(ratios) >= 1.0 - 1e-9
-    assert max(ratios) > 1.05  # the comm-bound ones (8 SMs, pull combine) are clearly slower
-    # at 8 SMs every policy is comm bound and slower
-    assert all(r > 1.005 for c, r in zip(cfgs, ratios, strict=True) if c.num_comm_sms == 8)
+    # Was > 1.05 with whole-wave GEMMs at no per-GEMM cost. The GEMM waves model
+    # (sim.core.gemm_waves) charges every GEMM its fill/drain (20.5 us), which at 256-row
+    # minibatches of the tiny shape hides most of the comm: the comm-bound ones are now only
+    # slightly slower.
+    assert max(ratios) > 1.003
+    # at 8 SMs every policy is slower
+    assert all(r > 1.0 for c, r in zip(cfgs, ratios, strict=True) if c.num_comm_sms == 8)
 
 
 @pytest.mark.parametrize(("shape", "faster"), [("deepseek-v3", True), ("tiny", False)])
@@ -140,7 +144,9 @@ def test_tune_with_profile_picks_at_least_as_many_comm_sms():
     c0, r0 = tune(wl, space, jobs=1, progress=False)
     c1, r1 = tune(wl, space, jobs=1, progress=False, base=SimConfig(kernel_profile=KP))
     assert c1.num_comm_sms >= c0.num_comm_sms
-    assert (c0.num_comm_sms, c1.num_comm_sms) == (48, 48)
+    # Was (48, 48) with whole-wave GEMMs at no per-GEMM cost; with the GEMM waves model
+    # (per-GEMM fill/drain, sim.core.gemm_waves) the GEMMs dominate, so fewer comm SMs win.
+    assert (c0.num_comm_sms, c1.num_comm_sms) == (8, 24)
     assert r1[0]["layer_us"] >= r0[0]["layer_us"]
     assert c1.kernel_profile == KP and c0.kernel_profile is None
 

@@ -25,9 +25,13 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 __all__ = [
     "CommCurve",
     "Protocol",
+    "Signalling",
+    "Incast",
     "GpuProfile",
     "MECHANISMS",
     "load_gpu",
@@ -100,6 +104,82 @@ class Protocol:
 
 
 @dataclass(frozen=True)
+class Signalling:
+    """Push completion signalling (docs/sim-validation.md, "Push signalling").
+
+    A push sender ends a round with a system-scope release fence and one flag per destination;
+    the destination polls one flag per sender and waits for the last. Three terms:
+
+    * fence: ``fence_us + outstanding / drain``, ``outstanding = min(remote bytes of the round,
+      fence_inflight_bytes_per_sm x comm SMs)`` (the stores not yet acknowledged when the fence
+      issues), ``drain`` the sender's NVLink payload rate (wire rate / push protocol bytes);
+    * polling: ``ceil(N / flag_poll_lanes) x local_load_latency_us`` for N flags (one load per
+      lane per sweep; 0 lanes: no sweep term);
+    * per-sender completion jitter: an exponential delay of mean ``completion_jitter_us`` per
+      (sender, round), drawn from a seeded generator, so that the wait for the last of N
+      senders grows as the N-th harmonic number H_N times the mean.
+
+    The defaults are the H200 values (``h200.json`` is the calibration's output, which writes
+    them); ``Signalling.off()`` switches the three terms off (the constant fence of before).
+    """
+
+    fence_inflight_bytes_per_sm: float = 16384.0  # 1024 threads x 16 B stores per SM
+    flag_poll_lanes: int = 32  # flags one warp polls per sweep (one per lane)
+    completion_jitter_us: float = 0.1  # mean of the exponential per-sender term
+
+    def __post_init__(self) -> None:
+        if self.fence_inflight_bytes_per_sm < 0 or self.completion_jitter_us < 0:
+            raise ValueError(f"Signalling terms must be >= 0 (found {self})")
+        if self.flag_poll_lanes < 0:
+            raise ValueError(f"flag_poll_lanes must be >= 0 (found {self})")
+
+    @classmethod
+    def off(cls) -> Signalling:
+        return cls(0.0, 0, 0.0)
+
+    def fence_us(self, fixed_us: float, remote_bytes: float, num_sms: int, drain: float) -> float:
+        """Release-fence time after a round of ``remote_bytes`` remote stores issued by
+        ``num_sms`` comm SMs; ``drain`` in payload bytes per us."""
+        out = min(float(remote_bytes), self.fence_inflight_bytes_per_sm * num_sms)
+        return fixed_us + (out / drain if out > 0 and drain > 0 else 0.0)
+
+    def poll_us(self, num_flags: int, load_us: float) -> float:
+        """Sweep time of a receiver that polls ``num_flags`` flags, ``load_us`` per load."""
+        if self.flag_poll_lanes <= 0 or num_flags <= 0:
+            return 0.0
+        return -(-num_flags // self.flag_poll_lanes) * load_us
+
+
+@dataclass(frozen=True)
+class Incast:
+    """Many writers into one NVSwitch port (docs/sim-validation.md, "Incast").
+
+    N concurrent push writers into one destination port reach ``efficiency(N)`` of its wire
+    rate: ``e_min + (1 - e_min) x n_half / (n_half + N - 1)``: 1 at one writer, half-way to
+    ``e_min`` at ``1 + n_half`` writers, ``e_min`` for many. Receiver-paced reads (pull) count
+    as one writer. Applied on NVSwitch fabrics only (a direct link has one writer per port).
+    """
+
+    efficiency_min: float = 0.8
+    writers_half: float = 8.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.efficiency_min <= 1 or self.writers_half <= 0:
+            raise ValueError(f"Incast needs 0 < efficiency_min <= 1, writers_half > 0 ({self})")
+
+    @classmethod
+    def off(cls) -> Incast:
+        return cls(1.0, 1.0)
+
+    def efficiency(self, writers):
+        """Port efficiency with ``writers`` (scalar or array, >= 1) concurrent writers."""
+        n = np.maximum(np.asarray(writers, dtype=np.float64), 1.0)
+        e = self.efficiency_min
+        out = e + (1.0 - e) * self.writers_half / (self.writers_half + n - 1.0)
+        return float(out) if out.ndim == 0 else out
+
+
+@dataclass(frozen=True)
 class GpuProfile:
     name: str
     num_sms: int
@@ -117,7 +197,9 @@ class GpuProfile:
     nvlink_wire_efficiency: float  # usable fraction of the datasheet wire rate (fitted)
     protocol: dict[str, Protocol]  # "push" / "pull"
     comm_curves: dict[str, CommCurve]  # by mechanism, see MECHANISMS
-    fence_us: float  # membar.sys before a remote completion flag
+    fence_us: float  # membar.sys before a remote completion flag (fixed part)
+    signalling: Signalling = Signalling()  # push fence drain, flag polling, completion jitter
+    incast: Incast = Incast()  # many writers into one NVSwitch port
     source: str = ""
     assumptions: tuple[str, ...] = ()
     fit: dict = field(default_factory=dict)
@@ -182,6 +264,10 @@ class GpuProfile:
         d["protocol"] = {k: Protocol(**v) for k, v in d["protocol"].items()}
         d["comm_curves"] = {k: CommCurve(**v) for k, v in d["comm_curves"].items()}
         d["tensor_tflops"] = {k: float(v) for k, v in d["tensor_tflops"].items()}
+        if "signalling" in d:
+            d["signalling"] = Signalling(**d["signalling"])
+        if "incast" in d:
+            d["incast"] = Incast(**d["incast"])
         d["assumptions"] = tuple(d.get("assumptions", ()))
         return cls(**d)
 

@@ -13,6 +13,21 @@ one flow per peer (``"peer"``) whose coefficients charge, per payload byte:
   instead (the topology's NIC overheads);
 * the NVSwitch of the issuer's domain (data and reverse bytes).
 
+Flow coupling per mechanism (:data:`COUPLING`, ``flow_granularity="round"``): a push transfer is
+one flow per *sender* (its stores to every destination advance together), a pull transfer one
+per *receiver* (the receiver paces its reads from every source). The writers that share a
+destination's port are therefore the push senders into it, each with its own flow; a pull
+receiver's responses count as one writer. ``"peer"`` splits both into one flow per peer.
+On an NVSwitch fabric, N concurrent push writers into one port reach
+``GpuProfile.incast.efficiency(N)`` of its wire rate: a push transfer given ``writers`` (the
+number of senders into each destination in that round) charges the destination's data port
+``1 / efficiency`` per wire byte.
+
+Push signalling (``GpuProfile.signalling``): :meth:`TransferBuilder.fence_us` is the release fence
+after a round of remote stores (fixed part plus the drain of the stores still in flight),
+:meth:`TransferBuilder.poll_us` the receiver's sweep over its flags and
+:meth:`TransferBuilder.completion_jitter` the seeded per-sender completion delays.
+
 The rates are the builder's ``rates``, or per phase name in ``roles`` the rates in ``_roles``
 (the layer model's opt-in kernel profile gives dispatch and combine their own); a subclass sets
 them before it adds transfers, and :meth:`TransferBuilder.retime_engine` re-sets the
@@ -30,7 +45,11 @@ import numpy as np
 from sim.core.engine import Graph
 from sim.core.topology import ENGINE, NIC_RX, NIC_TX, NVL_RX, NVL_TX, RES_PER_GPU, Topology
 
-__all__ = ["Rates", "TransferBuilder"]
+__all__ = ["Rates", "TransferBuilder", "COUPLING"]
+
+# what one flow of a transfer is, per mechanism, at flow_granularity "round" ("peer": one flow per
+# peer for both)
+COUPLING = {"push": "sender", "pull": "receiver"}
 
 
 @dataclass
@@ -57,9 +76,17 @@ class TransferBuilder:
         self.num_ranks = num_ranks
         # store -> remote visibility as a fraction of a dependent remote load
         self.push_latency_fraction = push_latency_fraction
-        self.flow_granularity = flow_granularity  # "round": one flow, "peer": one per peer
+        self.flow_granularity = flow_granularity  # "round": COUPLING, "peer": one per peer
+        self.coupling = (
+            dict(COUPLING) if flow_granularity == "round" else dict.fromkeys(COUPLING, "peer")
+        )
         self.flag_remote = gpu.flag_latency_remote_us + topo.switch_hop_latency_us
-        self.fence = gpu.fence_us
+        self.fence = gpu.fence_us  # fixed part of a release fence
+        self.signalling = gpu.signalling
+        # many writers into one port: NVSwitch ports only (a direct link has one writer)
+        self.incast = gpu.incast if topo.fabric == "nvswitch" else None
+        # (task, remote bytes, extra us) of every fence delay: re-timed with the comm SMs
+        self._fences: list[tuple[int, float, float]] = []
         self.g = Graph()
         self.payload_bytes = {"nvlink": 0.0, "nic": 0.0, "local": 0.0}
         self.rates = Rates(1.0, 1.0, 1.0)
@@ -95,17 +122,25 @@ class TransferBuilder:
         return self._routes[key]
 
     def _coefs(
-        self, kind: str, nv: np.ndarray, nic: np.ndarray, local: float, rates: Rates
+        self,
+        kind: str,
+        nv: np.ndarray,
+        nic: np.ndarray,
+        local: float,
+        rates: Rates,
+        port_eff: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Coefficients (totals, not per byte) matching :meth:`_static_route`."""
+        """Coefficients (totals, not per byte) matching :meth:`_static_route`; ``port_eff`` [R]:
+        the incast efficiency of each peer's data port (None: 1)."""
         b_nv, b_nic = float(nv.sum()), float(nic.sum())
         a, r = self._proto[kind]
+        peer_data = a * nv if port_eff is None else a * nv / port_eff
         na, nr = self.topo.nic_data_bytes_per_byte, self.topo.nic_reverse_bytes_per_byte
         sw = (a + r) * b_nv if self.topo.fabric == "nvswitch" else 0.0
         return np.concatenate(
             (
                 [b_nv / (rates.push if kind == "push" else rates.pull) + local / rates.local],
-                a * nv,
+                peer_data,
                 [a * b_nv, r * b_nv],
                 r * nv,
                 na * nic,
@@ -115,10 +150,13 @@ class TransferBuilder:
             )
         )
 
-    def transfer(self, issuer, kind, into, peer_bytes, local_bytes, deps, rank, phase, rnd):
+    def transfer(
+        self, issuer, kind, into, peer_bytes, local_bytes, deps, rank, phase, rnd, writers=None
+    ):
         """Add a transfer issued by ``issuer``'s comm SMs with mechanism ``kind`` ("push" /
         "pull"): ``peer_bytes`` [R] payload to (``into=False``) or from (``into=True``) each
-        peer, plus ``local_bytes`` copied inside the issuer."""
+        peer, plus ``local_bytes`` copied inside the issuer. ``writers`` [R] (push stores only):
+        the concurrent writers into each peer's port, for the incast efficiency."""
         b = np.array(peer_bytes, dtype=np.float64)
         local = float(local_bytes) + float(b[issuer])
         b[issuer] = 0.0
@@ -139,7 +177,12 @@ class TransferBuilder:
             lat = max(lat, self.gpu.local_load_latency_us)
         route = self._static_route(issuer, into)
         # (size, NVLink bytes, local bytes, NIC bytes) of each flow
-        if self.flow_granularity == "peer":
+        port_eff = None
+        if writers is not None and self.incast is not None and kind == "push" and not into:
+            port_eff = self.incast.efficiency(writers)
+            if np.all(port_eff == 1.0):
+                port_eff = None
+        if self.coupling[kind] == "peer":
             parts = [(float(b[p]), float(nv[p]), 0.0, float(nic[p]), p) for p in np.flatnonzero(b)]
             if local > 0:
                 parts.append((local, 0.0, local, 0.0, -1))
@@ -153,21 +196,68 @@ class TransferBuilder:
         rates = self._roles[phase] if role >= 0 else self.rates
         for size, f_nv, f_local, f_nic, p in parts:
             if p < 0 and len(parts) == 1:
-                c = self._coefs(kind, nv, nic, local, rates)
+                c = self._coefs(kind, nv, nic, local, rates, port_eff)
             else:  # one flow per peer (and one for the local part)
                 one_nv, one_nic = zero.copy(), zero.copy()
                 if p >= 0:
                     one_nv[p], one_nic[p] = f_nv, f_nic
-                c = self._coefs(kind, one_nv, one_nic, f_local, rates)
+                c = self._coefs(kind, one_nv, one_nic, f_local, rates, port_eff)
             if c[0] > 0:  # the engine entry (first in the route) survives the zero filter
                 fid = len(self.g.flows) + len(flows)
                 self._eng.append((fid, k, f_nv / size, f_local / size, role))
             flows.append((size, (route, c / size)))
         return self.g.transfer(flows, lat, deps, rank, phase, rnd)
 
+    # -- push signalling ------------------------------------------------------------------------
+    @property
+    def comm_sms(self) -> int:
+        """Comm SMs that issue the transfers (``cfg.num_comm_sms`` of a subclass with a config;
+        1 otherwise)."""
+        return int(getattr(getattr(self, "cfg", None), "num_comm_sms", 1))
+
+    @property
+    def push_drain(self) -> float:
+        """Payload bytes per us at which a sender's outstanding remote stores drain (its NVLink
+        port's wire rate over the push protocol bytes)."""
+        return self.gpu.nvlink_wire_gbps * 1e3 / self._proto["push"][0]
+
+    def fence_us(self, remote_bytes: float) -> float:
+        """System-scope release fence after a round of ``remote_bytes`` remote stores."""
+        return self.signalling.fence_us(self.fence, remote_bytes, self.comm_sms, self.push_drain)
+
+    def fence_delay(self, remote_bytes, extra_us, deps, rank, phase, rnd) -> int:
+        """A delay task of the fence after ``remote_bytes`` remote stores plus ``extra_us`` (the
+        flag, the jitter); re-timed by :meth:`retime_engine` when the comm SMs change."""
+        t = self.g.delay(self.fence_us(remote_bytes) + extra_us, deps, rank, phase, rnd)
+        self._fences.append((t, float(remote_bytes), float(extra_us)))
+        return t
+
+    def poll_us(self, num_flags: int) -> float:
+        """A receiver's sweep over ``num_flags`` completion flags (local loads)."""
+        return self.signalling.poll_us(num_flags, self.gpu.local_load_latency_us)
+
+    @property
+    def jitter_seed(self) -> int:
+        """Seed of the completion jitter: the workload's (``wl.seed`` of a subclass), else 0."""
+        return int(getattr(getattr(self, "wl", None), "seed", 0) or 0)
+
+    def completion_jitter(self, tag: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Per-sender completion delays (us), exponential of mean
+        ``signalling.completion_jitter_us``, one per entry of ``shape`` (e.g. [senders,
+        rounds]); reproducible for a (seed, tag)."""
+        mean = self.signalling.completion_jitter_us
+        if mean <= 0:
+            return np.zeros(shape)
+        return np.random.default_rng((self.jitter_seed, tag)).exponential(mean, size=shape)
+
     def retime_engine(self) -> None:
         """Re-set the comm-engine coefficient of every flow built so far from the current
-        ``rates`` and ``_roles`` (the rest of a flow's route does not depend on them)."""
+        ``rates`` and ``_roles`` (the rest of a flow's route does not depend on them), and the
+        fence delays from the current comm SMs."""
+        if self._fences:
+            dur = self.g.duration
+            for t, nbytes, extra in self._fences:
+                dur[t] = self.fence_us(nbytes) + extra
         if not self._eng:
             return
         ptr, _, coef, _ = self.g.flows.arrays()

@@ -4,7 +4,11 @@ Per rank r (EP ranks are the first ``ep`` GPUs of the topology):
 
 * ``schedule``: counts all-gather and the schedule table (one global task);
 * compute SMs, in order: shared expert (overlaps the first dispatch) -> expert FFN of round 0 ->
-  round 1 -> ... -> final weighted sum of the k combine rows of each token;
+  round 1 -> ... -> final weighted sum of the k combine rows of each token. Each FFN (gate+up,
+  handoff, down) is a persistent tile queue (:mod:`sim.core.gemm_waves`): a ``gemm`` task holds
+  the compute SMs for the fluid occupancy (fractional waves), so the next round's tiles backfill
+  the last partial wave, and a ``gemm_tail`` task (the rest of the last wave) delays only the
+  round's combine and the final sum;
 * comm SMs: the dispatch and combine transfers of the policies (:mod:`sim.layer.policies`), sharing
 the
   rank's comm engine with max-min fairness;
@@ -39,7 +43,8 @@ from sim.comm.profile import KernelProfile, load_kernel_profile
 from sim.comm.rates import kernel_rates
 from sim.config import SimConfig, Workload
 from sim.core.engine import Graph, run_graph
-from sim.core.gemm import expert_ffn_us, reduce_us
+from sim.core.gemm import reduce_us
+from sim.core.gemm_waves import H200_GEMM_WAVES, GemmWaves, gemm_spec, round_times
 from sim.core.transfer import Rates, TransferBuilder
 from sim.layer.plan import RoutingPlan
 from sim.layer.policies import get_combine, get_dispatch
@@ -167,7 +172,9 @@ class LayerBuilder(TransferBuilder):
         self.flag_local = self.gpu.flag_latency_local_us
         self.combine_rows = self.rc.uniq_last if cfg.dedup else self.rc.rows
         self.slot_free: dict[tuple[int, int], int] = {}
-        self._ffn: list[tuple[int, int, int]] = []  # task, row tiles, intermediate
+        self.waves: GemmWaves = H200_GEMM_WAVES
+        # (busy task, tail task, row tiles, intermediate, experts)
+        self._ffn: list[tuple[int, int, int, int, int]] = []
 
     def _set_sms(self) -> None:
         gpu, topo, cfg = self.gpu, self.topo, self.cfg
@@ -225,16 +232,30 @@ class LayerBuilder(TransferBuilder):
             self.dispatch_row_bytes,
         )
 
-    def _ffn_us(self, row_tiles: int, intermediate: int) -> float:
-        return expert_ffn_us(
-            self.gpu,
-            row_tiles,
-            self.shape.hidden,
-            intermediate,
-            self.compute_sms,
-            self.cfg.dtype,
-            self.cfg.row_tile,
+    def _ffn_us(self, row_tiles: int, intermediate: int, experts: int) -> tuple[float, float]:
+        """(busy, tail) of one SwiGLU FFN round over ``experts`` experts' weights: gate+up
+        (N = 2 x intermediate, K = hidden), the GPU-scope handoff, down (N = hidden)."""
+        if row_tiles <= 0:
+            return 0.0, 0.0
+        gpu, w, cfg, h, sms = self.gpu, self.waves, self.cfg, self.shape.hidden, self.compute_sms
+        up = gemm_spec(
+            gpu, w, row_tiles, 2 * intermediate, h, experts, sms, cfg.dtype, cfg.row_tile
         )
+        dn = gemm_spec(gpu, w, row_tiles, h, intermediate, experts, sms, cfg.dtype, cfg.row_tile)
+        busy, done = round_times([up, dn], sms, w.layer_fill_us, gpu.flag_latency_local_us)
+        return busy, done - busy
+
+    def experts_per_round(self) -> np.ndarray:
+        """[R, max_rounds] local experts whose padded region overlaps each round (their weights
+        stream once per round they appear in)."""
+        plan, mb = self.plan, self.cfg.minibatch_size
+        padded = -(-plan.expert_counts.sum(axis=1) // plan.row_tile) * plan.row_tile
+        padded = padded.reshape(plan.num_ranks, plan.num_local_experts)
+        lo = plan.region_starts
+        hi = lo + padded
+        m0 = np.arange(self.rc.row_tiles.shape[1])[None, None, :] * mb
+        hit = (padded[..., None] > 0) & (lo[..., None] < m0 + mb) & (hi[..., None] > m0)
+        return hit.sum(axis=1)
 
     def retime(self, num_comm_sms: int) -> SimConfig:
         """Re-target the built graph to another comm/compute SM split: only the comm-engine
@@ -243,8 +264,8 @@ class LayerBuilder(TransferBuilder):
         self._set_sms()
         self.retime_engine()
         dur = self.g.duration
-        for t, tiles, inter in self._ffn:
-            dur[t] = self._ffn_us(tiles, inter)
+        for t, tail, tiles, inter, experts in self._ffn:
+            dur[t], dur[tail] = self._ffn_us(tiles, inter, experts)
         return self.cfg
 
     # -- combine helpers ----------------------------------------------------------------------
@@ -282,24 +303,39 @@ class LayerBuilder(TransferBuilder):
         shared_tiles = -(-self.wl.tokens_per_rank // cfg.row_tile)
         gemm_done = {}
         chain = {}
+        finals: dict[int, list[int]] = {}
         sh_tiles = shared_tiles if shape.shared_intermediate else 0
+        experts = self.experts_per_round()
+
+        def ffn(tiles, inter, n_exp, deps, r, phase, m=-1):
+            busy, tail = self._ffn_us(tiles, inter, n_exp)
+            t = g.delay(busy, deps, r, phase, m)
+            done = g.delay(tail, [t], r, "gemm_tail", m)
+            self._ffn.append((t, done, tiles, inter, n_exp))
+            return t, done
+
         for r in range(nr):
-            prev = g.delay(
-                self._ffn_us(sh_tiles, shape.shared_intermediate), [], r, "shared_expert"
-            )
-            self._ffn.append((prev, sh_tiles, shape.shared_intermediate))
+            prev, sh_done = ffn(sh_tiles, shape.shared_intermediate, 1, [], r, "shared_expert")
+            last = sh_done
             for m in range(int(rc.num_rounds[r])):
                 tiles = int(rc.row_tiles[r, m])
-                dur = self._ffn_us(tiles, shape.intermediate)
-                prev = g.delay(dur, [ready[(r, m)], prev], r, "gemm", m)
-                self._ffn.append((prev, tiles, shape.intermediate))
-                gemm_done[(r, m)] = g.delay(self.flag_local, [prev], r, "signal", m)
+                prev, last = ffn(
+                    tiles,
+                    shape.intermediate,
+                    int(experts[r, m]),
+                    [ready[(r, m)], prev],
+                    r,
+                    "gemm",
+                    m,
+                )
+                gemm_done[(r, m)] = g.delay(self.flag_local, [last], r, "signal", m)
             chain[r] = prev
+            finals[r] = [sh_done, last]
         arrivals = get_combine(cfg.combine_mode).build(self, gemm_done)
         rows_in = self.combine_rows.sum(axis=(0, 1))  # [R_home]
         for s in range(nr):
             dur = reduce_us(gpu, int(rows_in[s]), self.wl.tokens_per_rank, shape.hidden)
-            g.delay(dur, [chain[s], *arrivals[s]], s, "reduce")
+            g.delay(dur, [chain[s], *finals[s], *arrivals[s]], s, "reduce")
         return g
 
 

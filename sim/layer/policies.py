@@ -8,7 +8,11 @@ Dispatch produces ``ready[(d, m)]``: the task after which the GEMM of round m on
 
 * push: every source stores its rows into the destination's ring, fences, then raises one flag
   per destination; the destination polls one flag per sender. A source may only write ring slot
-  m once the destination freed slot m - ring_slots and told it so (a remote credit).
+  m once the destination freed slot m - ring_slots and told it so (a remote credit). The fence
+  drains the source's outstanding stores (``b.fence_us``), each source's completion carries a
+  seeded jitter (``b.completion_jitter``), so the destination's wait for the last of N sources
+  grows with N, and the destination sweeps its N flags (``b.poll_us``); the N sources' stores
+  into one destination port share it with the incast efficiency (``writers``).
 * pull: the destination loads the rows it needs from the sources' symmetric buffers by the
   schedule; completion is local (mbarrier) and reaches the compute SMs through a GPU-scope flag.
 * dedup_pull: like pull, but one NVLink row per (token, destination rank); the other rows of
@@ -18,7 +22,8 @@ Combine consumes ``gemm_done[(d, m)]`` and produces the tasks each home rank wai
 final weighted sum, and frees ring slots (``b.slot_free``).
 
 * push: the expert owner stores each output row into its unique slot on the home rank, fences,
-  flags; ring slot m is free as soon as its rows are sent.
+  flags; ring slot m is free as soon as its rows are sent. Fence, jitter, polling and incast as
+  for push dispatch (the home rank waits for the last of its owners).
 * pull: the owner flags "outputs of round m ready"; each home rank loads them; the ring slot is
   free only after every reader says so (a remote flag back).
 * with dedup_pull dispatch, the (push) combine first folds the rank-local rows of a token into
@@ -37,7 +42,29 @@ from sim.config import SimConfig
 from sim.core.engine import Graph
 from sim.layer.plan import RoundCounts
 
-__all__ = ["Builder", "DISPATCH_POLICIES", "COMBINE_POLICIES", "get_dispatch", "get_combine"]
+__all__ = [
+    "Builder",
+    "DISPATCH_POLICIES",
+    "COMBINE_POLICIES",
+    "get_dispatch",
+    "get_combine",
+    "FOLD_COPY_BYTES_PER_TRAFFIC_BYTE",
+    "remote_writers",
+]
+
+# the local copy curve counts a copied byte once (one read + one write); the dedup fold's bytes
+# are read + written traffic, so one traffic byte is half a copied byte (as the standalone comm
+# model charges local bytes: (reads + writes) / 2)
+FOLD_COPY_BYTES_PER_TRAFFIC_BYTE = 0.5
+
+
+def remote_writers(rows: np.ndarray) -> np.ndarray:
+    """[R_dst, rounds] number of other ranks that write rows into each destination per round,
+    from ``rows`` [R_dst, rounds, R_src] (the incast count of the destination's port)."""
+    has = rows > 0
+    nr = has.shape[0]
+    own = has[np.arange(nr), :, np.arange(nr)]  # [R, rounds]: a rank's rows to itself
+    return has.sum(axis=2) - own
 
 
 class Builder(Protocol):
@@ -68,7 +95,22 @@ class Builder(Protocol):
         rank: int,
         phase: str,
         rnd: int,
+        writers: np.ndarray | None = None,
     ) -> int: ...
+
+    def fence_delay(
+        self,
+        remote_bytes: float,
+        extra_us: float,
+        deps: Sequence[int | None],
+        rank: int,
+        phase: str,
+        rnd: int,
+    ) -> int: ...
+
+    def poll_us(self, num_flags: int) -> float: ...
+
+    def completion_jitter(self, tag: int, shape: tuple[int, ...]) -> np.ndarray: ...
 
     def combine_bytes(self, d: int, m: int) -> tuple[np.ndarray, float]: ...
 
@@ -126,6 +168,8 @@ class PushDispatch:
             for m in range(max(0, rc.max_rounds - slots))
         ]
         sig: list[list[int | None]] = [[None] * nr for _ in range(rc.max_rounds)]
+        writers = remote_writers(rc.rows)  # [R_dst, rounds]
+        jitter = b.completion_jitter(0, (nr, rc.max_rounds))
         for s in range(nr):
             prev = None
             for m in range(rc.max_rounds):
@@ -137,16 +181,20 @@ class PushDispatch:
                     cm = credit[m - slots]
                     deps += [cm[d] for d in dests]
                 peer = rc.rows[:, m, s] * b.dispatch_row_bytes
-                t = b.transfer(s, "push", False, peer, 0.0, deps, s, "dispatch", m)
-                sig[m][s] = b.g.delay(b.fence + b.flag_remote, [t], s, "signal", m)
+                w = writers[:, m]
+                t = b.transfer(s, "push", False, peer, 0.0, deps, s, "dispatch", m, writers=w)
+                remote = float(peer.sum() - peer[s])
+                extra = b.flag_remote + float(jitter[s, m])
+                sig[m][s] = b.fence_delay(remote, extra, [t], s, "signal", m)
                 prev = t
         ready = {}
-        poll_us = b.cfg.flag_poll_us_per_peer
+        poll_us = b.cfg.flag_poll_us_per_peer  # per-flag loop cost on top of the sweep
         for d in range(nr):
             for m in range(int(rc.num_rounds[d])):
                 sm = sig[m]
                 deps = [sm[s] for s in np.flatnonzero(has[d, m]).tolist()]
-                ready[(d, m)] = b.g.delay(poll_us * len(deps), deps, d, "signal", m)
+                n = len(deps)
+                ready[(d, m)] = b.g.delay(poll_us * n + b.poll_us(n), deps, d, "signal", m)
         return ready
 
 
@@ -156,27 +204,42 @@ class PushCombine:
     def build(self, b: Builder, gemm_done: dict) -> dict[int, list[int]]:
         rc = b.rc
         nr = b.num_ranks
+        cr = b.combine_rows  # [R_owner, max_rounds, R_home]
+        # writers into home s in round m: the other owners with rows for s in that round
+        writers = remote_writers(np.transpose(cr, (2, 1, 0)))  # [R_home, rounds]
+        fold = FOLD_COPY_BYTES_PER_TRAFFIC_BYTE if b.cfg.dedup else 1.0
         last = {}
+        last_remote = {}
         for d in range(nr):
             prev = None
             for m in range(int(rc.num_rounds[d])):
                 peer, local = b.combine_bytes(d, m)
                 deps = [gemm_done[(d, m)], prev]
-                t = b.transfer(d, "push", False, peer, local, deps, d, "combine", m)
+                w = writers[:, m]
+                t = b.transfer(
+                    d, "push", False, peer, local * fold, deps, d, "combine", m, writers=w
+                )
                 b.g.add_dep(b.slot_free[(d, m)], t)
                 prev = t
+                last_remote[d] = float(peer.sum() - peer[d])
             last[d] = prev
         # each owner fences and flags every home rank after its last combine store
+        jitter = b.completion_jitter(1, (nr,))
         done = {
-            d: b.g.delay(b.fence + b.flag_remote, [t], d, "signal", -1)
+            d: b.fence_delay(last_remote[d], b.flag_remote + float(jitter[d]), [t], d, "signal", -1)
             for d, t in last.items()
             if t is not None
         }
-        arrivals: dict[int, list[int]] = {s: [] for s in range(nr)}
-        sent = b.combine_rows.sum(axis=1)  # [R_owner, R_home]
+        waits: dict[int, list[int]] = {s: [] for s in range(nr)}
+        sent = cr.sum(axis=1)  # [R_owner, R_home]
         for d, t in done.items():
             for s in np.flatnonzero(sent[d]).tolist():
-                arrivals[s].append(t)
+                waits[s].append(t)
+        # the home rank sweeps one flag per owner
+        arrivals: dict[int, list[int]] = {}
+        for s, deps in waits.items():
+            poll = b.poll_us(len(deps))
+            arrivals[s] = [b.g.delay(poll, deps, s, "signal", -1)] if deps and poll > 0 else deps
         return arrivals
 
 

@@ -1,0 +1,171 @@
+"""Fit of the GEMM waves model (:mod:`sim.core.gemm_waves`) on the probe's grouped GEMMs.
+
+Points: ``grouped_gemm_by_rows`` (all SMs, rows per expert) and ``grouped_gemm_by_sms`` (SM
+carveout at 2048 rows per expert) of every probe JSON under ``mok/bench/results`` that has them;
+each point is ``torch._grouped_mm`` over 8 experts, gate+up (N = 2 x intermediate, K = hidden) or
+down (N = hidden, K = intermediate). Fit subset: the by-rows points of
+:data:`sim.measured.GEMM_WAVES_FIT_PROBES`; every other point is held out. The fit minimises the
+squared log error over ``tile_efficiency``, ``tile_fixed_us``, ``fill_us`` and ``weight_gbps``
+(coordinate search with shrinking steps, numpy only); ``launch_us`` is not identified by these
+points and stays as given. :func:`dense_probe_command` is the probe run that would add points.
+
+``python -m sim.app.gemm_fit`` prints the fitted values and the error of every point.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.core.gemm_waves import GemmWaves, standalone_gemm_us
+from sim.core.hardware import GpuProfile, load_gpu
+from sim.measured import GEMM_WAVES_FIT_PROBES, results_dir
+
+__all__ = [
+    "GemmPoint",
+    "probe_points",
+    "predict",
+    "fit",
+    "errors",
+    "dense_probe_command",
+    "DENSE_GEMM_ROWS",
+]
+
+# Rows per expert of a dense one-H200 sweep: every multiple of 128 up to 1024 (the one- and
+# two-wave region where partial waves matter), then coarser up to 4096.
+DENSE_GEMM_ROWS = (*range(128, 1025, 128), 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
+
+
+def dense_probe_command(out: str = "h200-probe-gemm-dense.json") -> str:
+    """The ``python -m mok.bench probe`` command of a dense one-H200 sweep of grouped GEMMs by
+    rows per expert (both shapes, 8 experts, all SMs) plus the carveout sweep; every other
+    section skipped."""
+    rows = ",".join(map(str, DENSE_GEMM_ROWS))
+    return (
+        f"python -m mok.bench probe --out {out} --csv {out.removesuffix('.json')}.csv "
+        f"--skip hbm,gemm,local,peer,green --gemm-rows {rows} "
+        "--gemm-sms 8,16,32,48,66,100,116,132 --iters 20 --warmup 5"
+    )
+
+
+@dataclass(frozen=True)
+class GemmPoint:
+    source: str  # probe file name
+    section: str  # "by_rows" or "by_sms"
+    shape: str
+    op: str  # gate_up / down
+    experts: int
+    rows: int  # rows per expert
+    n: int
+    k: int
+    sms: int
+    us: float
+
+    @property
+    def is_fit(self) -> bool:
+        return self.section == "by_rows" and self.source in GEMM_WAVES_FIT_PROBES
+
+
+def probe_points(names: tuple[str, ...] | None = None) -> list[GemmPoint]:
+    """The grouped-GEMM points of the probe JSONs ``names`` (default: all under results_dir)."""
+    paths = (
+        [results_dir() / n for n in names] if names else sorted(results_dir().glob("*probe*.json"))
+    )
+    out = []
+    for path in paths:
+        res = json.loads(path.read_text()).get("results", {})
+        for section, key in (
+            ("by_rows", "grouped_gemm_by_rows"),
+            ("by_sms", "grouped_gemm_by_sms"),
+        ):
+            for shape, v in res.get(key, {}).items():
+                h, i, e = v["hidden"], v["intermediate"], v["num_experts"]
+                for op in ("gate_up", "down"):
+                    k, n = (h, 2 * i) if op == "gate_up" else (i, h)
+                    for x, pt in v.get(op, {}).items():
+                        rows = int(x) if section == "by_rows" else int(v["rows_per_expert"])
+                        sms = int(v["num_sms"]) if section == "by_rows" else int(x)
+                        out.append(
+                            GemmPoint(path.name, section, shape, op, e, rows, n, k, sms, pt["us"])
+                        )
+    return out
+
+
+def predict(gpu: GpuProfile, p: GemmWaves, pt: GemmPoint) -> float:
+    return standalone_gemm_us(gpu, p, pt.experts, pt.rows, pt.n, pt.k, pt.sms)
+
+
+def _loss(gpu: GpuProfile, p: GemmWaves, pts: list[GemmPoint]) -> float:
+    return float(sum(math.log(predict(gpu, p, q) / q.us) ** 2 for q in pts))
+
+
+_FIT_START = {"tile_efficiency": 0.9, "tile_fixed_us": 1.0, "fill_us": 10.0, "weight_gbps": 4000.0}
+_FIT_STEP = {"tile_efficiency": 0.1, "tile_fixed_us": 1.0, "fill_us": 8.0, "weight_gbps": 400.0}
+_FIT_LO = {"tile_efficiency": 0.3, "tile_fixed_us": 0.0, "fill_us": 0.0, "weight_gbps": 500.0}
+
+
+def fit(gpu: GpuProfile | None = None, pts: list[GemmPoint] | None = None) -> GemmWaves:
+    """Fitted :class:`GemmWaves` on the fit points (default: the fit subset of all probes)."""
+    gpu = gpu or load_gpu("h200")
+    pts = [q for q in (pts or probe_points()) if q.is_fit] or list(pts or [])
+    if not pts:
+        raise ValueError("no fit points (sim.measured.GEMM_WAVES_FIT_PROBES)")
+    p = GemmWaves(**_FIT_START)
+    step = dict(_FIT_STEP)
+    best = _loss(gpu, p, pts)
+    for _ in range(60):
+        moved = False
+        for name, s in step.items():
+            for sign in (1.0, -1.0):
+                v = max(_FIT_LO[name], getattr(p, name) + sign * s)
+                q = p.replace(**{name: v})
+                lq = _loss(gpu, q, pts)
+                if lq < best - 1e-12:
+                    p, best, moved = q, lq, True
+                    break
+        if not moved:
+            step = {k: v / 2 for k, v in step.items()}
+            if step["tile_efficiency"] < 1e-4:
+                break
+    names = ", ".join(GEMM_WAVES_FIT_PROBES)
+    return p.replace(
+        tile_efficiency=round(p.tile_efficiency, 3),
+        tile_fixed_us=round(p.tile_fixed_us, 3),
+        fill_us=round(p.fill_us, 1),
+        weight_gbps=round(p.weight_gbps, 0),
+        source=f"fit on {names} (sim.app.gemm_fit)",
+    )
+
+
+def errors(gpu: GpuProfile, p: GemmWaves, pts: list[GemmPoint]) -> dict[str, np.ndarray]:
+    """Relative errors (model / measured - 1) of the fit and the held-out points."""
+    out = {"fit": [], "holdout": []}
+    for q in pts:
+        out["fit" if q.is_fit else "holdout"].append(predict(gpu, p, q) / q.us - 1.0)
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def main() -> int:
+    gpu = load_gpu("h200")
+    pts = probe_points()
+    p = fit(gpu, pts)
+    print(p)
+    for q in pts:
+        m = predict(gpu, p, q)
+        tag = "fit " if q.is_fit else "hold"
+        print(
+            f"{tag} {q.source:<36}{q.section:<8}{q.shape:<12}{q.op:<8}{q.rows:>5}{q.sms:>5}"
+            f"{q.us:>10.1f}{m:>10.1f}{100 * (m / q.us - 1):>+8.1f}%"
+        )
+    for k, e in errors(gpu, p, pts).items():
+        a = np.abs(e)
+        print(f"{k}: {a.size} points, median |err| {np.median(a):.3f}, max {a.max():.3f}")
+    print(dense_probe_command())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
