@@ -93,6 +93,17 @@ class Graph:
                 total += size
         return self._add(TRANSFER, latency_us, deps, rank, phase, rnd, total, lo, len(self.flows))
 
+    def transfer_filtered(self, flows, latency_us: float, deps=(), rank=-1, phase="", rnd=-1):
+        """:meth:`transfer` of flows given as (payload bytes > 0, resources int64, coefficients
+        float64 > 0): routes already in the flow table's form, added without re-checking."""
+        fl = self.flows
+        lo = len(fl)
+        total = 0.0
+        for size, res, coef in flows:
+            fl.add_filtered(size, res, coef)
+            total += size
+        return self._add(TRANSFER, latency_us, deps, rank, phase, rnd, total, lo, len(fl))
+
     def add_dep(self, task: int, dep: int | None) -> None:
         if dep is not None:
             self.deps[task].append(dep)

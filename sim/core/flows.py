@@ -119,6 +119,17 @@ class FlowTable:
         self._arrays = None
         return len(self._size) - 1
 
+    def add_filtered(self, size: float, res: np.ndarray, coef: np.ndarray) -> int:
+        """:meth:`add` of a route already filtered: ``res`` int64, ``coef`` float64, all > 0."""
+        if not res.shape[0]:
+            raise ValueError("a flow needs at least one resource on its route")
+        self._res.append(res)
+        self._coef.append(coef)
+        self._len.append(res.shape[0])
+        self._size.append(float(size))
+        self._arrays = None
+        return len(self._size) - 1
+
     def __len__(self) -> int:
         return len(self._size)
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
+from numba import njit
 
 from sim.core.engine import Graph
 from sim.core.topology import ENGINE, NIC_RX, NIC_TX, NVL_RX, NVL_TX, RES_PER_GPU, Topology
@@ -50,6 +51,49 @@ __all__ = ["Rates", "TransferBuilder", "COUPLING"]
 # what one flow of a transfer is, per mechanism, at flow_granularity "round" ("peer": one flow per
 # peer for both)
 COUPLING = {"push": "sender", "pull": "receiver"}
+
+
+_NO_EFF = np.empty(0)
+
+
+@njit(cache=True, error_model="numpy")
+def _nv_flow(nv, b_nv, c0, a, r, sw, port_eff, total, route):  # pragma: no cover - numba
+    """(resources, coefficients per byte) of a one-flow transfer over the NVLink-only route
+    (:meth:`TransferBuilder._nv_route`), zero coefficients dropped: the values of
+    :meth:`TransferBuilder._coefs` over ``total``, each computed by the same operations.
+    ``port_eff`` [R] or empty (all 1); ``c0`` the engine entry, ``sw`` the switch entry."""
+    n = nv.shape[0]
+    res = np.empty(2 * n + 4, np.int64)
+    coef = np.empty(2 * n + 4)
+    j = 0
+    x = c0 / total
+    if x > 0.0:
+        res[j], coef[j] = route[0], x
+        j += 1
+    eff = port_eff.shape[0] > 0
+    for i in range(n):
+        x = (a * nv[i] / port_eff[i] if eff else a * nv[i]) / total
+        if x > 0.0:
+            res[j], coef[j] = route[1 + i], x
+            j += 1
+    x = a * b_nv / total
+    if x > 0.0:
+        res[j], coef[j] = route[n + 1], x
+        j += 1
+    x = r * b_nv / total
+    if x > 0.0:
+        res[j], coef[j] = route[n + 2], x
+        j += 1
+    for i in range(n):
+        x = r * nv[i] / total
+        if x > 0.0:
+            res[j], coef[j] = route[n + 3 + i], x
+            j += 1
+    x = sw / total
+    if x > 0.0:
+        res[j], coef[j] = route[2 * n + 3], x
+        j += 1
+    return res[:j].copy(), coef[:j].copy()
 
 
 @dataclass
@@ -99,7 +143,14 @@ class TransferBuilder:
         dom = np.arange(num_ranks) // topo.gpus_per_domain
         self._same_domain = dom[:, None] == dom[None, :]
         self._routes: dict[tuple[int, bool], np.ndarray] = {}
+        # NVLink-only routes (engine, peer data [R], issuer pair, peer reverse [R], switch) of
+        # issuers whose NVLink domain holds every rank: their NIC coefficients are all zero
+        self._nv_routes: dict[tuple[int, bool], np.ndarray] = {}
+        self._one_domain = self._same_domain.all(axis=1).tolist()
         self._remote_lat = topo.remote_latency_us(gpu)
+        self._nvswitch = topo.fabric == "nvswitch"
+        # incast efficiency per writers vector (None: all 1)
+        self._port_eff: dict[tuple, np.ndarray | None] = {}
 
     def _static_route(self, issuer: int, into: bool) -> np.ndarray:
         """Resource ids of a transfer between ``issuer`` and all ranks, in the order that
@@ -120,6 +171,17 @@ class TransferBuilder:
             parts.append(np.array([topo.switch_res(topo.domain(issuer))]))
             self._routes[key] = np.concatenate(parts).astype(np.int64)
         return self._routes[key]
+
+    def _nv_route(self, issuer: int, into: bool) -> np.ndarray:
+        """:meth:`_static_route` without its NIC entries (for :func:`_nv_flow`)."""
+        key = (issuer, into)
+        route = self._nv_routes.get(key)
+        if route is None:
+            full = self._static_route(issuer, into)
+            n = self.num_ranks
+            route = np.concatenate((full[: 2 * n + 3], full[-1:]))
+            self._nv_routes[key] = route
+        return route
 
     def _coefs(
         self,
@@ -160,10 +222,15 @@ class TransferBuilder:
         b = np.array(peer_bytes, dtype=np.float64)
         local = float(local_bytes) + float(b[issuer])
         b[issuer] = 0.0
-        same = self._same_domain[issuer]
-        nv = b * same
-        nic = b - nv
-        b_nv, b_nic = float(nv.sum()), float(nic.sum())
+        one_domain = self._one_domain[issuer]
+        if one_domain:  # every peer over NVLink: nv == b * same == b, nic == 0
+            nv = b
+            b_nv, b_nic = float(np.add.reduce(b)), 0.0
+        else:
+            same = self._same_domain[issuer]
+            nv = b * same
+            nic = b - nv
+            b_nv, b_nic = float(nv.sum()), float(nic.sum())
         pb = self.payload_bytes
         pb["nvlink"] += b_nv
         pb["nic"] += b_nic
@@ -175,13 +242,40 @@ class TransferBuilder:
             lat = max(lat, self.topo.nic_latency_us)
         if local > 0:
             lat = max(lat, self.gpu.local_load_latency_us)
-        route = self._static_route(issuer, into)
         # (size, NVLink bytes, local bytes, NIC bytes) of each flow
         port_eff = None
         if writers is not None and self.incast is not None and kind == "push" and not into:
-            port_eff = self.incast.efficiency(writers)
-            if np.all(port_eff == 1.0):
-                port_eff = None
+            w = np.asarray(writers)
+            key = (w.dtype.str, w.shape, w.tobytes())
+            if key in self._port_eff:
+                port_eff = self._port_eff[key]
+            else:
+                port_eff = self.incast.efficiency(w)
+                if np.all(port_eff == 1.0):
+                    port_eff = None
+                self._port_eff[key] = port_eff
+        k = 0 if kind == "push" else 1
+        role = self.roles.index(phase) if phase in self._roles else -1
+        rates = self._roles[phase] if role >= 0 else self.rates
+        if one_domain and self.coupling[kind] != "peer":
+            # fast path: one flow over the NVLink-only route (the NIC coefficients it leaves out
+            # are zero, which the flow table drops anyway)
+            total = b_nv + b_nic + local
+            flows = []
+            if total > 0:
+                a, r = self._proto[kind]
+                c0 = b_nv / (rates.push if kind == "push" else rates.pull) + local / rates.local
+                if c0 > 0:
+                    self._eng.append((len(self.g.flows), k, b_nv / total, local / total, role))
+                sw = (a + r) * b_nv if self._nvswitch else 0.0
+                eff = _NO_EFF if port_eff is None else port_eff
+                route = self._nv_route(issuer, into)
+                res, coef = _nv_flow(nv, b_nv, c0, a, r, sw, eff, total, route)
+                flows.append((total, res, coef))
+            return self.g.transfer_filtered(flows, lat, deps, rank, phase, rnd)
+        if one_domain:
+            nic = np.zeros_like(b)
+        route = self._static_route(issuer, into)
         if self.coupling[kind] == "peer":
             parts = [(float(b[p]), float(nv[p]), 0.0, float(nic[p]), p) for p in np.flatnonzero(b)]
             if local > 0:
@@ -191,9 +285,6 @@ class TransferBuilder:
             parts = [(total, b_nv, local, b_nic, -1)] if total > 0 else []
         flows = []
         zero = np.zeros_like(b)
-        k = 0 if kind == "push" else 1
-        role = self.roles.index(phase) if phase in self._roles else -1
-        rates = self._roles[phase] if role >= 0 else self.rates
         for size, f_nv, f_local, f_nic, p in parts:
             if p < 0 and len(parts) == 1:
                 c = self._coefs(kind, nv, nic, local, rates, port_eff)

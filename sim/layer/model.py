@@ -175,6 +175,8 @@ class LayerBuilder(TransferBuilder):
         self.waves: GemmWaves = H200_GEMM_WAVES
         # (busy task, tail task, row tiles, intermediate, experts)
         self._ffn: list[tuple[int, int, int, int, int]] = []
+        # (busy, tail) of _ffn_us by (row tiles, intermediate, experts, compute SMs)
+        self._ffn_cache: dict[tuple[int, int, int, int], tuple[float, float]] = {}
 
     def _set_sms(self) -> None:
         gpu, topo, cfg = self.gpu, self.topo, self.cfg
@@ -237,6 +239,13 @@ class LayerBuilder(TransferBuilder):
         (N = 2 x intermediate, K = hidden), the GPU-scope handoff, down (N = hidden)."""
         if row_tiles <= 0:
             return 0.0, 0.0
+        key = (row_tiles, intermediate, experts, self.compute_sms)
+        out = self._ffn_cache.get(key)
+        if out is None:
+            out = self._ffn_cache[key] = self._ffn_us_uncached(row_tiles, intermediate, experts)
+        return out
+
+    def _ffn_us_uncached(self, row_tiles: int, intermediate: int, experts: int):
         gpu, w, cfg, h, sms = self.gpu, self.waves, self.cfg, self.shape.hidden, self.compute_sms
         up = gemm_spec(
             gpu, w, row_tiles, 2 * intermediate, h, experts, sms, cfg.dtype, cfg.row_tile
