@@ -22,15 +22,15 @@ SMALL = ["--shape", "tiny", "--tokens", "256", "--ep", "8", "--topology", "hgx-h
 # `mok-sim` with no arguments: the table lines it must print (deterministic for seed 0).
 GOLDEN_DEFAULT = """
 deepseek-v3 T4096 EP64 gb300-nvl72 zipf:0.2  (sms=24 mb=4096 ring=4)
-push/push             3121.3   1.000x   3077.3     40.4     3.7  27.7%           924.8
-pull/push             3121.3   1.000x   3077.3     40.4     3.7  27.7%           924.8
-pull/pull             3117.8   1.001x   3077.3     36.9     3.6  27.6%           924.8
-dedup_pull/push       3119.2   1.001x   3074.7     40.9     3.7  27.7%           887.3
+push/push             3121.3   1.000x  3077.3     40.4     3.7     57.9  27.7%     45/60       924.8
+pull/push             3121.3   1.000x  3077.3     40.4     3.7     17.3  27.7%     45/55       924.8
+pull/pull             3117.8   1.001x  3077.3     36.9     3.6     44.5  27.6%     45/54       924.8
+dedup_pull/push       3119.2   1.001x  3074.7     40.9     3.7     17.3  27.7%     43/53       887.3
 deepseek-v3 T4096 EP8 hgx-h200 zipf:0.2  (sms=24 mb=4096 ring=4)
-push/push             5701.2   1.000x   5577.2    120.0     4.0   5.7%           821.8
-pull/push             5701.2   1.000x   5577.2    120.0     4.0   5.7%           821.8
-pull/pull             5696.0   1.001x   5577.2    115.3     3.5   5.6%           821.8
-dedup_pull/push       5670.7   1.005x   5539.6    127.1     4.0   5.8%           545.0
+push/push             5701.2   1.000x  5577.2    120.0     4.0     46.3   5.7%     42/45       821.8
+pull/push             5701.2   1.000x  5577.2    120.0     4.0     18.1   5.7%     43/44       821.8
+pull/pull             5696.0   1.001x  5577.2    115.3     3.5     44.2   5.6%     43/45       821.8
+dedup_pull/push       5670.7   1.005x  5539.6    127.1     4.0     18.1   5.8%     28/29       545.0
 """
 
 
@@ -54,6 +54,23 @@ def test_compare_prints_every_policy(capsys, tmp_path):
     assert len(rows) == 4 and float(rows[0]["layer_us"]) > 0
 
 
+def test_compare_prints_signalling_and_utilisation_terms(capsys, tmp_path):
+    assert main(["compare", *SMALL, "--csv", str(tmp_path / "c.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "sig/rank" in out and "NVL util%" in out
+    rows = {
+        (r["dispatch_mode"], r["combine_mode"]): r
+        for r in csv.DictReader((tmp_path / "c.csv").read_text().splitlines())
+    }
+    for r in rows.values():
+        assert 0 < float(r["nvl_util_mean"]) <= float(r["nvl_util_max"]) <= 1
+        assert float(r["signal_rank_us"]) <= float(r["signal_rank_max_us"])
+    # push dispatch: a fence, a jittered flag and one polled flag per sender every round
+    assert float(rows[("push", "push")]["signal_rank_us"]) > float(
+        rows[("pull", "push")]["signal_rank_us"]
+    )
+
+
 def test_sweep_writes_csv_and_heatmap(tmp_path, capsys):
     out = tmp_path / "s.csv"
     args = ["sweep", *SMALL, "--sms", "8,16", "--minibatch", "256,512", "--ring-slots", "2"]
@@ -62,6 +79,7 @@ def test_sweep_writes_csv_and_heatmap(tmp_path, capsys):
     rows = list(csv.DictReader(out.read_text().splitlines()))
     assert len(rows) == 5 * 2 * 2  # dedup_pull only with push combine
     assert {r["dispatch_mode"] for r in rows} == {"push", "pull", "dedup_pull"}
+    assert {"signalling_us", "signal_rank_us", "nvl_util_mean", "nvl_util_max"} <= set(rows[0])
     assert (tmp_path / "h.png").exists()
 
 
@@ -103,6 +121,11 @@ def test_trace_writes_a_chrome_trace(tmp_path, capsys):
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert all(e["dur"] > 0 and e["ts"] >= 0 for e in spans)
     assert {"gemm", "dispatch", "combine"} <= {e["name"].split()[0] for e in spans}
+    # signalling tasks (flags, fences, polls, credits) on their own lane and category
+    sig = [e for e in spans if e["cat"] == "signalling"]
+    assert sig and {e["tid"] for e in sig} == {3}
+    assert {"signal_rank_us", "nvl_util_mean"} <= set(doc["otherData"])
+    assert "exposed signalling" in capsys.readouterr().out
 
 
 def test_calibrate_writes_a_profile(tmp_path, capsys):

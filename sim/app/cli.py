@@ -119,21 +119,29 @@ def _base_config(a, single: bool = True) -> SimConfig:
 
 
 def format_table(results, title: str = "") -> str:
-    """A readable comparison table of LayerResults (first row is the speedup reference)."""
+    """A readable comparison table of LayerResults (first row is the speedup reference).
+
+    ``gemm``, ``exp.comm``, ``signal`` and ``sched`` (not shown) add up to the layer time (the
+    breakdown of :mod:`sim.layer.results`); ``sig/rank`` is the signalling time a rank spends
+    over the layer (mean over ranks), on the critical path or not; ``NVL util`` the mean / max
+    NVLink port utilisation over the layer (wire bytes / port rate x layer time)."""
     head = (
-        f"{'dispatch/combine':<18}{'layer us':>10}{'vs first':>9}{'gemm':>9}{'exp.comm':>9}"
-        f"{'signal':>8}{'idle%':>7}{'NVLink MB/rank':>16}"
+        f"{'dispatch/combine':<18}{'layer us':>10}{'vs first':>9}{'gemm':>8}{'exp.comm':>9}"
+        f"{'signal':>8}{'sig/rank':>9}{'idle%':>7}{'NVL util%':>10}{'NVL MB/rank':>12}"
     )
     lines = [title, head, "-" * len(head)] if title else [head, "-" * len(head)]
     ref = results[0].layer_us
     for r in results:
         b = r.breakdown
+        sig, _ = r.signalling_per_rank()
+        um, ux = r.nvlink_utilisation()
+        util = f"{100 * um:.0f}/{100 * ux:.0f}"
         lines.append(
             f"{r.config.dispatch_mode + '/' + r.config.combine_mode:<18}"
-            f"{r.layer_us:>10.1f}{ref / r.layer_us:>8.3f}x{b['gemm_us']:>9.1f}"
-            f"{b['exposed_comm_us']:>9.1f}{b['signalling_us']:>8.1f}"
-            f"{100 * r.compute_idle_frac:>6.1f}%"
-            f"{r.payload_bytes['nvlink'] / r.workload.ep / 1e6:>16.1f}"
+            f"{r.layer_us:>10.1f}{ref / r.layer_us:>8.3f}x{b['gemm_us']:>8.1f}"
+            f"{b['exposed_comm_us']:>9.1f}{b['signalling_us']:>8.1f}{sig:>9.1f}"
+            f"{100 * r.compute_idle_frac:>6.1f}%{util:>10}"
+            f"{r.payload_bytes['nvlink'] / r.workload.ep / 1e6:>12.1f}"
         )
     return "\n".join(lines)
 
@@ -145,6 +153,7 @@ def _default_job(wl: Workload) -> list:
     res = compare(wl, DEFAULT_CONFIG, plan=plan_for(wl, DEFAULT_CONFIG.row_tile))
     for r in res:  # only the summary travels back from a worker
         r.breakdown  # noqa: B018 - computed (it needs the graph) before the graph is dropped
+        r.signalling_per_rank()
         r.graph = r.run = None
     return res
 
@@ -326,7 +335,12 @@ def _cmd_trace(a) -> int:
     wl, cfg = _workload(a), _base_config(a)
     res = simulate(wl, cfg, record_links=True)
     p = write_chrome_trace(res, a.out)
-    print(f"{wl.label()} | {cfg.label()}: {res.layer_us:.1f} us; wrote {p} (open in Perfetto)")
+    b, (sig, _), (um, ux) = res.breakdown, res.signalling_per_rank(), res.nvlink_utilisation()
+    print(
+        f"{wl.label()} | {cfg.label()}: {res.layer_us:.1f} us (exposed signalling "
+        f"{b['signalling_us']:.1f} us, signalling {sig:.1f} us per rank, NVLink util "
+        f"{100 * um:.0f}% mean / {100 * ux:.0f}% max); wrote {p} (open in Perfetto)"
+    )
     if a.csv:
         write_csv(res.records(), a.csv)
         print(f"wrote {a.csv}")

@@ -1,6 +1,7 @@
 """Chrome-trace JSON export of a simulated layer (open in https://ui.perfetto.dev).
 
-One process per rank; threads are the rank's lanes: compute SMs, dispatch, combine and signals.
+One process per rank; threads are the rank's lanes: compute SMs, dispatch, combine and signals
+(flags, fences, polls, credits: category ``signalling``, lane "flags / fences").
 Link utilisation (when the run recorded it) becomes counter tracks per NVLink/NIC direction.
 """
 
@@ -63,6 +64,9 @@ def chrome_trace(result: LayerResult, max_counter_points: int = 20000) -> dict:
             "workload": result.workload.label(),
             "config": result.config.label(),
             "layer_us": result.layer_us,
+            "signal_rank_us": result.signalling_per_rank()[0],
+            "nvl_util_mean": result.nvlink_utilisation()[0],
+            "nvl_util_max": result.nvlink_utilisation()[1],
         },
     }
 

@@ -15,6 +15,15 @@ The breakdown splits the layer time into four terms that add up to it:
 (what the combine chain waits for), which overstates what communication costs when the compute
 would have waited anyway. ``compute_idle_frac`` is the mean fraction of the layer the compute SMs
 of a rank sit idle.
+
+Two per-mode terms that the layer time can hide: ``signal_rank_us`` (:meth:`LayerResult.
+signalling_per_rank`), the time a rank spends in signalling tasks (push: fence with its drain,
+jitter and flag, the poll sweep over one flag per sender, credits; pull: local completion flags,
+the combine's ready flags and slot-release flags) summed over the layer, mean and max over
+ranks, whether or not it is on the critical path; and ``nvl_util_mean`` / ``nvl_util_max``
+(:meth:`LayerResult.nvlink_utilisation`), the wire bytes each NVLink port direction of an EP rank
+carried over the layer divided by what it could carry in ``layer_us`` (incast losses count as
+wire bytes, so a push port under incast reads busier for the same payload).
 """
 
 from __future__ import annotations
@@ -98,6 +107,7 @@ class LayerResult:
     graph: Graph | None = field(default=None, repr=False)
     run: RunResult | None = field(default=None, repr=False)
     _breakdown: dict[str, float] | None = field(default=None, repr=False)
+    _signal_rank: tuple[float, float] | None = field(default=None, repr=False)
 
     @property
     def breakdown(self) -> dict[str, float]:
@@ -162,6 +172,39 @@ class LayerResult:
     def compute_idle_frac(self) -> float:
         return float(1.0 - self.compute_busy_us.mean() / self.layer_us) if self.layer_us else 0.0
 
+    def signalling_per_rank(self) -> tuple[float, float]:
+        """(mean, max) over ranks of the summed duration of the rank's signalling tasks
+        (:data:`PHASE_CATEGORY` "signalling"), in us; needs the graph."""
+        if self._signal_rank is None:
+            if self.graph is None or self.run is None:
+                return (0.0, 0.0)
+            phase = np.asarray(self.graph.phase)
+            rank = np.asarray(self.graph.rank)
+            sig = np.isin(phase, [p for p, c in PHASE_CATEGORY.items() if c == "signalling"])
+            sel = sig & (rank >= 0)
+            per = np.zeros(self.workload.ep)
+            dur = self.run.end_us - self.run.start_us
+            np.add.at(per, rank[sel], dur[sel])
+            self._signal_rank = (float(per.mean()), float(per.max()))
+        return self._signal_rank
+
+    def nvlink_utilisation(self) -> tuple[float, float]:
+        """(mean, max) over the NVLink tx and rx ports of the EP ranks of wire bytes carried /
+        (port rate x layer time)."""
+        if not self.layer_us:
+            return (0.0, 0.0)
+        caps = np.asarray(self.topology.capacities())
+        ports = [
+            g * RES_PER_GPU + k
+            for g in range(min(self.workload.ep, self.topology.num_gpus))
+            for k in (1, 2)
+        ]
+        ports = [p for p in ports if caps[p] > 0]
+        if not ports:
+            return (0.0, 0.0)
+        util = np.asarray(self.link_bytes)[ports] / (caps[ports] * self.layer_us)
+        return (float(util.mean()), float(util.max()))
+
     @property
     def nvlink_payload_gbps_per_rank(self) -> float:
         """NVLink payload bytes (not protocol, not self copies) per rank per layer second."""
@@ -197,6 +240,12 @@ class LayerResult:
         row["nvlink_payload_mb"] = round(self.payload_bytes["nvlink"] / 1e6, 3)
         row["nic_payload_mb"] = round(self.payload_bytes["nic"] / 1e6, 3)
         row["nvlink_gbps_per_rank"] = round(self.nvlink_payload_gbps_per_rank, 2)
+        sig_mean, sig_max = self.signalling_per_rank()
+        row["signal_rank_us"] = round(sig_mean, 3)
+        row["signal_rank_max_us"] = round(sig_max, 3)
+        util_mean, util_max = self.nvlink_utilisation()
+        row["nvl_util_mean"] = round(util_mean, 4)
+        row["nvl_util_max"] = round(util_max, 4)
         row["events"] = self.num_events
         row["sim_wall_s"] = round(self.build_s + self.run_s, 4)
         return row
