@@ -151,11 +151,7 @@ def _default_job(wl: Workload) -> list:
     from sim.layer.sweep import compare
 
     res = compare(wl, DEFAULT_CONFIG, plan=plan_for(wl, DEFAULT_CONFIG.row_tile))
-    for r in res:  # only the summary travels back from a worker
-        r.breakdown  # noqa: B018 - computed (it needs the graph) before the graph is dropped
-        r.signalling_per_rank()
-        r.graph = r.run = None
-    return res
+    return [r.detach() for r in res]  # only the summary travels back from a worker
 
 
 def _cmd_default(a) -> int:

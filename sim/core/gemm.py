@@ -3,9 +3,8 @@
 A tile of ``row_tile x n_tile`` outputs with reduction depth K costs ``2 * row_tile * n_tile * K``
 FLOPs at the per-SM tensor rate ``tensor_tflops[dtype] / num_sms * gemm_efficiency``. A GEMM of
 ``row_tiles x ceil(N / n_tile)`` tiles runs ``ceil(tiles / compute_sms)`` waves; a partial wave
-costs a full one (the tail), as does a partial N tile. The expert FFN of one round is the gate+up
-GEMM (N = 2 * intermediate, K = hidden) with SwiGLU fused into its epilogue, a local handoff
-(GPU-scope flag) and the down GEMM (N = hidden, K = intermediate).
+costs a full one (the tail), as does a partial N tile. ``mok-sim calibrate`` fits
+``gemm_efficiency`` with it; the layer model times its GEMMs with :mod:`sim.core.gemm_waves`.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import math
 
 from sim.core.hardware import GpuProfile
 
-__all__ = ["gemm_us", "expert_ffn_us", "reduce_us"]
+__all__ = ["gemm_us", "reduce_us"]
 
 
 def gemm_us(
@@ -35,23 +34,6 @@ def gemm_us(
     waves = math.ceil(tiles / compute_sms)
     per_sm_flops_per_us = gpu.tflops(dtype) * 1e6 / gpu.num_sms * gpu.gemm_efficiency
     return waves * 2.0 * row_tile * gpu.gemm_n_tile * k / per_sm_flops_per_us
-
-
-def expert_ffn_us(
-    gpu: GpuProfile,
-    row_tiles: int,
-    hidden: int,
-    intermediate: int,
-    compute_sms: int,
-    dtype: str = "bf16",
-    row_tile: int = 128,
-) -> float:
-    """SwiGLU FFN of ``row_tiles`` row tiles: gate+up, handoff, down."""
-    if row_tiles <= 0:
-        return 0.0
-    up = gemm_us(gpu, row_tiles, 2 * intermediate, hidden, compute_sms, dtype, row_tile)
-    down = gemm_us(gpu, row_tiles, hidden, intermediate, compute_sms, dtype, row_tile)
-    return up + gpu.flag_latency_local_us + down
 
 
 def reduce_us(gpu: GpuProfile, rows_in: int, rows_out: int, hidden: int, bytes_per_elem=2) -> float:

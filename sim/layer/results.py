@@ -109,6 +109,15 @@ class LayerResult:
     _breakdown: dict[str, float] | None = field(default=None, repr=False)
     _signal_rank: tuple[float, float] | None = field(default=None, repr=False)
 
+    def detach(self) -> LayerResult:
+        """Compute what needs the task graph (the breakdown, the signalling per rank), then drop
+        the graph and the run, so the result is small enough to send back from a worker process;
+        returns ``self``."""
+        self.breakdown  # noqa: B018 - computed and cached here, while the graph is still held
+        self.signalling_per_rank()
+        self.graph = self.run = None
+        return self
+
     @property
     def breakdown(self) -> dict[str, float]:
         """The four terms of the module docstring (``<term>_us``), adding up to ``layer_us``.
