@@ -43,8 +43,9 @@ SPANS = {
     "consumer_mma": ("first_stage", "main_done"),
     "consumer_epilogue": ("main_done", "epi_done"),
     "consumer_epilogue_stage": ("main_done", "epi_staged"),
+    # until the last chunk is handed to the store warp (which stores, fences and publishes it
+    # while the consumers go on; its work is not traced)
     "consumer_epilogue_store": ("epi_staged", "epi_stored"),
-    "consumer_epilogue_fence": ("epi_stored", "epi_fenced"),
     "producer_dependency_wait": ("dep_wait", "dep_done"),
 }
 # The non-overlapping ones, drawn in the Chrome trace.

@@ -6,8 +6,10 @@
 //                      ready[mb] per block;
 //   blocks [C, grid)   compute workers: GEMM tiles of 128 rows x 256 columns in one fixed global
 //                      order, each worker claiming the next tile from one counter (next_tile);
-//                      warpgroup 0 is the TMA producer (one thread), warpgroups 1 and 2 each
-//                      run wgmma on 64 of the 128 rows.
+//                      warpgroup 0 holds the TMA producer (one thread) and two store warps,
+//                      warpgroups 1 and 2 each run wgmma on 64 of the 128 rows and stage
+//                      their bf16 output in shared memory for their store warp, which writes
+//                      it out and publishes the tile while the warpgroup starts the next one.
 // Tile order: shared gate/up, shared down, then GU(0), [GU(m), DN(m-1)] for m = 1.., DN(last)
 // (GU(0), DN(0), GU(1), DN(1), ... when the ring has one minibatch slot). A gate/up tile holds
 // 128 gate and 128 up columns of one expert; its epilogue writes h = bf16(silu(g) * u). A down
@@ -55,7 +57,13 @@ constexpr int kLayerWarps = kLayerThreads / 32;
 constexpr int kTileM = 128;
 constexpr int kTileN = 256;
 constexpr int kTileK = 64;
-constexpr int kStages = 4;
+#ifndef MOK_LAYER_STAGES
+#define MOK_LAYER_STAGES 4
+#endif
+#ifndef MOK_EPI_BUFFERS
+#define MOK_EPI_BUFFERS 1
+#endif
+constexpr int kStages = MOK_LAYER_STAGES;
 constexpr int kStageA = kTileM * kTileK * 2;  // 16 KiB
 constexpr int kStageB = kTileN * kTileK * 2;  // 32 KiB
 constexpr int kStageBytes = kStageA + kStageB;
@@ -63,8 +71,9 @@ constexpr int kStageBytes = kStageA + kStageB;
 // permuted by row % 8 (the accumulator stores of 8 rows then hit 32 distinct banks).
 constexpr int kEpiStride = 256;
 constexpr int kEpiBytes = 64 * kEpiStride;
+constexpr int kEpiBuffers = MOK_EPI_BUFFERS;  // per consumer warpgroup, used in turn
 // Dynamic shared memory: 1 KiB alignment slack, the stages, the two epilogue chunks.
-constexpr int kLayerSmem = 1024 + kStages * kStageBytes + 2 * kEpiBytes;
+constexpr int kLayerSmem = 1024 + kStages * kStageBytes + 2 * kEpiBuffers * kEpiBytes;
 
 enum LayerMap : int {
   kMapX = 0,        // x [N, H]
@@ -118,35 +127,35 @@ enum TraceEvent : int {
   kEvMainDone = 22,     // consumer: last MMA of tile (index) done
   kEvEpiDone = 23,      // consumer: tile (index)'s outputs stored and published
   kEvEpiStaged = 24,    // consumer: tile (index)'s first output chunk staged in shared memory
-  kEvEpiStored = 25,    // consumer: tile (index)'s last output chunk stored
-  kEvEpiFenced = 26,    // consumer: tile (index)'s stores fenced (before the counter release)
+  kEvEpiStored = 25,    // consumer: tile (index)'s last output chunk handed to the store warp
+  kEvEpiFenced = 26,    // (no longer stamped: the store warps fence and publish, untraced)
   kEvSumStart = 30,     // any block: fixed-order sum begins (every rank's slots filled)
   kEvSumDone = 31,      // any block: fixed-order sum done
 };
 
+// Holds no state in registers (the count lives in the region's first pair, the rest comes from
+// the kernel's parameters): the consumers' registers are all taken by their accumulators.
 struct Tracer {
-  uint64_t* region = nullptr;  // [entries][2]
-  int64_t entries = 0;
-  int64_t n = 0;
-  __device__ Tracer(const LayerArgs& a, int which) {
-    if (a.trace == nullptr) return;
-    region = a.trace + (static_cast<int64_t>(blockIdx.x) * 2 + which) * a.trace_entries * 2;
-    entries = a.trace_entries;
-    n = static_cast<int64_t>(region[0]);  // continue after this thread's earlier events
+  const LayerArgs& a;
+  int which;
+  __device__ Tracer(const LayerArgs& args, int region) : a(args), which(region) {}
+  __device__ __forceinline__ uint64_t* region() const {
+    return a.trace + (static_cast<int64_t>(blockIdx.x) * 2 + which) * a.trace_entries * 2;
   }
   // Packed event: type (8 bits) | tile kind (8 bits) | index (32 bits).
-  __device__ __forceinline__ uint64_t now() const { return region ? globaltimer_ns() : 0; }
+  __device__ __forceinline__ uint64_t now() const { return a.trace ? globaltimer_ns() : 0; }
   __device__ __forceinline__ void add(int type, int kind, int index) {
     add_at(now(), type, kind, index);
   }
   __device__ __forceinline__ void add_at(uint64_t t, int type, int kind, int index) {
-    if (region == nullptr || n + 1 >= entries) return;
-    ++n;
-    region[2 * n] = t;
-    region[2 * n + 1] = (static_cast<uint64_t>(type) << 56) |
-                        (static_cast<uint64_t>(kind & 0xff) << 48) |
-                        static_cast<uint32_t>(index);
-    region[0] = n;
+    if (a.trace == nullptr) return;
+    uint64_t* r = region();
+    const int64_t n = static_cast<int64_t>(r[0]);  // continues after earlier events
+    if (n + 1 >= a.trace_entries) return;
+    r[2 * n + 2] = t;
+    r[2 * n + 3] = (static_cast<uint64_t>(type) << 56) |
+                   (static_cast<uint64_t>(kind & 0xff) << 48) | static_cast<uint32_t>(index);
+    r[0] = n + 1;
   }
 };
 
@@ -405,6 +414,35 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
   return ok != 0;
 }
 
+// A worker's shared state at fixed shared-memory addresses: the consumers name it directly, as
+// pointers to it would each hold two registers beside their 128 accumulators (ptxas serialises
+// their wgmma when it runs short).
+struct WorkerShared {
+  uint64_t full[kStages], empty[kStages];  // pipeline stages: data in, consumed
+  uint64_t epi_full[2][kEpiBuffers], epi_empty[2][kEpiBuffers];  // epilogue buffers
+  int stage_tile[kStages];         // tile index of the stage holding a tile's first k-block
+  int jobs[2][kEpiBuffers * 9];    // an EpiJob per epilogue buffer
+  int next_tile[2];                // the consumer warpgroups' current tiles (store-warp hints)
+  int stop[2];
+  int abort_flag;
+};
+static __shared__ __align__(8) WorkerShared wsh;
+extern __shared__ uint8_t layer_smem[];
+
+template <class T>
+__device__ __forceinline__ volatile T& vol(T& x) {
+  return const_cast<volatile T&>(x);
+}
+
+// The pipeline stages (1 KiB aligned for the 128-byte swizzle), then the epilogue buffers.
+__device__ __forceinline__ uint8_t* stage_memory() {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(layer_smem) + 1023) &
+                                    ~static_cast<uintptr_t>(1023));
+}
+__device__ __forceinline__ uint8_t* epi_memory(int wg) {
+  return stage_memory() + kStages * kStageBytes + wg * kEpiBuffers * kEpiBytes;
+}
+
 // ---- compute workers -----------------------------------------------------------------------
 
 struct TileGeom {
@@ -611,30 +649,131 @@ __device__ __forceinline__ void stage_chunk(const float* d, const float* u, uint
   }
 }
 
-// Copies the staged chunk (64 rows of kChunks 16-byte chunks) out to tile rows row0.. from output
-// column `col` on, kChunks lanes per row; `wg` names the warpgroup's barrier.
-template <int kChunks = 16>
-__device__ __forceinline__ void store_chunk(const Ctx& c, const LayerKernelArgs& k, const Tile& t,
-                                            int wg, int row0, int col, const uint8_t* epi,
-                                            int warp, int lane) {
-  constexpr int kRows = 32 / kChunks;       // rows per warp and pass
-  constexpr int kPasses = 64 / (4 * kRows);
-  // Destinations first: the routed down tiles read them from the schedule, and these loads
-  // should overlap rather than wait one after another behind the stores.
-  uint8_t* dst[kPasses];
-#pragma unroll
-  for (int j = 0; j < kPasses; ++j)
-    dst[j] = tile_dst(c, k, t, row0 + warp * kRows + lane / kChunks + 4 * kRows * j, col);
-  named_sync(1 + wg, 128);
-#pragma unroll
-  for (int j = 0; j < kPasses; ++j) {
-    const int r = warp * kRows + lane / kChunks + 4 * kRows * j;
+// An output chunk handed from a consumer warpgroup to its store warp: 64 staged rows of
+// `chunks` 16-byte chunks, for tile rows row0.. from output column `col` on. `last`: the tile's
+// last chunk of this warpgroup (the store warp then publishes the tile). index -1: no more.
+struct EpiJob {
+  int index, kind, mb, rb, nb, row0, col, chunks, last;
+};
+
+// Store warp: copies a staged chunk out to its rows, 16 bytes per lane per row. Lane l holds
+// the destinations (at output column 0) of chunk rows l (lo) and 32 + l (hi); a pass takes
+// them from there by shuffle.
+template <int kChunks>
+__device__ __forceinline__ void copy_chunk(uint8_t* lo, uint8_t* hi, int col,
+                                           const uint8_t* epi, int lane) {
+  constexpr int kRows = 32 / kChunks;  // rows per pass
+#pragma unroll 8
+  for (int r0 = 0; r0 < 64; r0 += kRows) {
+    const int r = r0 + lane / kChunks;
+    const uint64_t d = __shfl_sync(~0u, reinterpret_cast<uint64_t>(r0 < 32 ? lo : hi), r % 32);
     const int chunk = (lane % kChunks) ^ (r % 8);
-    if (dst[j] != nullptr)
-      reinterpret_cast<uint4*>(dst[j])[lane % kChunks] =
+    if (d != 0)
+      reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(d) + col * 2)[lane % kChunks] =
           *reinterpret_cast<const uint4*>(epi + r * kEpiStride + chunk * 16);
   }
-  named_sync(1 + wg, 128);
+}
+
+// One store warp per consumer warpgroup (warps 1 and 2 of the producer warpgroup): takes the
+// warpgroup's staged chunks in order, stores them, frees the buffer, and after a tile's last
+// chunk publishes the tile's counters. The consumers go on with their next tile meanwhile.
+// NOTE: __noinline__ keeps its registers apart from the kernel's: inlined, it adds spills there,
+// and at the consumers' margin ptxas (nvcc 13.0) then serialises their wgmma.
+static __device__ __noinline__ void layer_storer(const Ctx& c, const LayerKernelArgs& k,
+                                                 const TileOrder& o, int wg, const uint8_t* epis,
+                                                 uint64_t* epi_full, uint64_t* epi_empty,
+                                                 const volatile int* jobs,
+                                                 const volatile int* next_tile,
+                                                 volatile int* abort_flag) {
+  const int lane = threadIdx.x % 32;
+  const Counters cnt(k.p);
+  int n = 0;  // jobs taken: buffer n % kEpiBuffers, phase (n / kEpiBuffers) & 1
+  // The destinations of chunk rows (tile rows_at..): a down tile's second chunk reuses its
+  // first's, and the rows of the warpgroup's next full tile are looked up during its k-loop
+  // (next_tile: the tile the warpgroup is working on, -1 once it is done), so that the
+  // schedule reads of the lookup do not delay freeing the buffer.
+  int rows_of = -1, rows_at = -1, last = -1;
+  uint8_t *lo = nullptr, *hi = nullptr;
+  TileCursor cur(o);
+  for (;;) {
+    for (int h = *next_tile; h != -1; h = *next_tile) {
+      if (h != last) {
+        Tile t;
+        if (h != rows_of && cur.find(h, t) && tile_halves(k.p, o, t) == 0) {
+          lo = tile_dst(c, k, t, wg * 64 + lane, 0);
+          hi = tile_dst(c, k, t, wg * 64 + 32 + lane, 0);
+          rows_of = h, rows_at = wg * 64;
+        }
+        break;
+      }
+      __nanosleep(64);
+    }
+    // NOTE: the consumers always post a last job (index -1), also when they stop on an abort,
+    // so this wait ends; the timeout is a guard against a bug, not a path.
+    const int b = n % kEpiBuffers;
+    const uint32_t phase = (n / kEpiBuffers) & 1;
+    ++n;
+    if (!pipe_wait(c, &epi_full[b], phase, abort_flag, -2, true)) return;
+    const volatile int* job_words = jobs + 9 * b;
+    const uint8_t* epi = epis + b * kEpiBytes;
+    EpiJob j;
+    j.index = job_words[0], j.kind = job_words[1], j.mb = job_words[2], j.rb = job_words[3];
+    j.nb = job_words[4], j.row0 = job_words[5], j.col = job_words[6], j.chunks = job_words[7];
+    j.last = job_words[8];
+    if (j.index < 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&epi_empty[b]);
+      return;
+    }
+    const Tile t{j.kind, j.mb, j.rb, j.nb};
+    if (j.index != rows_of || j.row0 != rows_at) {
+      lo = tile_dst(c, k, t, j.row0 + lane, 0);
+      hi = tile_dst(c, k, t, j.row0 + 32 + lane, 0);
+      rows_of = j.index, rows_at = j.row0;
+    }
+    if (j.chunks == 16) {
+      copy_chunk<16>(lo, hi, j.col, epi, lane);
+    } else {
+      copy_chunk<8>(lo, hi, j.col, epi, lane);
+    }
+    // The buffer is read (the loads above completed into registers): the warpgroup may stage
+    // its next chunk while the stores drain.
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&epi_empty[b]);
+    if (!j.last) continue;
+    last = j.index;
+    // Publish. Gate/up rows (h) are read by other workers' TMA (async proxy): each writer
+    // fences its stores into the async proxy, and one release after the warp's barrier covers
+    // the warp's stores (cumulativity). Down rows need no fence here: the counter only says
+    // this tile's h rows were read (their TMA loads completed), and the pushed rows are fenced
+    // at system scope by every thread before the final barrier.
+    const bool gate_up = t.kind == kTileGU || t.kind == kTileSharedGU;
+    if (gate_up) fence_proxy_async_global();
+    __syncwarp();
+    if (lane == 0) {
+      uint32_t* n = k.a.counters;
+      switch (t.kind) {
+        case kTileSharedGU:
+          red_add_release_gpu(n + cnt.sh_rb + t.rb, 1u);
+          break;
+        // NOTE: the per-minibatch counts let the communication blocks overwrite this tile's
+        // ring rows (gu_mb) and later gate/up tiles its h rows (dn_mb). Relaxed is enough:
+        // those rows were read by TMA loads that completed (the full barrier's transaction
+        // count) and were consumed by the MMAs before the chunk was staged, so no later write
+        // can reach them; a release here would also wait for the stores (NVLink ones
+        // included) of every tile.
+        case kTileGU:
+          red_add_release_gpu(n + cnt.gu_rb + t.rb, 1u);
+          red_add_relaxed_gpu(n + cnt.gu_mb + t.mb, 1u);
+          break;
+        case kTileDN:
+          red_add_relaxed_gpu(n + cnt.dn_mb + t.mb, 1u);
+          break;
+        default:
+          break;
+      }
+    }
+  }
 }
 
 // One tile's k-loop for consumer warpgroup wg, over the pipeline stages (stage, prev_stage and
@@ -697,52 +836,75 @@ __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], 
   if (k_blocks > 0) mbar_arrive(&empty[prev_stage]);
 }
 
-// Consumer warpgroup `wg` (0 or 1): rows wg * 64.. of every full tile of this worker.
+// Hands the warpgroup's staged chunk to its store warp (after the warpgroup's barrier, so all
+// of its shared-memory writes come before the arrive).
+__device__ __forceinline__ void post_chunk(uint64_t* epi_full, volatile int* job_words, int wg,
+                                           int tid, int index, const Tile& t, int row0, int col,
+                                           int chunks, int last) {
+  named_sync(1 + wg, 128);
+  if (tid == 0) {
+    job_words[0] = index, job_words[1] = t.kind, job_words[2] = t.mb, job_words[3] = t.rb;
+    job_words[4] = t.nb, job_words[5] = row0, job_words[6] = col, job_words[7] = chunks;
+    job_words[8] = last;
+    mbar_arrive(epi_full);
+  }
+}
+
+// Consumer warpgroup `wg` (0 or 1): rows wg * 64.. of every full tile of this worker. Its
+// epilogue stages bf16 rows in its shared-memory buffer and hands them to its store warp
+// (layer_storer); it waits only for that warp to have read the previous chunk.
 __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelArgs& k,
-                                               const TileOrder& o, int wg, uint8_t* stages,
-                                               uint8_t* epi, uint64_t* full, uint64_t* empty,
-                                               const volatile int* stage_tile,
-                                               volatile int* abort_flag) {
-  __shared__ int stop[2];
+                                               const TileOrder& o, int wg) {
   const Params& p = c.p;
-  const Counters cnt(p);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   TileCursor cur(o);
   Tile t;
   int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
+  int chunks = 0;  // chunks staged: buffer chunks % kEpiBuffers
   float acc0[64], acc1[64];
   Tracer tr(k.a, 1);
   const bool writer = wg == 0 && tid == 0;
+  // The next buffer (its index), once the store warp has read its previous chunk.
+  auto buffer_free = [&]() {
+    const int b = chunks % kEpiBuffers;
+    mbar_wait(&wsh.epi_empty[wg][b], ((chunks / kEpiBuffers) & 1) ^ 1);
+    ++chunks;
+    return b;
+  };
   for (;;) {
     const uint64_t t_start = writer ? tr.now() : 0;
     // The first stage of the next tile says which tile it is (or that the work is done).
     // NOTE: waiting twice for a completed phase is harmless (it cannot move on before this
     // stage is released).
-    mbar_wait(&full[stage], phase);
-    const int i = stage_tile[stage];
+    mbar_wait(&wsh.full[stage], phase);
+    const int i = vol(wsh.stage_tile[stage]);
     if (i < 0 || !cur.find(i, t)) break;
+    if (tid == 0) vol(wsh.next_tile[wg]) = i;  // a hint for the store warp (layer_storer)
     const TileGeom g = tile_geom(k, t);
     if (writer) {
       tr.add_at(t_start, kEvTileStart, t.kind, i);
       tr.add(kEvFirstStage, t.kind, i);
     }
     const int halves = tile_halves(p, o, t);
+    int b;
     if (halves == 0) {
-      mma_kloop<kFull>(acc0, acc1, stages, full, empty, g.k_blocks, 0, wg, stage, prev_stage,
+      mma_kloop<kFull>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, g.k_blocks, 0, wg, stage, prev_stage,
                        phase);
       if (writer) tr.add(kEvMainDone, t.kind, i);
-      // Epilogue: registers -> bf16 chunk in shared memory -> 16-byte row stores.
+      // Epilogue: registers -> bf16 chunk in shared memory -> the store warp.
+      b = buffer_free();
       if (t.kind == kTileGU || t.kind == kTileSharedGU) {
-        stage_chunk<true>(acc0, acc1, epi, warp, lane);
+        stage_chunk<true>(acc0, acc1, epi_memory(wg) + b * kEpiBytes, warp, lane);
         if (writer) tr.add(kEvEpiStaged, t.kind, i);
-        store_chunk(c, k, t, wg, wg * 64, 0, epi, warp, lane);
+        post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, i, t, wg * 64, 0, 16, 1);
       } else {
-        stage_chunk<false>(acc0, acc0, epi, warp, lane);
+        stage_chunk<false>(acc0, acc0, epi_memory(wg) + b * kEpiBytes, warp, lane);
         if (writer) tr.add(kEvEpiStaged, t.kind, i);
-        store_chunk(c, k, t, wg, wg * 64, 0, epi, warp, lane);
-        stage_chunk<false>(acc1, acc1, epi, warp, lane);
-        store_chunk(c, k, t, wg, wg * 64, 128, epi, warp, lane);
+        post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, i, t, wg * 64, 0, 16, 0);
+        b = buffer_free();
+        stage_chunk<false>(acc1, acc1, epi_memory(wg) + b * kEpiBytes, warp, lane);
+        post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, i, t, wg * 64, 128, 16, 1);
       }
     } else {
       // A split block: its 64-row sub-tiles one after the other, each with its own epilogue.
@@ -750,76 +912,54 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
         if (((halves >> h) & 1) == 0) continue;
         const bool last = h == 1 || halves == 1;
         if (t.kind == kTileGU) {
-          mma_kloop<kHalfGateUp>(acc0, acc1, stages, full, empty, g.k_blocks, h, wg, stage,
+          mma_kloop<kHalfGateUp>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, g.k_blocks, h, wg, stage,
                                  prev_stage, phase);
           if (writer && last) tr.add(kEvMainDone, t.kind, i);
-          stage_chunk<true, 8>(acc0, acc0 + 32, epi, warp, lane);
+          b = buffer_free();
+          stage_chunk<true, 8>(acc0, acc0 + 32, epi_memory(wg) + b * kEpiBytes, warp, lane);
           if (writer && last) tr.add(kEvEpiStaged, t.kind, i);
-          store_chunk<8>(c, k, t, wg, 64 * h, wg * 64, epi, warp, lane);
+          post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, i, t, 64 * h, wg * 64, 8, last);
         } else {
-          mma_kloop<kHalfDown>(acc0, acc1, stages, full, empty, g.k_blocks, h, wg, stage,
+          mma_kloop<kHalfDown>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, g.k_blocks, h, wg, stage,
                                prev_stage, phase);
           if (writer && last) tr.add(kEvMainDone, t.kind, i);
-          stage_chunk<false>(acc0, acc0, epi, warp, lane);
+          b = buffer_free();
+          stage_chunk<false>(acc0, acc0, epi_memory(wg) + b * kEpiBytes, warp, lane);
           if (writer && last) tr.add(kEvEpiStaged, t.kind, i);
-          store_chunk(c, k, t, wg, 64 * h, wg * 128, epi, warp, lane);
+          post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, i, t, 64 * h, wg * 128, 16, last);
         }
       }
     }
     if (writer) tr.add(kEvEpiStored, t.kind, i);
-    // Publish. Gate/up rows (h) are read by other workers' TMA (async proxy): each writer
-    // fences its stores into the async proxy, and one release after the warpgroup's barrier
-    // covers the whole warpgroup's stores (cumulativity). Down rows need no fence here: the
-    // counter only says this tile's h rows were read (their TMA loads completed), and the
-    // pushed rows are fenced at system scope by every thread before the final barrier.
-    const bool gate_up = t.kind == kTileGU || t.kind == kTileSharedGU;
-    if (gate_up) fence_proxy_async_global();
-    named_sync(1 + wg, 128);
-    if (writer) tr.add(kEvEpiFenced, t.kind, i);
     if (tid == 0) {
-      uint32_t* n = k.a.counters;
-      switch (t.kind) {
-        case kTileSharedGU:
-          red_add_release_gpu(n + cnt.sh_rb + t.rb, 1u);
-          break;
-        // NOTE: the per-minibatch counts let the communication blocks overwrite this tile's
-        // ring rows (gu_mb) and later gate/up tiles its h rows (dn_mb). Relaxed is enough:
-        // those rows were read by TMA loads that completed (the full barrier's transaction
-        // count) and were consumed by the MMAs before this point, so no later write can reach
-        // them; a release here would also wait for the epilogue's stores (NVLink ones
-        // included) on every tile.
-        case kTileGU:
-          red_add_release_gpu(n + cnt.gu_rb + t.rb, 1u);
-          red_add_relaxed_gpu(n + cnt.gu_mb + t.mb, 1u);
-          break;
-        case kTileDN:
-          red_add_relaxed_gpu(n + cnt.dn_mb + t.mb, 1u);
-          break;
-        default:
-          break;
-      }
-      stop[wg] = *abort_flag;
+      wsh.stop[wg] = vol(wsh.abort_flag);
       if (writer) tr.add(kEvEpiDone, t.kind, i);
     }
     // Warpgroup-uniform abort check at the tile's end (no MMA in flight here).
     named_sync(1 + wg, 128);
-    if (stop[wg]) return;
+    if (vol(wsh.stop[wg])) break;
   }
+  // The store warp's last job: it stops once it has stored everything before it.
+  if (tid == 0) vol(wsh.next_tile[wg]) = -1;
+  const int b = buffer_free();
+  post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, -1, t, 0, 0, 0, 0);
 }
 
 __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs& k,
-                                             const TileOrder& o, int slots, uint8_t* smem) {
-  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
-  __shared__ int abort_flag;
-  __shared__ int stage_tile[kStages];  // tile index of the stage holding a tile's first k-block
-  uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~1023);
-  uint8_t* epi = stages + kStages * kStageBytes;
+                                             const TileOrder& o, int slots) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 2 * 128);  // every thread of both consumer warpgroups
+      mbar_init(&wsh.full[s], 1);
+      mbar_init(&wsh.empty[s], 2 * 128);  // every thread of both consumer warpgroups
     }
-    abort_flag = 0;
+    for (int w = 0; w < 2; ++w) {
+      for (int b = 0; b < kEpiBuffers; ++b) {
+        mbar_init(&wsh.epi_full[w][b], 1);   // the consumer warpgroup's thread 0
+        mbar_init(&wsh.epi_empty[w][b], 1);  // the store warp's lane 0
+      }
+    }
+    wsh.abort_flag = 0;
+    wsh.next_tile[0] = wsh.next_tile[1] = -2;  // none yet
     mbar_init_fence();
   }
   __syncthreads();
@@ -830,20 +970,26 @@ __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x == 0)
-      layer_producer(c, k, o, slots, stages, full, empty, stage_tile, &abort_flag);
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) {
+      layer_producer(c, k, o, slots, stage_memory(), wsh.full, wsh.empty, wsh.stage_tile,
+                     &wsh.abort_flag);
+    } else if (warp == 1 || warp == 2) {
+      layer_storer(c, k, o, warp - 1, epi_memory(warp - 1), wsh.epi_full[warp - 1],
+                   wsh.epi_empty[warp - 1], wsh.jobs[warp - 1], &wsh.next_tile[warp - 1],
+                   &wsh.abort_flag);
+    }
     __syncwarp();
     setmaxnreg_inc<168>();
   } else {
     setmaxnreg_inc<224>();
-    layer_consumer(c, k, o, wg - 1, stages, epi + (wg - 1) * kEpiBytes, full, empty,
-                   stage_tile, &abort_flag);
+    layer_consumer(c, k, o, wg - 1);
     setmaxnreg_dec<168>();
   }
   // NOTE: one read of the abort word for the block, so every thread returns the same answer.
-  if (threadIdx.x == 0 && c.aborted()) abort_flag = 1;
+  if (threadIdx.x == 0 && c.aborted()) wsh.abort_flag = 1;
   __syncthreads();
-  return abort_flag == 0;
+  return vol(wsh.abort_flag) == 0;
 }
 
 // ---- the kernel ----------------------------------------------------------------------------
@@ -851,7 +997,6 @@ __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs
 __global__ void __launch_bounds__(kLayerThreads, 1)
     layer_kernel(const __grid_constant__ LayerKernelArgs k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ uint8_t layer_smem[];
   const Params& p = k.p;
   const LayerArgs& a = k.a;
   const Ctx c(p);
@@ -883,7 +1028,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
       if (threadIdx.x == 0) {
         for (int m = 0; m < kNumMaps; ++m) tma_prefetch_map(&k.maps[m]);
       }
-      ok = layer_worker(c, k, o, slots, layer_smem);
+      ok = layer_worker(c, k, o, slots);
     }
   }
   if (!ok) return;
