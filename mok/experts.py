@@ -8,10 +8,12 @@ when ``w_gate`` and ``w_up`` are already the two halves of one such tensor, and 
 it once per weight version and caches it (an in-place update of either weight, as an optimizer
 step makes, bumps the tensor's version and so rebuilds it).
 
-Numerics (``exact=True``, what mok's unfused path uses): the GEMMs accumulate in fp32 and the
-gate/up output stays fp32 (no rounding before SwiGLU, as in the fused kernel); SwiGLU runs in
-fp32 in place on the gate half, and h is rounded to bf16 once. ``exact=False`` (the torch
-baselines) keeps every intermediate bf16, as a bf16 torch model would.
+Numerics: the GEMMs accumulate in fp32. ``exact=False`` (mok's unfused path and the torch
+baselines) rounds the gate/up output to bf16 and runs SwiGLU in bf16, as a bf16 torch model
+would; ``exact=True`` keeps the gate/up output fp32 (no rounding before SwiGLU, as in the fused
+kernel), SwiGLU in fp32, and rounds h to bf16 once. Both meet the BF16 rule of the tests; the
+fp32 output costs a [rows, 2I] fp32 tensor and ~15 % of the experts' time on an H200
+(DeepSeek-V3 shapes, 33k rows: 8.2 vs 7.2 ms).
 """
 
 from __future__ import annotations
@@ -97,11 +99,15 @@ def _fp32_out(name: str, fn, *args):
     return fn(*args).float()
 
 
-def _swiglu(gu: torch.Tensor, inter: int) -> torch.Tensor:
-    """h = silu(g) * u of gu = [rows, 2I] (g | u), rounded to bf16; gu's gate half is
-    overwritten (no other temporary of [rows, I])."""
-    g, u = gu[:, :inter], gu[:, inter:]
-    return F.silu(g, inplace=True).mul_(u).to(torch.bfloat16)
+def _swiglu(gu: torch.Tensor, inter: int, rows: int | None = None) -> torch.Tensor:
+    """h = bf16(silu(g) * u) of gu = [R, 2I] (g | u) as a new contiguous [R, I] tensor, of
+    which only the first ``rows`` rows (None: all) are computed; the rest is left unwritten.
+    gu's gate half is overwritten (no other temporary of [rows, I])."""
+    rows = gu.shape[0] if rows is None else min(rows, gu.shape[0])
+    g, u = gu[:rows, :inter], gu[:rows, inter:]
+    h = torch.empty(gu.shape[0], inter, dtype=torch.bfloat16, device=gu.device)
+    torch.mul(F.silu(g, inplace=True), u, out=h[:rows])
+    return h
 
 
 def grouped_swiglu(
@@ -112,11 +118,15 @@ def grouped_swiglu(
     offs: torch.Tensor,
     exact: bool = True,
     w_gate_up: torch.Tensor | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """Routed experts: a [rows, H] bf16, grouped by local expert (``offs``: [L] int32 group
-    ends), w_gate / w_up [L, I, H], w_down [L, H, I] bf16 -> y [rows, H] bf16. Rows past
+    """Routed experts: a [R, H] bf16, grouped by local expert (``offs``: [L] int32 group
+    ends), w_gate / w_up [L, I, H], w_down [L, H, I] bf16 -> y [R, H] bf16. Rows past
     ``offs[-1]`` are not computed (their output is unspecified). ``w_gate_up``: the
-    :func:`gate_up_weight` of w_gate / w_up if the caller holds it (else looked up)."""
+    :func:`gate_up_weight` of w_gate / w_up if the caller holds it (else looked up).
+    ``rows``: a bound on ``offs[-1]`` known on the host (None: R); SwiGLU runs on that many
+    rows only, so a receive buffer sized for the worst case costs no elementwise work past
+    it (``offs`` itself stays on the device: no synchronisation)."""
     inter = w_gate.shape[1]
     if w_gate_up is None:
         w_gate_up = gate_up_weight(w_gate, w_up)
@@ -125,7 +135,7 @@ def grouped_swiglu(
         gu = _fp32_out("grouped_mm", torch._grouped_mm, a, wgu, offs)
     else:
         gu = torch._grouped_mm(a, wgu, offs=offs)
-    h = _swiglu(gu, inter)
+    h = _swiglu(gu, inter, rows)
     return torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
 
 

@@ -108,6 +108,17 @@ def unfused_config(config: MoKConfig, num_sms: int) -> MoKConfig:
     return dataclasses.replace(config, num_comm_sms=sms, row_tile=row_tile)
 
 
+def _received_rows_bound(ws, num_tokens: int) -> int:
+    """An upper bound, known on the host, of the receive rows a call fills (the schedule's
+    padded row count lives on the device): at one rank this call's ``num_tokens * num_topk``
+    routed rows plus each expert region's padding; with peers the workspace's capacity (a
+    peer may send up to its own ``max_tokens``)."""
+    if ws.num_ranks > 1:
+        return ws.capacity
+    k, rt = ws.shapes.num_topk, ws.config.row_tile
+    return min(ws.capacity, num_tokens * k + ws.num_local_experts * (rt - 1))
+
+
 def moe_forward(
     x: torch.Tensor,  # [num_tokens, hidden] bf16
     topk_idx: torch.Tensor,  # [num_tokens, num_topk] int
@@ -200,10 +211,14 @@ def moe_forward(
     if fused:
         return forward(x, sched, weights)
     recv = dispatch(x, sched)
-    y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends)  # [capacity, H] bf16
+    rows = _received_rows_bound(ws, x.shape[0])
+    # NOTE: checked on the device (no synchronisation): SwiGLU leaves rows past the bound
+    # unwritten, so a wrong bound must stop the call rather than feed garbage to the combine.
+    torch._assert_async(sched.group_ends[-1] <= rows, "mok: receive rows past the host bound")
+    y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends, exact=False, rows=rows)  # [capacity, H]
     shared_y = None
     if getattr(weights, "shared_w_gate", None) is not None:
         shared_y = dense_swiglu(
-            x, weights.shared_w_gate, weights.shared_w_up, weights.shared_w_down
+            x, weights.shared_w_gate, weights.shared_w_up, weights.shared_w_down, exact=False
         )
     return combine(y, sched, shared_y=shared_y)

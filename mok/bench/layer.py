@@ -10,10 +10,10 @@ Run with ``torchrun --nproc-per-node=N -m mok.bench layer`` (N = 1 works too). I
   floor of any unfused design);
 - ``nccl``:  count exchange + permute + NCCL ``all_to_all_single``, local sort by expert,
   the experts of :func:`torch_experts`, NCCL back, unpermute, weighted k-sum (+ shared expert);
-- ``mok-unfused``: mok's schedule, dispatch and combine kernels with the experts of
-  :mod:`mok.experts` (:func:`mok.functional.moe_forward` with ``fused=False``, which runs under
-  :func:`mok.functional.unfused_config`: all SMs for the kernels, regions padded to 16 rows; the
-  row records those);
+- ``mok-unfused``: mok's schedule, dispatch and combine kernels with the bf16 experts of
+  :mod:`mok.experts`, as the torch rows use them (:func:`mok.functional.moe_forward` with
+  ``fused=False``, which runs under :func:`mok.functional.unfused_config`: all SMs for the
+  kernels, regions padded to 16 rows; the row records those);
 - ``mok-fused``: the fused layer (:func:`mok.functional.moe_forward` with ``fused=True``);
 - ``deepep``: DeepEP V1 normal dispatch, the experts of :func:`torch_experts` over the received
   (token, local expert) pairs, per-token weighted partials, DeepEP combine (+ shared expert),
