@@ -306,7 +306,10 @@ def test_reader_reads_every_committed_probe(path, tmp_path):
     lacks = {"tma_bulk_by_sms.pull_copy_correct", "bf16_gemm_and_copy.d2d_copy_GBps_rw"}
     _assert_close(fresh.results, doc["results"], skip=lacks)
     families = {r["family"] for r in res.rows}
-    assert families >= {"latency", "copy"} and len(res.table().splitlines()) >= len(families)
+    # a run with sections skipped (--skip: e.g. the dense GEMM sweep) holds only the rest
+    assert families and len(res.table().splitlines()) >= len(families)
+    if not any(k in res.skipped for k in ("local", "peer")):
+        assert families >= {"latency", "copy"}
     res.write_csv(tmp_path / "p.csv")
     assert len((tmp_path / "p.csv").read_text().splitlines()) == len(res.rows) + 1
 
