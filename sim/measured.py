@@ -15,9 +15,13 @@ apart and :func:`row_tile_of` reads a layer row's ``row_tile`` (CSVs that predat
 Subsets (a row is a fit row or a validation row; the fits see only the fit rows):
 
 * comm kernels (:mod:`sim.comm.fit`): :func:`is_fit_row`, by problem size (:data:`FIT_TOKENS`);
-* the fused layer (:mod:`sim.fused.fit`): :func:`is_fused_fit_row`, by model, dispatch mode, comm
-  SMs (:data:`FUSED_FIT_SMS`), routing, run (:data:`FUSED_FIT_SOURCES`) and row tile;
-  :data:`FUSED_FIT_SUBSET` says it in words (written into the fitted profile).
+* the fused layer (:mod:`sim.fused.fit`): one :class:`FusedFit` per fused profile, in
+  :data:`FUSED_FITS` (profile name -> its fit: ranks, models and dispatch modes with their comm
+  SMs, routing, run, row tile, the knobs it never fits): ``ep2`` (:data:`FUSED_FIT_SMS`,
+  :data:`FUSED_FIT_SOURCES`, :data:`FUSED_FIT_SUBSET`: ``mok-fused-h200x2``) and ``ep1``
+  (one-GPU rows, ``mok-fused-h200x1``); :func:`fused_fit` looks one up by either name and
+  :func:`is_fused_fit_row` says whether a row is one of its fit rows. The subset text
+  (``subset``) is written into the fitted profile.
 
 Standard library only, and no other ``sim`` module: the fits, :mod:`sim.fused.model`,
 :mod:`sim.app.validate` and the command line import this module.
@@ -28,7 +32,8 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -48,6 +53,11 @@ __all__ = [
     "FUSED_FIT_SMS",
     "FUSED_FIT_SOURCES",
     "FUSED_FIT_SUBSET",
+    "FUSED_FIT_EP1_SUBSET",
+    "FusedFit",
+    "FUSED_FITS",
+    "DEFAULT_FUSED_FIT",
+    "fused_fit",
     "is_fused_fit_row",
     "GEMM_WAVES_FIT_PROBES",
 ]
@@ -235,18 +245,121 @@ FUSED_FIT_SUBSET = (
 )
 
 
-def is_fused_fit_row(row: dict) -> bool:
-    """Whether a measured layer row belongs to the fused fit subset (:data:`FUSED_FIT_SUBSET`;
-    row tile 128 only). A row without a source (``_source``, set by :func:`read_rows`) counts by
-    content."""
-    key = (row.get("model"), row.get("mode"))
-    if key not in FUSED_FIT_SMS:
-        return False
-    sms = FUSED_FIT_SMS[key]
-    return (
-        row.get("impl") == "mok-fused"
-        and row.get("skew") == "uniform"
-        and (sms is None or str(row.get("sms")) in sms)
-        and row.get("_source", FUSED_FIT_SOURCES[0]) in FUSED_FIT_SOURCES
-        and row_tile_of(row) == DEFAULT_ROW_TILE
-    )
+@dataclass(frozen=True)
+class FusedFit:
+    """One fit of the fused-layer knobs (:func:`sim.fused.fit.fit_fused_profile`): which rows it
+    fits and which profile it writes.
+
+    A fit row is a ``mok-fused`` row of ``num_ranks`` ranks whose (model, dispatch mode) is a
+    key of ``sms`` (value: its comm SMs as text, None: every count), with routing in ``skews``,
+    row tile 128 (:data:`DEFAULT_ROW_TILE`; the 64-row sub-tiles' knobs are never fitted) and
+    from one of ``sources`` (CSV file names). ``sources`` None: from any CSV the fit is given;
+    the fitted profile then records the files its fit rows came from (``fit["sources"]``) and
+    only rows of those count as its fit rows afterwards (:func:`is_fused_fit_row` with
+    ``sources``). ``fixed``: knobs this fit never fits (name -> why), kept at the values of the
+    profile the refit starts from, ``base`` by default. ``notes``: what the fitted profile adds
+    to its assumptions (a fit whose profile is not its base rewrites those)."""
+
+    name: str  # short name (mok-sim validate --fused-fit)
+    profile: str  # the profile it writes (name under sim/profiles)
+    base: str  # the profile a refit starts from by default
+    num_ranks: int
+    sms: dict[tuple[str, str], tuple[str, ...] | None]
+    sources: tuple[str, ...] | None
+    subset: str  # the subset in words (the fitted profile's fit_subset)
+    skews: tuple[str, ...] = ("uniform",)
+    fixed: dict[str, str] = field(default_factory=dict)
+    # written into the assumptions of the profile it fits, where that is not its base
+    notes: tuple[str, ...] = ()
+
+    def matches(self, row: dict, sources: Iterable[str] | None = None) -> bool:
+        """Whether ``row`` is a fit row: by content, and by source (``sources``, else
+        :attr:`sources`; a row without ``_source`` counts by content alone)."""
+        key = (row.get("model"), row.get("mode"))
+        if key not in self.sms or row.get("impl") != "mok-fused":
+            return False
+        sms = self.sms[key]
+        srcs = tuple(sources) if sources is not None else self.sources
+        return (
+            row.get("skew") in self.skews
+            and int(row.get("num_ranks") or 2) == self.num_ranks
+            and (sms is None or str(row.get("sms")) in sms)
+            and (srcs is None or "_source" not in row or row["_source"] in srcs)
+            and row_tile_of(row) == DEFAULT_ROW_TILE
+        )
+
+
+# One GPU (num_ranks 1): the per-rank work of EP2 emulated (mok.bench layer --emulate-ep 2:
+# the model's experts / 2, all local; the dispatch is local copying, no NVLink). Fit: uniform
+# DeepSeek-V3 and Qwen3-30B-A3B (the two tile shapes: few long tiles, many short ones) at every
+# comm-SM count; held out: Kimi-K2 (a third shape, 50 % padding rows), hot:0.5, aligned (no
+# padding at DeepSeek-V3 and Qwen3). NOTE: chosen after the rows of h200x1-layer-2026-12-01.csv
+# had been looked at (with the EP2 profile's predictions): a holdout by shape and skew, not a
+# blind one.
+_EP1_MODES = ("dedup_pull", "pull")
+FUSED_FIT_EP1_SUBSET = (
+    "mok-fused rows of one GPU (num_ranks 1; the per-rank work of EP2 emulated, emulated_ep 2: "
+    "the model's experts / 2, all local) with uniform routing and row tile 128 "
+    "(sim.measured.is_fused_fit_row, fit ep1): deepseek-v3 and qwen3-30b-a3b, pull or "
+    "dedup_pull (both copy locally at EP1), every comm-SM count. Validation: kimi-k2, hot:0.5, "
+    "aligned, row tile 64, and every row of CSVs the fit did not read. Chosen after the rows "
+    "had been looked at: a holdout by shape and skew, not a blind one."
+)
+
+# profile name -> its fit; the first is the default (profiles that do not name their fit)
+FUSED_FITS = {
+    "mok-fused-h200x2": FusedFit(
+        name="ep2",
+        profile="mok-fused-h200x2",
+        base="mok-fused-h200x2",
+        num_ranks=2,
+        sms=FUSED_FIT_SMS,
+        sources=FUSED_FIT_SOURCES,
+        subset=FUSED_FIT_SUBSET,
+    ),
+    "mok-fused-h200x1": FusedFit(
+        name="ep1",
+        profile="mok-fused-h200x1",
+        base="mok-fused-h200x2",
+        num_ranks=1,
+        sms={(m, d): None for m in ("deepseek-v3", "qwen3-30b-a3b") for d in _EP1_MODES},
+        sources=None,
+        subset=FUSED_FIT_EP1_SUBSET,
+        fixed={
+            "remote_rate_factor": "no remote rows at EP1 (every expert is local): the rows "
+            "cannot tell it",
+        },
+        notes=(
+            "rows: one H200, the per-rank work of EP2 (mok.bench layer --emulate-ep 2), "
+            "predicted as what ran (sim.fused.model.fused_row): one rank with the row's "
+            "num_experts experts (the model's / 2), all local, routing make_routing(tokens, "
+            "num_experts, top-k, 1 rank, skew, routing_seed); the dispatch copies local rows "
+            "only and every flag (staged x, slots filled) is local",
+        ),
+    ),
+}
+DEFAULT_FUSED_FIT = "ep2"
+
+
+def fused_fit(name: str | None = None) -> FusedFit:
+    """The fit of :data:`FUSED_FITS` by short name (``ep2``, ``ep1``) or by the name of the
+    profile it writes; None: :data:`DEFAULT_FUSED_FIT`. ValueError naming them otherwise."""
+    name = DEFAULT_FUSED_FIT if name is None else name
+    for f in FUSED_FITS.values():
+        if name in (f.name, f.profile):
+            return f
+    names = ", ".join(f"{f.name} ({f.profile})" for f in FUSED_FITS.values())
+    raise ValueError(f"unknown fused fit {name!r}; the fits: {names}")
+
+
+def is_fused_fit_row(
+    row: dict, fit: FusedFit | str | None = None, sources: Iterable[str] | None = None
+) -> bool:
+    """Whether a measured layer row belongs to the fit subset of ``fit`` (a :class:`FusedFit`
+    or its name; None: the two-GPU fit, :data:`FUSED_FIT_SUBSET`; row tile 128 only). A row
+    without a source (``_source``, set by :func:`read_rows`) counts by content. ``sources``: the
+    CSV names the fit rows may come from, instead of the fit's own (a fitted profile's
+    ``fit["sources"]``)."""
+    if not isinstance(fit, FusedFit):
+        fit = fused_fit(fit)
+    return fit.matches(row, sources)

@@ -11,6 +11,9 @@ mok-sim calibrate probe.json --out h200.json
 mok-sim validate mok/bench/results/h200x2-comm-grid-v4-2026-11-30.csv --csv pred.csv --plot p.png
 mok-sim validate mok/bench/results/h200x2-layer-2026-11-30.csv \
         mok/bench/results/h200x2-layer-sweep-2026-11-30.csv
+mok-sim validate mok/bench/results/h200x1-layer-2026-12-01.csv --fused-fit ep1   # one GPU
+mok-sim validate mok/bench/results/h200x1-layer-2026-12-01.csv --fused-fit ep1 --refit \
+        --save-profile sim/profiles/mok-fused-h200x1.json                     # refit EP1
 mok-sim bench
 
 Each command imports the models it runs inside its own function: the argument and path checks
@@ -42,7 +45,8 @@ from sim.app.cli_args import (
 )
 from sim.comm.profile import load_kernel_profile
 from sim.config import COMBINE_MODES, DISPATCH_MODES, SimConfig, Workload
-from sim.fused.profile import load_fused_profile
+from sim.fused.profile import DEFAULT_FUSED_PROFILE, load_fused_profile
+from sim.measured import FUSED_FITS, fused_fit
 
 __all__ = ["main", "build_parser", "DEFAULT_JOBS", "format_table"]
 
@@ -281,10 +285,12 @@ def _tune_unfused(a, fused_unsupported: list[str] | None = None) -> int:
 def _tune_fused(a) -> int:
     from sim.app.emit import fused_tune_document, write_json
     from sim.core.topology import get_topology
+    from sim.fused.fit import profile_fit
     from sim.fused.tune import format_fused_table, fused_limits, tune_fused
 
     prof = load_fused_profile(a.fused_profile)
     ptopo = get_topology(prof.topology)
+    fitted_ep = profile_fit(prof)[0].num_ranks  # the ranks of the rows it was fitted on
     # default workload: the fused profile's own machine (h200x2: EP2)
     a.ep = a.ep or (ptopo.num_gpus if a.topology is None else 8)
     a.topology = a.topology or prof.topology
@@ -299,9 +305,9 @@ def _tune_fused(a) -> int:
         )
         a.row_tile = a.row_tile or 128
         return _tune_unfused(a, fused_unsupported=why)
-    if a.topology != prof.topology or a.ep != ptopo.num_gpus:
+    if a.topology != prof.topology or a.ep != fitted_ep:
         print(
-            f"note: the fused profile {a.fused_profile} was fitted at EP{ptopo.num_gpus} on "
+            f"note: the fused profile {a.fused_profile} was fitted at EP{fitted_ep} on "
             f"{prof.topology}; EP{a.ep} on {a.topology} extrapolates it (same GPU)",
             file=sys.stderr,
         )
@@ -437,19 +443,49 @@ def _validate_comm(a, rows: list[dict]) -> list[dict]:
     return validate_rows(rows, prof)
 
 
+def _fused_profile_arg(a) -> str:
+    """The fused profile validate starts from: ``--fused-profile``; else with ``--refit`` the
+    base of ``--fused-fit`` (the knobs the fit does not fit keep its values; ep1: the two-GPU
+    profile), without it the profile ``--fused-fit`` writes; else the default."""
+    if a.fused_profile is not None:
+        return a.fused_profile
+    if a.fused_fit is None:
+        return DEFAULT_FUSED_PROFILE
+    spec = fused_fit(a.fused_fit)
+    return spec.base if a.refit else spec.profile
+
+
 def _validate_layer(a, rows: list[dict]) -> list[dict]:
     from sim.app.validate import validate_layer_rows
-    from sim.fused.fit import FUSED_KNOBS, fit_fused_profile
+    from sim.fused.fit import FUSED_KNOBS, fit_fused_profile, profile_fit
 
-    prof = load_fused_profile(a.fused_profile)
+    name = _fused_profile_arg(a)
+    prof = load_fused_profile(name)
     if a.refit:
-        print("refitting the fused-layer knobs on the fit rows (a few minutes)", flush=True)
-        prof = fit_fused_profile(rows, prof, log=lambda m: print(f"  {m}", flush=True))
+        spec = fused_fit(a.fused_fit) if a.fused_fit else profile_fit(prof)[0]
+        print(
+            f"refitting the fused-layer knobs on the fit rows of fit {spec.name} (profile "
+            f"{spec.profile}), starting from {name} (a few minutes)",
+            flush=True,
+        )
+        prof = fit_fused_profile(
+            rows, prof, log=lambda m: print(f"  {m}", flush=True), fit=spec, start=name
+        )
         print("refitted: " + ", ".join(f"{k}={getattr(prof, k)}" for k in FUSED_KNOBS), prof.fit)
         if a.save_profile:
             prof.save(a.save_profile)
             print(f"wrote {a.save_profile}")
-    print(f"fused-layer model, profile {a.fused_profile} fitted on: {prof.fit_subset}")
+        name = a.save_profile or f"{name} refitted ({spec.name})"
+    spec = profile_fit(prof)[0]
+    ranks = sorted({int(r.get("num_ranks") or 2) for r in rows if r.get("impl") == "mok-fused"})
+    if ranks and ranks != [spec.num_ranks]:
+        others = [f.name for f in FUSED_FITS.values() if f.num_ranks in ranks]
+        print(
+            f"note: the fused rows ran at {'/'.join(f'EP{n}' for n in ranks)} and profile {name} "
+            f"was fitted at EP{spec.num_ranks} (fit {spec.name})"
+            + (f"; --fused-fit {' / '.join(others)} picks a profile fitted there" if others else "")
+        )
+    print(f"fused-layer model, profile {name} fitted on: {prof.fit_subset}")
     return validate_layer_rows(rows, prof)
 
 
@@ -560,8 +596,20 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--profile", default="mok-comm-h200x2", help="kernel profile name or JSON")
     v.add_argument(
         "--fused-profile",
-        default="mok-fused-h200x2",
-        help="fused-layer profile name or JSON (layer CSVs)",
+        metavar="NAME|PATH",
+        default=None,
+        help="fused-layer profile name or JSON (layer CSVs; default: the profile of --fused-fit, "
+        f"with --refit its base; without --fused-fit {DEFAULT_FUSED_PROFILE})",
+    )
+    v.add_argument(
+        "--fused-fit",
+        choices=[f.name for f in FUSED_FITS.values()],
+        default=None,
+        help="fused-layer fit (sim.measured.FUSED_FITS): "
+        + ", ".join(f"{f.name} ({f.profile}, EP{f.num_ranks} rows)" for f in FUSED_FITS.values())
+        + ". With --refit: the rows and knobs to fit (default: the fit the profile came from). "
+        "Without: validate with that fit's profile unless --fused-profile names one. Fit and "
+        "validation roles are always those of the profile used",
     )
     v.add_argument("--csv", help="write the per-row predictions here")
     v.add_argument("--plot", help="PNG scatter of predicted vs measured")

@@ -26,7 +26,9 @@ measured CSVs are read, and the fit / validation subsets defined, in :mod:`sim.m
 Layer CSVs (``mok.bench layer`` / ``sweep``: an ``impl`` and a ``minibatch`` column, no ``what``;
 :func:`sim.measured.is_layer_csv`) go through :func:`validate_layer_rows` instead: every
 ``mok-fused`` row is predicted by the fused-kernel model (:mod:`sim.fused.model`, profile
-``sim/profiles/mok-fused-h200x2.json``), fit rows are :func:`sim.measured.is_fused_fit_row`; the
+``sim/profiles/mok-fused-h200x2.json``, or the one-GPU ``mok-fused-h200x1.json``), fit rows are
+the rows of the fit the profile came from (:func:`sim.fused.fit.is_profile_fit_row`: the fit of
+:data:`sim.measured.FUSED_FITS` it names, on the CSVs it records); the
 ``nccl`` and ``mok-unfused`` rows are listed as measured baselines (status ``baseline``), not
 predicted. Their records have ``what = "layer"``, so groups are (model, tokens, skew) and
 configurations (impl, mode, sms, minibatch, row_tile). A layer CSV's ``row_tile`` column (mok rows
@@ -46,9 +48,10 @@ import numpy as np
 
 from sim.comm.model import predict_row
 from sim.comm.profile import KernelProfile
+from sim.fused.fit import is_profile_fit_row
 from sim.fused.model import fused_row
 from sim.fused.profile import FusedProfile
-from sim.measured import is_fit_row, is_fused_fit_row, row_tile_of
+from sim.measured import is_fit_row, row_tile_of
 
 __all__ = [
     "rerun_spearman",
@@ -127,14 +130,19 @@ def validate_rows(rows: Iterable[dict], prof: KernelProfile) -> list[dict]:
 BASELINES = {
     "nccl": "NCCL all_to_all + torch._grouped_mm + host-read split sizes: no simulator model of "
     "NCCL's all_to_all or torch's grouped GEMM",
-    "mok-unfused": "mok comm kernels + torch._grouped_mm + fp32 shared-expert matmuls: the "
-    "torch GEMMs (incl. fp32) are not modelled",
+    "mok-unfused": "mok comm kernels + torch._grouped_mm experts (bf16 since 7cabc14; fp32 "
+    "gate/up and shared-expert outputs before): the torch GEMMs are not modelled",
+    "torch-best": "one GPU, torch parts only (argsort, gathers, torch._grouped_mm experts, bmm "
+    "k-sum), eager or compiled: torch's kernels are not modelled",
+    "torch-ffn": "one GPU, the torch experts alone on expert-sorted rows: torch's grouped GEMM "
+    "is not modelled",
 }
 
 
 def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:
     """One flat record per layer row, as :func:`validate_rows`: ``mok-fused`` rows predicted by
-    :func:`sim.fused.model.fused_layer` (with its terms as ``*_us`` columns), other impls as status
+    :func:`sim.fused.model.fused_layer` (with its terms as ``*_us`` columns; role ``fit`` for the
+    rows ``prof`` was fitted on, :func:`sim.fused.fit.is_profile_fit_row`), other impls as status
     ``baseline`` with the reason (:data:`BASELINES`)."""
     out = []
     for i, row in enumerate(rows):
@@ -153,7 +161,7 @@ def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:
             rec.update(predicted_us=res.layer_us, device_us=res.device_us)
             rec.update(host_bound=bool(res.layer_us > res.device_us), kernel=f"fused.{row['mode']}")
             rec.update(err=res.layer_us / rec["measured_us"] - 1, **res.terms)
-            rec["role"] = "fit" if is_fused_fit_row(row) else "validation"
+            rec["role"] = "fit" if is_profile_fit_row(row, prof) else "validation"
         out.append(rec)
     return out
 

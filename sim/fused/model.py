@@ -31,7 +31,8 @@ What one call of :func:`mok.functional.moe_forward` with ``fused=True`` costs on
    with ``half=True``: the own-rate limit scaled by ``half_kblock_factor``, the operand share
    unchanged). The list schedule of :func:`sim.fused.tiles.run_tiles` gives each worker's end;
 4. ``signal_us``: every block raises the peers' slots-filled flag and waits for all of them
-   (the slowest rank's last down tile ends the GEMM phase of every rank);
+   (the slowest rank's last down tile ends the GEMM phase of every rank; at one rank the flags,
+   like the staged-x one, are local);
 5. ``sum_us``: the fixed-order weighted sum on all SMs, local-HBM bound: read the
    ``num_tokens x num_topk`` slot rows (and the shared expert's row), write the output
    (:func:`sim.core.gemm.reduce_us`).
@@ -47,6 +48,11 @@ KiB rows, and the fused rows do not show that. Remote pulls are also capped by t
 (payload plus request bytes, all ranks pulling at once). Grid-stride loops over the padded
 receive rows pay their busiest warp (:func:`sim.comm.rows.busiest_share`).
 
+One GPU: a ``mok.bench layer --emulate-ep N`` row (``num_ranks`` 1, ``num_experts`` the model's
+/ N) is predicted as what ran (:func:`fused_row`): one rank, the row's experts all local, the
+routing drawn over them (:func:`mok.spec.workload.make_routing` with the row's seed), no remote
+row and no remote flag.
+
 Not modelled: the down tiles' push-combine stores over NVLink (they ride in the epilogue, whose
 cost is ``tile_fixed_us``), a receive ring smaller than the receive buffer (the benchmark's
 ``macrobatch_size = 0`` keeps every minibatch; ring reuse would add back-pressure waits), the
@@ -57,13 +63,14 @@ rows were measured with 128-row padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
 
 from mok.spec.limits import FUSED_BLOCK_ROWS, FUSED_DISPATCH_MODES, FUSED_ROW_TILES
 from mok.spec.rows import bench_routing_seed, row_routing_seed
+from mok.spec.workload import ModelShape, get_shape, make_routing
 from sim.comm.model import schedule_device_us
 from sim.comm.rows import busiest_share
 from sim.config import Workload
@@ -75,7 +82,7 @@ from sim.layer.model import layer_kernel_profile
 from sim.layer.plan import RoutingPlan
 from sim.measured import row_tile_of
 
-__all__ = ["FusedResult", "fused_layer", "fused_row", "COMM_WARPS_PER_SM"]
+__all__ = ["FusedResult", "fused_layer", "fused_row", "row_num_experts", "COMM_WARPS_PER_SM"]
 
 COMM_WARPS_PER_SM = 12  # kLayerThreads = 384: one row per warp (standalone kernels: 16)
 # probe curves of the comm blocks' 16-byte loads and stores (sim.core.hardware: vector engine)
@@ -108,12 +115,42 @@ class _Case:
     host_us: float
 
 
+def _peer_flag_us(wl: Workload) -> float:
+    """Latency of a flag the kernel raises on every rank (the staged-x and slots-filled
+    signals): a remote flag over NVLink (and the switch hop) with peers, a local one at EP1,
+    where the symmetric buffers are this GPU's own memory."""
+    gpu = wl.topo.gpu
+    if wl.ep == 1:
+        return gpu.flag_latency_local_us
+    return gpu.flag_latency_remote_us + wl.topo.switch_hop_latency_us
+
+
+def _run_shape(model: str, num_experts: int | None) -> ModelShape:
+    """The model's shape with the run's experts (None: the model's)."""
+    shape = get_shape(model)
+    if num_experts is None or num_experts == shape.num_experts:
+        return shape
+    return replace(shape, num_experts=int(num_experts))
+
+
 @lru_cache(maxsize=32)
 def _plan(
-    model: str, tokens: int, num_ranks: int, topology: str, skew: str, row_tile: int, seed: int
+    model: str,
+    tokens: int,
+    num_ranks: int,
+    topology: str,
+    skew: str,
+    row_tile: int,
+    seed: int,
+    num_experts: int | None = None,
 ) -> tuple[Workload, RoutingPlan]:
     wl = Workload(model, tokens, num_ranks, topology, skew, seed=seed)
-    return wl, RoutingPlan(wl.make_trace(), row_tile)
+    shape = _run_shape(model, num_experts)
+    if shape.num_experts == wl.model_shape.num_experts:
+        return wl, RoutingPlan(wl.make_trace(), row_tile)
+    # as mok.bench layer draws it: make_routing over the experts that ran
+    trace = make_routing(tokens, shape.num_experts, shape.num_topk, num_ranks, skew, seed)
+    return wl, RoutingPlan(trace, row_tile)
 
 
 @lru_cache(maxsize=128)
@@ -129,17 +166,16 @@ def _case(
     topology: str,
     row_tile: int,
     seed: int,
+    num_experts: int | None = None,
 ) -> _Case:
-    wl, plan = _plan(model, tokens, num_ranks, topology, skew, row_tile, seed)
-    shape, gpu, topo = wl.model_shape, wl.topo.gpu, wl.topo
+    wl, plan = _plan(model, tokens, num_ranks, topology, skew, row_tile, seed, num_experts)
+    shape = _run_shape(model, num_experts)
+    gpu = wl.topo.gpu
     kprof = layer_kernel_profile(comm_profile)
     rc = plan.rounds(minibatch)
     row_bytes = float(shape.hidden * 2)
     nw = sms * COMM_WARPS_PER_SM
-    f_local, f_remote = (
-        gpu.flag_latency_local_us,
-        gpu.flag_latency_remote_us + topo.switch_hop_latency_us,
-    )
+    f_local, f_peer = gpu.flag_latency_local_us, _peer_flag_us(wl)
     # ring: the whole receive buffer (macrobatch_size = 0; MoKConfig.capacity_rows at the
     # default capacity_factor 2), so >= 2 slots and no reuse
     capacity = (
@@ -163,7 +199,7 @@ def _case(
             )
         )
         layout = _recv_layout(plan, d)
-        ph = [(0.0, tokens * row_bytes, busiest_share(tokens, nw), -1, f_local + f_remote)]
+        ph = [(0.0, tokens * row_bytes, busiest_share(tokens, nw), -1, f_local + f_peer)]
         if mode == "dedup_pull":
             uniq = rc.uniq_first[d].sum(axis=0)
             remote = int(uniq.sum() - uniq[d])
@@ -254,17 +290,17 @@ def _run(case: _Case, prof: FusedProfile) -> FusedResult:
         busy.append(b)
         exposed.append(float(ready[0]) if o.num_minibatches else 0.0)
     d = int(np.argmax(ends))
-    f_remote = gpu.flag_latency_remote_us + case.wl.topo.switch_hop_latency_us
+    f_peer = _peer_flag_us(case.wl)
     terms = {
         "schedule_us": case.schedule_us,
         "launch_us": case.launch_us,
         "first_ready_us": exposed[d],
         "gemm_busy_us": busy[d],
         "gemm_stall_us": ends[d] - busy[d],
-        "signal_us": f_remote,
+        "signal_us": f_peer,
         "sum_us": case.sum_us,
     }
-    device = case.schedule_us + case.launch_us + ends[d] + f_remote + case.sum_us
+    device = case.schedule_us + case.launch_us + ends[d] + f_peer + case.sum_us
     return FusedResult(max(device, case.host_us), device, case.host_us, terms)
 
 
@@ -284,11 +320,15 @@ def fused_layer(
     prof: FusedProfile | None = None,
     row_tile: int = TILE_M,
     seed: int | None = None,
+    num_experts: int | None = None,
 ) -> FusedResult:
     """Predicted time of one fused layer forward (``mok.bench layer`` / ``sweep`` row) with the
     expert regions padded to ``row_tile`` rows (64 or 128), on the routing trace of ``seed``
     (None: the one the benchmarks draw for this batch size,
-    :func:`mok.spec.rows.bench_routing_seed`)."""
+    :func:`mok.spec.rows.bench_routing_seed`). ``num_experts``: the experts of the run over
+    all ``num_ranks`` ranks (None: the model's); a one-GPU emulation of EP N
+    (``mok.bench layer --emulate-ep N``) ran ``num_ranks = 1`` with the model's experts / N, and
+    is predicted as that: one rank, every expert local, no NVLink."""
     prof = prof or load_fused_profile()
     if seed is None:
         seed = bench_routing_seed(tokens_per_rank)
@@ -308,6 +348,13 @@ def fused_layer(
         raise ValueError(
             f"num_comm_sms={num_comm_sms} must leave GEMM workers: 1 <= num_comm_sms < {num_sms}"
         )
+    shape = get_shape(model)
+    experts = shape.num_experts if num_experts is None else int(num_experts)
+    if experts < shape.num_topk or experts % max(int(num_ranks), 1):
+        raise ValueError(
+            f"{model}: num_experts={experts} must be >= its top-{shape.num_topk} and a multiple "
+            f"of num_ranks={num_ranks}"
+        )
     case = _case(
         model,
         int(tokens_per_rank),
@@ -320,13 +367,34 @@ def fused_layer(
         prof.topology,
         int(row_tile),
         int(seed),
+        None if experts == shape.num_experts else experts,
     )
     return _run(case, prof)
 
 
+def row_num_experts(row: dict) -> int | None:
+    """The experts a ``mok.bench layer`` / ``sweep`` row ran with, over all its ranks: its
+    ``num_experts`` column (the model's experts, or the model's / N for a one-GPU emulation of
+    EP N, ``emulated_ep``), None where the CSV has no such column. ValueError if the row's
+    ``hidden``, ``intermediate`` or ``num_topk`` columns are not the model preset's (a layer the
+    simulator does not know)."""
+    shape = get_shape(row["model"])
+    for col in ("hidden", "intermediate", "num_topk"):
+        v = row.get(col)
+        if v not in (None, "") and int(v) != getattr(shape, col):
+            raise ValueError(
+                f"{row['model']}: the row's {col} is {v}, the preset's {getattr(shape, col)}"
+            )
+    v = row.get("num_experts")
+    return None if v in (None, "") else int(v)
+
+
 def fused_row(row: dict, prof: FusedProfile | None = None) -> FusedResult:
-    """:func:`fused_layer` for one row of a ``mok.bench layer`` / ``sweep`` CSV (its row tile:
-    :func:`sim.measured.row_tile_of`)."""
+    """:func:`fused_layer` for one row of a ``mok.bench layer`` / ``sweep`` CSV: its ranks
+    (``num_ranks``; 2 where the CSV has no such column), the experts that ran
+    (:func:`row_num_experts`), its row tile (:func:`sim.measured.row_tile_of`) and routing seed
+    (:func:`mok.spec.rows.row_routing_seed`). A row with ``emulated_ep`` N ran one rank of
+    ``num_experts`` local experts and is predicted as that; ``emulated_ep`` itself is not read."""
     return fused_layer(
         row["model"],
         int(row["tokens_per_rank"]),
@@ -338,4 +406,5 @@ def fused_row(row: dict, prof: FusedProfile | None = None) -> FusedResult:
         prof,
         row_tile_of(row),
         row_routing_seed(row),
+        row_num_experts(row),
     )

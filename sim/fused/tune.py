@@ -31,7 +31,7 @@ from mok.spec.limits import (
 from mok.spec.rows import bench_routing_seed, row_routing_seed
 from sim.config import Workload
 from sim.core.topology import get_topology
-from sim.fused.model import fused_layer
+from sim.fused.model import fused_layer, row_num_experts
 from sim.fused.profile import FusedProfile
 from sim.measured import row_tile_of
 
@@ -151,7 +151,13 @@ def _key(row: dict) -> tuple:
 
 
 def _row(
-    wl: Workload, prof: FusedProfile, mode: str, sms: int, minibatch: int, row_tile: int
+    wl: Workload,
+    prof: FusedProfile,
+    mode: str,
+    sms: int,
+    minibatch: int,
+    row_tile: int,
+    num_experts: int | None = None,
 ) -> dict:
     r = fused_layer(
         wl.shape,
@@ -164,6 +170,7 @@ def _row(
         _profile_for(wl, prof),
         row_tile,
         wl.seed,
+        num_experts,
     )
     return {
         "row_tile": int(row_tile),
@@ -226,7 +233,9 @@ def pick_on_measured(measured: Iterable[dict], prof: FusedProfile) -> list[dict]
     """The tuner replayed on measured ``mok-fused`` rows (``mok.bench layer`` / ``sweep`` CSV
     rows): per workload group, the config the fused model ranks first among the group's
     measured configs, its measured time, and the measured best. One record per group. A config
-    is (mode, comm SMs, minibatch, row tile); its label names the row tile when it is not 128."""
+    is (mode, comm SMs, minibatch, row tile); its label names the row tile when it is not 128.
+    A group is also its ranks and the experts that ran (:func:`sim.fused.model.row_num_experts`:
+    a one-GPU emulation of EP N runs the model's experts / N on one rank)."""
     groups: dict[tuple, dict[tuple, float]] = {}
     for r in measured:
         if r.get("impl") != "mok-fused":
@@ -237,13 +246,14 @@ def pick_on_measured(measured: Iterable[dict], prof: FusedProfile) -> list[dict]
             int(r.get("num_ranks") or 2),
             r["skew"],
             row_routing_seed(r),
+            row_num_experts(r),
         )
         cfg = (r["mode"], int(r["sms"]), int(r["minibatch"]), row_tile_of(r))
         groups.setdefault(g, {})[cfg] = float(r["median_us"])
     out = []
-    for (model, tokens, ranks, skew, seed), meas in groups.items():
+    for (model, tokens, ranks, skew, seed, experts), meas in groups.items():
         wl = Workload(model, tokens, ranks, prof.topology, skew, seed=seed)
-        rows = sorted((_row(wl, prof, *c) for c in meas), key=_key)
+        rows = sorted((_row(wl, prof, *c, experts) for c in meas), key=_key)
         pick = rows[0]
         pc = (pick["dispatch_mode"], pick["num_comm_sms"], pick["minibatch_size"], pick["row_tile"])
         best = min(meas, key=meas.get)
