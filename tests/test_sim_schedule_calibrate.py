@@ -11,6 +11,7 @@ import pytest
 from mok.spec.workload import make_routing
 from sim.app.calibrate import (
     calibration_points,
+    derive_profiles,
     fit_gpu_profile,
     predict_bidirectional_gbps,
     predict_one_direction_gbps,
@@ -114,6 +115,14 @@ def test_committed_h200_profile_is_the_fit_of_the_committed_probe():
     fresh = fit_gpu_profile(json.loads(PROBE.read_text()), probe_file=PROBE.name).to_dict()
     committed = json.loads((PROFILES / "h200.json").read_text())
     tol.assert_json_close(json.loads(json.dumps(fresh)), committed)
+
+
+def test_committed_derived_profiles_are_derived_from_the_committed_h200():
+    """h100 / b200 / gb200 / gb300 are derive_profiles(h200): one source of truth, which
+    ``python -m sim.app.calibrate`` regenerates."""
+    for name, prof in derive_profiles(load_gpu("h200")).items():
+        committed = json.loads((PROFILES / f"{name}.json").read_text())
+        tol.assert_json_close(json.loads(json.dumps(prof.to_dict())), committed)
 
 
 def test_json_close_is_exact_but_for_float_ulps():

@@ -367,9 +367,20 @@ def fit_gpu_profile(
 def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
     """Datasheet-led profiles scaled from the fitted H200 profile (every step in assumptions)."""
     base = h200.__dict__
+    sig, inc = h200.signalling, h200.incast
     common = (
         "derived from the fitted h200 profile; flag and load latencies, protocol overhead per "
         "payload byte and the NVLink wire efficiency are assumed equal to the H200 measurement",
+    )
+    # (after each profile's own lines)
+    tail = (
+        "signalling and incast: the H200 values (sim.core.hardware.Signalling / Incast defaults; "
+        "docs/sim-validation.md, 'Push signalling' and 'Incast'): "
+        f"{sig.fence_inflight_bytes_per_sm / 1024:g} KiB of stores in flight per comm SM at a "
+        f"fence, {sig.flag_poll_lanes} flags per polling sweep, exponential per-sender completion "
+        f"jitter of mean {sig.completion_jitter_us:g} us, incast efficiency "
+        f"{inc.efficiency_min:g} for many writers (half-way at {1 + inc.writers_half:g}); none of "
+        "them probed on this GPU",
     )
     bf16 = h200.tensor_tflops["bf16"]
     eff = bf16 / 989.0  # measured fraction of the H100/H200 dense bf16 datasheet peak
@@ -387,7 +398,8 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
             + (
                 "same SMs, tensor cores and NVLink4 as H200: comm curves and GEMM rate copied",
                 "HBM3 3.35 TB/s: copy rate scaled by 3350/4800",
-            ),
+            )
+            + tail,
             "fit": {},
         }
     )
@@ -428,7 +440,8 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
                     "NVLink5 900 GB/s per direction: remote comm-curve ceilings x2, per-SM "
                     "rates unchanged (bytes in flight / latency)",
                     "HBM3e 8 TB/s: local copy ceilings and copy rate x 8000/4800",
-                ),
+                )
+                + tail,
                 "fit": {},
             }
         )
