@@ -207,8 +207,12 @@ def row_tile_of(row: dict) -> int:
 
 
 # -- the comm-kernel fit subset (sim.comm.fit) -------------------------------------------------
-# GEMM waves (sim.app.gemm_fit): fit on these probes' grouped GEMMs by rows; the rest held out
-GEMM_WAVES_FIT_PROBES = ("h200-probe-1gpu-2026-11-30.json",)
+# GEMM waves (sim.app.gemm_fit): fit on every grouped GEMM of these probes (by rows per expert at
+# all SMs, and by SM count through the carveout: the layer runs its GEMMs on 100-128 of the 132
+# SMs, and only the carveout sweep measures how the rate depends on the SM count); the grouped
+# GEMMs of the other probes (h200-probe-1gpu-2026-11-30.json, h200x2-mok-probe-2026-11-30.json:
+# other runs, other days) are held out
+GEMM_WAVES_FIT_PROBES = ("h200-probe-gemm-dense-2026-12-01.json",)
 
 
 # The calibration subset: a mok row is a FIT row iff its tokens_per_rank is in FIT_TOKENS. The

@@ -1,27 +1,52 @@
-"""GEMM waves model (sim.core.gemm_waves): closed forms, the probe fit, and the layer's
-re-simulated breakdown (sim.layer.results.comm_free_run)."""
+"""GEMM waves model (sim.core.gemm_waves): closed forms of each term, the fit on the dense
+one-H200 probe against the committed profile section, and the layer's re-simulated breakdown
+(sim.layer.results.comm_free_run)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sim.app.gemm_fit import DENSE_GEMM_ROWS, dense_probe_command, errors, fit, probe_points
+from sim.app.gemm_fit import (
+    DENSE_GEMM_ROWS,
+    FIT_PARAMS,
+    dense_probe_command,
+    errors,
+    fit,
+    predict,
+    probe_points,
+)
 from sim.config import SimConfig, Workload
 from sim.core.engine import Graph, run_graph
 from sim.core.gemm_waves import (
-    H200_GEMM_WAVES,
     GemmSpec,
+    GemmWaves,
     gemm_spec,
+    per_sm_tflops,
+    probe_tiles,
     round_times,
     schedule_tiles,
+    standalone_gemm_us,
 )
-from sim.core.hardware import load_gpu
-from sim.layer.model import simulate
+from sim.core.hardware import GpuProfile, load_gpu
+from sim.layer.model import LayerBuilder, plan_for, simulate
 from sim.layer.results import comm_free_run, critical_path
+from sim.measured import GEMM_WAVES_FIT_PROBES
 
 P = 100
 T = 10.0
+DENSE = "h200-probe-gemm-dense-2026-12-01.json"
+# a parameter set for the closed forms (round numbers, not the fit)
+W = GemmWaves(
+    tile_efficiency=1.2,
+    sustained_efficiency=0.9,
+    tile_fixed_us=0.5,
+    fill_us=10.0,
+    host_us=40.0,
+    weight_gbps=1e9,  # no weight streaming unless a test sets it
+    launch_us=4.0,
+    reference_hbm_gbps=4800.0,
+)
 
 
 def spec(tiles, t=T):
@@ -66,31 +91,138 @@ def test_list_schedule_matches_a_heap():
 
 def test_weight_streaming_bounds_a_small_gemm():
     gpu = load_gpu("h200")
-    s = gemm_spec(gpu, H200_GEMM_WAVES, 8, 4096, 7168, 8, 132)  # 128 rows x 8 experts
+    s = gemm_spec(gpu, gpu.waves(), 8, 4096, 7168, 8, 132)  # 128 rows x 8 experts
     assert s.weight_us > s.compute_tile_us
     assert s.tile_us == pytest.approx(s.weight_us)  # under one wave: the whole stream per tile
 
 
-def test_fit_reproduces_the_defaults_and_the_measured_points():
+def test_per_sm_rate_is_capped_by_the_sustained_chip_rate():
     gpu = load_gpu("h200")
-    # NOTE: the dense sweep (h200-probe-gemm-dense-2026-12-01.json) is held out apart: the
-    # defaults predate it, and on it they miss by 8.6 % median / 36 % max (it is the next fit).
-    every = probe_points()
-    pts = [q for q in every if "gemm-dense" not in q.source]
-    dense = [q for q in every if "gemm-dense" in q.source]
-    assert (
-        len(dense) == 96 and np.median(np.abs(errors(gpu, H200_GEMM_WAVES, dense)["holdout"])) < 0.1
+    f, n = gpu.tensor_tflops["bf16"], gpu.num_sms
+    knee = W.sustained_efficiency / W.tile_efficiency * n  # 99 SMs
+    for sms in (8, 66, 99):
+        assert per_sm_tflops(gpu, W, sms) == pytest.approx(W.tile_efficiency * f / n)
+    for sms in (100, 116, 132):
+        assert sms > knee
+        assert sms * per_sm_tflops(gpu, W, sms) == pytest.approx(W.sustained_efficiency * f)
+    # the tile time follows: 2 * 128 * 256 * K flops at the capped rate, plus the fixed part
+    s = gemm_spec(gpu, W, 132, 256, 1024, 1, 132)
+    assert s.compute_tile_us == pytest.approx(
+        W.tile_fixed_us + 2 * 128 * 256 * 1024 / (W.sustained_efficiency * f / 132 * 1e6)
     )
+    # mxfp8 scales with its own tensor rate
+    assert per_sm_tflops(gpu, W, 132, "mxfp8") / per_sm_tflops(gpu, W, 132) == pytest.approx(
+        gpu.tensor_tflops["mxfp8"] / f
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "want"),
+    [
+        (128, 4096, (16, 64, 128)),  # <= 128 rows per expert: 64 x 128 tiles, 2 per expert
+        (100, 4096, (16, 64, 128)),
+        (129, 4096, (16, 128, 256)),  # 2 row tiles of 128
+        (256, 4096, (16, 128, 256)),
+        (384, 4096, (32, 128, 256)),  # 3 row tiles run as 4: clusters of 2 along M
+        (512, 4096, (32, 128, 256)),
+        (640, 7168, (48, 128, 256)),
+        (1024, 128, (128, 64, 128)),  # N <= 128: the small tiles again, 16 per expert
+    ],
+)
+def test_probe_tiles_pair_row_tiles_per_cluster(rows, n, want):
+    assert probe_tiles(8, rows, n) == want
+
+
+def test_standalone_gemm_closed_form_and_host_floor():
+    gpu = load_gpu("h200")
+    # 8 experts x 1024 rows x N 2048 (8 tiles of 256): 64 x 8 = 512 tiles on 132 SMs = 4 waves
+    rows, n, k = 1024, 2048, 4096
+    t = W.tile_fixed_us + 2 * 128 * 256 * k / (per_sm_tflops(gpu, W, 132) * 1e6)
+    want = W.fill_us + 4 * t
+    assert want > W.host_us
+    assert standalone_gemm_us(gpu, W, 8, rows, n, k, 132) == pytest.approx(want)
+    # an odd multiple of 128 rows per expert costs what the next even multiple costs
+    for odd in (384, 640, 896):
+        assert standalone_gemm_us(gpu, W, 8, odd, n, k, 132) == standalone_gemm_us(
+            gpu, W, 8, odd + 128, n, k, 132
+        )
+    # a GEMM shorter than the host time of a call measures the host
+    assert standalone_gemm_us(gpu, W, 8, 256, 256, 256, 132) == W.host_us
+    assert W.layer_fill_us == W.fill_us - W.launch_us
+
+
+def test_fit_reproduces_the_committed_profile_section():
+    gpu = load_gpu("h200")
+    assert GEMM_WAVES_FIT_PROBES == (DENSE,)
+    pts = probe_points()
     p = fit(gpu, pts)
-    for name in ("tile_efficiency", "tile_fixed_us", "fill_us", "weight_gbps"):
-        assert getattr(p, name) == pytest.approx(getattr(H200_GEMM_WAVES, name), rel=0.02)
-    e = errors(gpu, H200_GEMM_WAVES, pts)
-    assert len(e["fit"]) == 12 and len(e["holdout"]) >= 48
-    assert np.median(np.abs(e["fit"])) < 0.05 and np.abs(e["fit"]).max() < 0.21
-    assert np.median(np.abs(e["holdout"])) < 0.07 and np.abs(e["holdout"]).max() < 0.21
-    # the issue's point: 128 rows per expert, gate+up of h7168_i2048, measured 139.7 us
-    pt = next(q for q in pts if q.is_fit and q.rows == 128 and q.op == "gate_up" and q.k == 7168)
-    assert abs(errors(gpu, H200_GEMM_WAVES, [pt])["fit"][0]) < 0.10
+    committed = gpu.waves()
+    for name, (*_, decimals) in FIT_PARAMS.items():
+        assert getattr(p, name) == pytest.approx(getattr(committed, name), abs=10.0**-decimals)
+    assert (p.launch_us, p.reference_hbm_gbps, p.source) == (
+        committed.launch_us,
+        committed.reference_hbm_gbps,
+        committed.source,
+    )
+    # the derived profiles carry the same section (rates as fractions of their own tensor rate)
+    for name in ("h100", "b200", "gb200", "gb300"):
+        assert load_gpu(name).waves() == committed
+
+
+def _abs_errors(gpu, p, pts):
+    return np.abs([predict(gpu, p, q) / q.us - 1.0 for q in pts])
+
+
+def test_fit_and_holdout_errors():
+    """Measured with the committed section (docs/sim-validation.md, 'GEMM waves on the dense
+    sweep'). Fit: every point of the dense sweep; holdout: the grouped GEMMs of the two older
+    probes (other runs on other days)."""
+    gpu = load_gpu("h200")
+    p = gpu.waves()
+    pts = probe_points()
+    e = errors(gpu, p, pts)
+    fit_err, hold = np.abs(e["fit"]), np.abs(e["holdout"])
+    assert len(fit_err) == 96 and len(hold) == 72
+    assert np.median(fit_err) < 0.03 and fit_err.max() < 0.205  # measured 2.8 % / 20.0 %
+    # NOTE: the holdout median is better than with the old parameters (5.8 % over 60 points);
+    # its max is worse (19.8 % then): the two-GPU probe's host floor is higher (47-54 us per call
+    # under torchrun against 43.6 us fitted), and the 64 x 128 tiles of 128 rows per expert run
+    # slower than the model's single per-SM rate in all three probes.
+    assert np.median(hold) < 0.055 and hold.max() < 0.235  # measured 5.3 % / 23.0 %
+    dense_rows = [q for q in pts if q.source == DENSE and q.section == "by_rows"]
+    dense_sms = [q for q in pts if q.source == DENSE and q.section == "by_sms"]
+    old_sms = [q for q in pts if q.source != DENSE and q.section == "by_sms"]
+    r, m, o = (_abs_errors(gpu, p, x) for x in (dense_rows, dense_sms, old_sms))
+    assert np.median(r) < 0.045 and r.max() < 0.205  # measured 4.1 % / 20.0 %
+    assert np.median(m) < 0.025 and m.max() < 0.11  # measured 2.4 % / 10.6 %
+    assert np.median(o) < 0.035 and o.max() < 0.13  # measured 3.1 % / 12.7 %
+
+
+def test_the_dense_sweep_shows_the_cluster_pairs():
+    """The measured times at odd multiples of 128 rows per expert are those of the next even
+    multiple (within the sweep's scatter), which the paired row tiles reproduce."""
+    pts = [q for q in probe_points((DENSE,)) if q.section == "by_rows"]
+    us = {(q.shape, q.op, q.rows): q.us for q in pts}
+    ratios = [us[(s, o, r)] / us[(s, o, r + 128)] for s, o, r in us if r in (384, 640, 896)]
+    assert len(ratios) == 12 and max(abs(x - 1) for x in ratios) < 0.09
+    # ... and not those of the even multiple below (the tiles of 256 more rows per expert)
+    gate_up = [us[("h7168_i2048", "gate_up", r)] for r in (256, 384, 512, 640, 768)]
+    assert gate_up[1] / gate_up[0] > 1.7 and gate_up[3] / gate_up[2] > 1.4
+
+
+def test_profile_without_gemm_waves_is_a_clear_error(monkeypatch):
+    import sim.core.hardware as hw
+
+    gpu = load_gpu("h200")
+    bare = GpuProfile(**{**gpu.__dict__, "gemm_waves": None})
+    assert "gemm_waves" not in bare.to_dict()  # such profiles keep their old JSON form
+    assert GpuProfile.from_dict(gpu.to_dict()) == gpu
+    with pytest.raises(ValueError, match="no gemm_waves section"):
+        bare.waves()
+    monkeypatch.setitem(hw._CACHE, "h200", bare)
+    wl = Workload("tiny", 256, 2, "h200x2")
+    with pytest.raises(ValueError, match="'h200' has no gemm_waves section"):
+        LayerBuilder(wl, SimConfig(minibatch_size=256), plan_for(wl))
 
 
 def test_dense_probe_command_uses_existing_flags():

@@ -13,6 +13,7 @@ from sim.app.calibrate import (
     calibration_points,
     derive_profiles,
     fit_gpu_profile,
+    fit_h200_profile,
     predict_bidirectional_gbps,
     predict_one_direction_gbps,
 )
@@ -112,17 +113,26 @@ def test_calibration_reproduces_the_probe_within_5_percent():
 
 
 def test_committed_h200_profile_is_the_fit_of_the_committed_probe():
-    fresh = fit_gpu_profile(json.loads(PROBE.read_text()), probe_file=PROBE.name).to_dict()
+    """The comm fit of the two-GPU probe plus the GEMM waves fit (sim.app.gemm_fit)."""
+    fresh = fit_h200_profile(PROBE).to_dict()
     committed = json.loads((PROFILES / "h200.json").read_text())
     tol.assert_json_close(json.loads(json.dumps(fresh)), committed)
+    bare = fit_gpu_profile(json.loads(PROBE.read_text()), probe_file=PROBE.name).to_dict()
+    assert "gemm_waves" not in bare  # the comm probe alone gives no GEMM waves section
+    assert bare["assumptions"] == committed["assumptions"][:-1]  # ... nor its assumption line
 
 
 def test_committed_derived_profiles_are_derived_from_the_committed_h200():
-    """h100 / b200 / gb200 / gb300 are derive_profiles(h200): one source of truth, which
-    ``python -m sim.app.calibrate`` regenerates."""
+    """h100 / b200 / gb200 / gb300 are derive_profiles(h200), one source of truth; each keeps
+    the H200's GEMM waves section with an assumption line saying so."""
     for name, prof in derive_profiles(load_gpu("h200")).items():
         committed = json.loads((PROFILES / f"{name}.json").read_text())
         tol.assert_json_close(json.loads(json.dumps(prof.to_dict())), committed)
+        assert (
+            committed["gemm_waves"]
+            == json.loads((PROFILES / "h200.json").read_text())["gemm_waves"]
+        )
+        assert any(a.startswith("gemm_waves: the H200 fit") for a in committed["assumptions"])
 
 
 def test_json_close_is_exact_but_for_float_ulps():

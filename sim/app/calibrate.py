@@ -24,6 +24,11 @@ The protocol bytes per payload byte come from the one-tile NVLink counter measur
 docs/design.md (131,072-byte tile; push 155.6 KB data + 2.9 KB back, pull 147.5 KB data + 24.6 KB of
 requests); a probe may override them with a ``results.protocol_bytes`` block of the same shape.
 
+The ``gemm_waves`` section (:mod:`sim.core.gemm_waves`) is not fitted from the comm probe:
+:func:`fit_h200_profile`, the committed ``h200`` profile, adds the fit of
+:func:`sim.app.gemm_fit.fit` on the probes of :data:`sim.measured.GEMM_WAVES_FIT_PROBES`;
+:func:`fit_gpu_profile` writes the section only when given one (``gemm_waves=``).
+
 Derived (non-measured) profiles for H100, B200, GB200 and GB300 are built from the fitted H200
 profile by :func:`derive_profiles`; each scaling step is recorded in the profile's
 ``assumptions``. ``python -m sim.app.calibrate`` regenerates every committed profile.
@@ -38,13 +43,15 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.app.gemm_fit import fit as fit_gemm_waves
 from sim.core.gemm import gemm_us
-from sim.core.hardware import CommCurve, GpuProfile, Protocol, profiles_dir
+from sim.core.hardware import CommCurve, GemmWaves, GpuProfile, Protocol, profiles_dir
 from sim.measured import measured_path
 
 __all__ = [
     "fit_comm_curve",
     "fit_gpu_profile",
+    "fit_h200_profile",
     "predict_one_direction_gbps",
     "predict_bidirectional_gbps",
     "calibration_points",
@@ -53,6 +60,9 @@ __all__ = [
     "derive_profiles",
     "PROTOCOL_TILE_BYTES",
 ]
+
+# the two-GPU probe the committed h200 profile is fitted from (fit_h200_profile)
+H200_PROBE = "h200x2-probe-2026-11-29.json"
 
 # docs/design.md, NVLink counters while moving one 256 x 256 bf16 tile (KB = 1000 bytes).
 PROTOCOL_TILE_BYTES = {
@@ -253,11 +263,16 @@ def fit_gemm_efficiency(prof: GpuProfile, probe: dict) -> dict | None:
 
 
 def fit_gpu_profile(
-    probe: dict, name: str = "h200", probe_file: str | None = None, **overrides
+    probe: dict,
+    name: str = "h200",
+    probe_file: str | None = None,
+    gemm_waves: GemmWaves | None = None,
+    **overrides,
 ) -> GpuProfile:
     """Fit a :class:`GpuProfile` from a probe dict; ``overrides`` replace :data:`H200_DEFAULTS`
     (and what the probe's ``meta`` or grouped-GEMM timings give). ``probe_file``: the name of
-    the probe JSON, written into the profile's ``source``."""
+    the probe JSON, written into the profile's ``source``. ``gemm_waves``: the profile's GEMM
+    waves section (none without)."""
     _check_probe(probe)
     meta = probe.get("meta", {})
     cfg = dict(H200_DEFAULTS)
@@ -361,7 +376,27 @@ def fit_gpu_profile(
         "mean_rel_error": float(np.mean(resid)),
         **(gemm_fit or {}),
     }
-    return GpuProfile(**{**prof.__dict__, "fit": fit})
+    prof = GpuProfile(**{**prof.__dict__, "fit": fit})
+    return with_gemm_waves(prof, gemm_waves) if gemm_waves else prof
+
+
+def with_gemm_waves(prof: GpuProfile, gw: GemmWaves) -> GpuProfile:
+    """``prof`` with the GEMM waves section ``gw`` and its assumption line."""
+    note = (
+        f"gemm_waves: fitted by {gw.source}; the megakernel pays fill_us - launch_us per GEMM "
+        "(docs/sim-validation.md, 'Layer model: GEMM waves')"
+    )
+    return GpuProfile(
+        **{**prof.__dict__, "gemm_waves": gw, "assumptions": (*prof.assumptions, note)}
+    )
+
+
+def fit_h200_profile(probe_path: Path | None = None) -> GpuProfile:
+    """The committed ``h200`` profile: the comm fit of the two-GPU probe (default
+    :data:`H200_PROBE`) with the GEMM waves fit on :data:`sim.measured.GEMM_WAVES_FIT_PROBES`."""
+    path = Path(probe_path) if probe_path else measured_path(H200_PROBE)
+    h200 = fit_gpu_profile(json.loads(path.read_text()), "h200", path.name)
+    return with_gemm_waves(h200, fit_gemm_waves(h200))
 
 
 def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
@@ -382,6 +417,14 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
         f"{inc.efficiency_min:g} for many writers (half-way at {1 + inc.writers_half:g}); none of "
         "them probed on this GPU",
     )
+    if (gw := h200.gemm_waves) is not None:
+        tail += (
+            f"gemm_waves: the H200 fit, rates as the same fractions of this GPU's tensor_tflops "
+            f"(tile_efficiency {gw.tile_efficiency:g} per SM, sustained_efficiency "
+            f"{gw.sustained_efficiency:g} for the chip), weight streaming x hbm_gbps / "
+            f"{gw.reference_hbm_gbps:g}, per-tile, fill, host and launch costs as measured on "
+            "H200; not probed on this GPU",
+        )
     bf16 = h200.tensor_tflops["bf16"]
     eff = bf16 / 989.0  # measured fraction of the H100/H200 dense bf16 datasheet peak
     out = {}
@@ -453,9 +496,9 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
 
 
 def regenerate(probe_path: Path, out_dir: Path) -> list[Path]:
-    """Fit ``h200`` from the probe JSON and derive the other presets; write them to ``out_dir``."""
-    probe = json.loads(Path(probe_path).read_text())
-    h200 = fit_gpu_profile(probe, "h200", Path(probe_path).name)
+    """Fit ``h200`` from the probe JSON (:func:`fit_h200_profile`) and derive the other presets;
+    write them to ``out_dir``."""
+    h200 = fit_h200_profile(probe_path)
     written = []
     for prof in (h200, *derive_profiles(h200).values()):
         p = out_dir / f"{prof.name}.json"
@@ -465,5 +508,5 @@ def regenerate(probe_path: Path, out_dir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":  # pragma: no cover - maintenance entry point
-    for p in regenerate(measured_path("h200x2-probe-2026-11-29.json"), profiles_dir()):
+    for p in regenerate(measured_path(H200_PROBE), profiles_dir()):
         print(f"wrote {p}")

@@ -1,5 +1,5 @@
 """Grouped-GEMM waves: a persistent tile queue over the compute SMs, with fractional waves,
-backfill, a per-GEMM fill/drain cost and weight streaming.
+backfill, a per-GEMM fill/drain cost, weight streaming and a chip-wide tensor-rate ceiling.
 
 The compute SMs of a rank take 128 x N output tiles from one queue in order (the GEMMs of a
 round, then those of the next round once its rows have arrived). An SM that finishes a tile takes
@@ -7,16 +7,23 @@ the next one, so the tiles of the next GEMM start on the SMs left idle by the la
 of the previous GEMM (backfill); inside a round the down GEMM's tiles of a row tile only wait for
 the gate+up tiles of that row tile, which the GPU-scope handoff covers.
 
-One GEMM of ``T`` tiles, reduction depth K, ``E`` experts, on ``P`` compute SMs:
+One GEMM of ``T`` tiles of ``m_tile x n_tile``, reduction depth K, ``E`` experts, on ``P`` compute
+SMs:
 
-* compute time of a tile: ``t_c = tile_fixed_us + 2 * row_tile * n_tile * K / r``, with the per-SM
-  rate ``r = tile_efficiency * tensor_tflops[dtype] / num_sms``;
+* per-SM rate (:func:`per_sm_tflops`): ``r(P) = min(tile_efficiency * F / num_sms,
+  sustained_efficiency * F / P)`` with ``F = tensor_tflops[dtype]``: a few SMs each run at
+  ``tile_efficiency``, but all of them together never exceed ``sustained_efficiency * F`` (the
+  chip's power-limited rate: in the dense probe's SM-carveout sweep the rate per SM is flat up to
+  66 SMs and the total about flat from 116 to 132 SMs). In the layer the compute SMs share it
+  alone: the comm SMs' copies are assumed to draw none of it;
+* compute time of a tile: ``t_c = tile_fixed_us + 2 * m_tile * n_tile * K / r(P)``;
 * weight streaming: the GEMM reads ``E * N * K * weight bytes`` from HBM at ``weight_gbps`` (on
   another GPU scaled by its ``hbm_gbps`` over ``reference_hbm_gbps``):
   ``t_w``. A tile lasts ``t = max(t_c, t_w / max(1, T / P))`` (its share of the stream), so a GEMM
   takes at least ``t_w`` (``max(flops / rate, weight bytes / bandwidth)``);
-* fill/drain: every SM pays ``fill_us`` once per GEMM before its first tile of that GEMM (pipeline
-  fill of new operand shapes, epilogue drain).
+* fill/drain: every SM pays ``fill_us`` once per GEMM before its first tile of that GEMM (kernel
+  ramp, pipeline fill of new operand shapes, epilogue drain); inside the megakernel
+  ``layer_fill_us = fill_us - launch_us``.
 
 A round (one or more GEMMs released together) is then timed two ways (:func:`round_times`):
 
@@ -30,64 +37,64 @@ The layer (:mod:`sim.layer.model`) puts ``busy`` on the rank's compute chain and
 (the tail) on the path to the round's combine. Approximation: a round that starts while the
 previous round's tail still runs is timed as if its first wave were aligned.
 
-:class:`GemmWaves` holds the parameters, fitted by :func:`sim.app.gemm_fit.fit` on the one-H200
-probe's grouped GEMMs by rows per expert. They belong in the GPU hardware profile
-(``sim/profiles/h200.json``) once that format carries them; until then the defaults here are the
-H200 fit and other GPUs use them as a lead (scaled through their own ``tensor_tflops``).
+The fit (:mod:`sim.app.gemm_fit`) times the probe's standalone ``torch._grouped_mm`` with
+:func:`standalone_gemm_us`, which adds what that kernel does and the megakernel does not: its
+tiling (:func:`probe_tiles`: CUTLASS 128 x 256 tiles, or 64 x 128 up to 128 rows per expert, in
+clusters of two CTAs along M, so that each expert's row tiles round up to an even count) and the
+host time of a call issued back to back (``host_us``, a floor on the measured time).
+
+:class:`GemmWaves` holds the parameters. They are GPU profile data (the class lives in
+:mod:`sim.core.hardware` beside the profile's other sections): the ``gemm_waves`` section of
+``sim/profiles/<gpu>.json`` (:attr:`sim.core.hardware.GpuProfile.gemm_waves`), which
+``python -m sim.app.calibrate`` writes from :func:`sim.app.gemm_fit.fit` for the H200 and carries
+over to the derived profiles (rates as the same fractions of their own ``tensor_tflops``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from sim.core.hardware import GpuProfile
+from sim.core.hardware import GemmWaves, GpuProfile
 
 __all__ = [
     "GemmWaves",
-    "H200_GEMM_WAVES",
     "GemmSpec",
     "gemm_spec",
+    "per_sm_tflops",
+    "probe_tiles",
     "schedule_tiles",
     "round_times",
     "standalone_gemm_us",
     "weight_bytes_per_elem",
+    "PROBE_TILE",
+    "PROBE_SMALL_TILE",
+    "PROBE_CLUSTER_M",
 ]
 
-
-@dataclass(frozen=True)
-class GemmWaves:
-    """Parameters of the waves model (module docstring); defaults: the H200 fit."""
-
-    tile_efficiency: float = 1.101  # per-SM tile rate / (tensor_tflops / num_sms)
-    tile_fixed_us: float = 0.342  # per tile: prologue + epilogue not hidden by the main loop
-    fill_us: float = 33.5  # per GEMM as the standalone probe sees it (includes its launch)
-    weight_gbps: float = 4927.0  # weight-streaming rate from HBM
-    launch_us: float = 13.0  # part of fill_us that a standalone launch pays (the megakernel not)
-    reference_hbm_gbps: float = 4800.0  # hbm_gbps of the fitted GPU: weight_gbps scales with it
-    source: str = "fit on h200-probe-1gpu-2026-11-30.json (sim.app.gemm_fit)"
-
-    @property
-    def layer_fill_us(self) -> float:
-        """Per-GEMM fill/drain inside the megakernel: ``fill_us`` less the launch."""
-        return max(0.0, self.fill_us - self.launch_us)
-
-    def replace(self, **kw) -> GemmWaves:
-        return replace(self, **kw)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-H200_GEMM_WAVES = GemmWaves()
+# torch._grouped_mm (bf16, sm90; torch 2.11, aten/src/ATen/native/cuda/GroupMM.cu): a persistent
+# CUTLASS kernel with 128 x 256 tiles, 64 x 128 tiles when the rows per group or N are <= 128,
+# both in clusters of 2 x 1 CTAs; the group scheduler rounds each group's M tiles up to the
+# cluster, so an odd count of row tiles per expert runs one idle tile.
+PROBE_TILE = (128, 256)
+PROBE_SMALL_TILE = (64, 128)
+PROBE_SMALL_MAX = 128
+PROBE_CLUSTER_M = 2
 
 
 def weight_bytes_per_elem(dtype: str) -> float:
     """Weight bytes per element: bf16 2; mxfp8 1 plus one e8m0 scale per 32 elements."""
     return 2.0 if dtype == "bf16" else 1.0 + 1.0 / 32
+
+
+def per_sm_tflops(gpu: GpuProfile, p: GemmWaves, compute_sms: int, dtype: str = "bf16") -> float:
+    """Tensor TFLOP/s of each of ``compute_sms`` SMs that run tiles together: the per-SM rate,
+    capped by the chip's sustained rate shared among them."""
+    f = gpu.tflops(dtype)
+    return min(p.tile_efficiency * f / gpu.num_sms, p.sustained_efficiency * f / compute_sms)
 
 
 @dataclass(frozen=True)
@@ -110,16 +117,19 @@ def gemm_spec(
     compute_sms: int,
     dtype: str = "bf16",
     row_tile: int = 128,
+    n_tile: int | None = None,
 ) -> GemmSpec:
     """Tiles and tile time of a grouped GEMM of ``row_tiles`` row tiles over ``experts``
-    experts' weights ([N, K] each), output width ``n``, depth ``k``."""
+    experts' weights ([N, K] each), output width ``n``, depth ``k``; tiles of ``row_tile`` x
+    ``n_tile`` (default: the GPU's ``gemm_n_tile``)."""
     if compute_sms <= 0:
         raise ValueError(f"no compute SMs left (compute_sms={compute_sms})")
     if row_tiles <= 0 or n <= 0 or k <= 0:
         return GemmSpec(0, 0.0, 0.0, 0.0)
-    tiles = row_tiles * math.ceil(n / gpu.gemm_n_tile)
-    per_sm = gpu.tflops(dtype) * 1e6 / gpu.num_sms * p.tile_efficiency  # flops per us
-    t_c = p.tile_fixed_us + 2.0 * row_tile * gpu.gemm_n_tile * k / per_sm
+    n_tile = n_tile or gpu.gemm_n_tile
+    tiles = row_tiles * math.ceil(n / n_tile)
+    per_sm = per_sm_tflops(gpu, p, compute_sms, dtype) * 1e6  # flops per us
+    t_c = p.tile_fixed_us + 2.0 * row_tile * n_tile * k / per_sm
     bw = p.weight_gbps * gpu.hbm_gbps / p.reference_hbm_gbps
     t_w = max(1, experts) * n * k * weight_bytes_per_elem(dtype) / (bw * 1e3)
     t = max(t_c, t_w / max(1.0, tiles / compute_sms))
@@ -177,6 +187,17 @@ def round_times(
     return _round_times_cached(key, int(compute_sms), float(fill_us), float(handoff_us))
 
 
+def probe_tiles(experts: int, rows_per_expert: int, n: int) -> tuple[int, int, int]:
+    """(row tiles, tile rows, tile columns) of the probe's ``torch._grouped_mm`` over
+    ``experts`` groups of ``rows_per_expert`` rows and output width ``n``: the kernel's tile
+    shape (:data:`PROBE_TILE`, :data:`PROBE_SMALL_TILE`), and each expert's row tiles rounded
+    up to whole clusters of :data:`PROBE_CLUSTER_M`."""
+    small = rows_per_expert <= PROBE_SMALL_MAX or n <= PROBE_SMALL_MAX
+    tm, tn = PROBE_SMALL_TILE if small else PROBE_TILE
+    per_expert = -(-math.ceil(rows_per_expert / tm) // PROBE_CLUSTER_M) * PROBE_CLUSTER_M
+    return experts * per_expert, tm, tn
+
+
 def standalone_gemm_us(
     gpu: GpuProfile,
     p: GemmWaves,
@@ -186,10 +207,13 @@ def standalone_gemm_us(
     k: int,
     compute_sms: int,
     dtype: str = "bf16",
-    row_tile: int = 128,
 ) -> float:
-    """One grouped GEMM launched alone (the probe's ``torch._grouped_mm``): ``experts`` groups of
-    ``rows_per_expert`` rows; ``fill_us`` (with the launch) plus the list schedule of its tiles."""
-    row_tiles = experts * math.ceil(rows_per_expert / row_tile)
-    s = gemm_spec(gpu, p, row_tiles, n, k, experts, compute_sms, dtype, row_tile)
-    return round_times([s], compute_sms, p.fill_us)[1]
+    """One grouped GEMM launched alone and timed back to back (the probe's
+    ``torch._grouped_mm``): ``experts`` groups of ``rows_per_expert`` rows in that kernel's
+    tiles (:func:`probe_tiles`); ``fill_us`` plus the list schedule of its tiles, at least
+    ``host_us``."""
+    if rows_per_expert <= 0:
+        return p.host_us
+    row_tiles, tm, tn = probe_tiles(experts, rows_per_expert, n)
+    s = gemm_spec(gpu, p, row_tiles, n, k, experts, compute_sms, dtype, tm, tn)
+    return max(p.host_us, round_times([s], compute_sms, p.fill_us)[1])

@@ -15,13 +15,17 @@ copies inside one GPU) as a function of the number of communication SMs::
 i.e. a per-SM rate (bytes in flight / latency) that saturates at a ceiling drifting slowly with the
 SM count. The curve is the *engine* limit of the issuing GPU in payload GB/s; the NVLink wire
 limit (with per-direction protocol overhead) is applied separately by the flow network.
+
+The grouped-GEMM parameters of the layer model are a section of the profile as well
+(``gemm_waves``, :class:`sim.core.gemm_waves.GemmWaves`): fitted for the H200 by
+:mod:`sim.app.gemm_fit`, carried over to the derived profiles.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -32,6 +36,7 @@ __all__ = [
     "Protocol",
     "Signalling",
     "Incast",
+    "GemmWaves",
     "GpuProfile",
     "MECHANISMS",
     "load_gpu",
@@ -180,6 +185,42 @@ class Incast:
 
 
 @dataclass(frozen=True)
+class GemmWaves:
+    """Grouped-GEMM parameters of a GPU profile (its ``gemm_waves`` section): the tile queue of
+    :mod:`sim.core.gemm_waves`, whose docstring gives the model each term belongs to."""
+
+    tile_efficiency: float  # per-SM rate with few SMs busy / (tensor_tflops / num_sms)
+    sustained_efficiency: float  # the chip-wide ceiling of all SMs together / tensor_tflops
+    tile_fixed_us: float  # per tile: prologue + epilogue not hidden by the main loop
+    fill_us: float  # per GEMM on the device, as back-to-back standalone launches see it
+    host_us: float  # host time of one standalone call: the floor of back-to-back calls
+    weight_gbps: float  # weight-streaming rate from HBM
+    launch_us: float  # part of fill_us that a standalone launch pays (the megakernel not)
+    reference_hbm_gbps: float  # hbm_gbps of the fitted GPU: weight_gbps scales with it
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not (self.tile_efficiency > 0 and self.sustained_efficiency > 0):
+            raise ValueError(f"GemmWaves efficiencies must be positive ({self})")
+        if self.weight_gbps <= 0 or self.reference_hbm_gbps <= 0:
+            raise ValueError(f"GemmWaves bandwidths must be positive ({self})")
+        for f in ("tile_fixed_us", "fill_us", "host_us", "launch_us"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"GemmWaves.{f} must be >= 0 ({self})")
+
+    @property
+    def layer_fill_us(self) -> float:
+        """Per-GEMM fill/drain inside the megakernel: ``fill_us`` less the launch."""
+        return max(0.0, self.fill_us - self.launch_us)
+
+    def replace(self, **kw) -> GemmWaves:
+        return replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class GpuProfile:
     name: str
     num_sms: int
@@ -200,6 +241,7 @@ class GpuProfile:
     fence_us: float  # membar.sys before a remote completion flag (fixed part)
     signalling: Signalling = Signalling()  # push fence drain, flag polling, completion jitter
     incast: Incast = Incast()  # many writers into one NVSwitch port
+    gemm_waves: GemmWaves | None = None  # grouped-GEMM tile queue (sim.core.gemm_waves)
     source: str = ""
     assumptions: tuple[str, ...] = ()
     fit: dict = field(default_factory=dict)
@@ -250,9 +292,21 @@ class GpuProfile:
                 f"unknown comm mechanism {mechanism!r}; known: {', '.join(MECHANISMS)}"
             ) from None
 
+    def waves(self) -> GemmWaves:
+        """The ``gemm_waves`` section; a clear error for a profile without one."""
+        if self.gemm_waves is None:
+            raise ValueError(
+                f"GPU profile {self.name!r} has no gemm_waves section (the grouped-GEMM "
+                "parameters of sim.core.gemm_waves; python -m sim.app.calibrate writes them for "
+                "the presets from sim.app.gemm_fit)"
+            )
+        return self.gemm_waves
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["assumptions"] = list(self.assumptions)
+        if d["gemm_waves"] is None:  # profiles fitted without GEMM points keep their old form
+            del d["gemm_waves"]
         return {"format": PROFILE_FORMAT, **d}
 
     @classmethod
@@ -268,6 +322,8 @@ class GpuProfile:
             d["signalling"] = Signalling(**d["signalling"])
         if "incast" in d:
             d["incast"] = Incast(**d["incast"])
+        if d.get("gemm_waves") is not None:
+            d["gemm_waves"] = GemmWaves(**d["gemm_waves"])
         d["assumptions"] = tuple(d.get("assumptions", ()))
         return cls(**d)
 
