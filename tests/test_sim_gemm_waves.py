@@ -174,7 +174,7 @@ def _abs_errors(gpu, p, pts):
 
 
 def test_fit_and_holdout_errors():
-    """Measured with the committed section (docs/sim-validation.md, 'GEMM waves on the dense
+    """Measured with the committed section (docs/sim-validation.md, 'Calibrated on the dense
     sweep'). Fit: every point of the dense sweep; holdout: the grouped GEMMs of the two older
     probes (other runs on other days)."""
     gpu = load_gpu("h200")
