@@ -35,7 +35,7 @@ def _check_fused(ws: Workspace, weights: MoEWeights, x: torch.Tensor, num_tokens
     inter = weights.w_gate.shape[1]
     shared_inter = 0 if weights.shared_w_gate is None else weights.shared_w_gate.shape[0]
     dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(s.dtype, str(s.dtype))
-    why = why_unsupported(cfg, H, inter, shared_inter, dtype, ws.num_sms)
+    why = why_unsupported(cfg, H, inter, shared_inter, dtype, ws.num_sms, L)
     if why:
         raise MoKUnsupportedError("; ".join(why))
     want = {

@@ -15,6 +15,7 @@ from mok.spec.limits import (
     FUSED_BLOCK_ROWS,
     FUSED_HIDDEN_TILE,
     FUSED_INTER_TILE,
+    FUSED_MAX_LOCAL_EXPERTS,
     FUSED_ROW_TILES,
     config_problems,
     shape_problems,
@@ -41,6 +42,15 @@ def test_fused_tiles_match_the_kernel():
     assert tile_n == FUSED_HIDDEN_TILE  # down-projection output columns per tile
     assert tile_n // 2 == FUSED_INTER_TILE  # a gate/up tile: half gate, half up columns
     assert (tile_m // 2, tile_m) == FUSED_ROW_TILES  # 64-row regions run as half tiles
+    assert _constexpr("layer/sm90_fwd.cuh", "kMaxLocalExperts") == FUSED_MAX_LOCAL_EXPERTS
+
+
+def test_too_many_local_experts_is_refused_with_the_count():
+    cfg = MoKConfig(minibatch_size=2048, row_tile=128, num_comm_sms=16)
+    ok = FUSED_MAX_LOCAL_EXPERTS
+    assert why_unsupported(cfg, 7168, 2048, 2048, "bf16", 132, num_local_experts=ok) == []
+    (why,) = why_unsupported(cfg, 7168, 2048, 2048, "bf16", 132, num_local_experts=ok + 1)
+    assert f"at most {ok} experts per rank" in why and f"found {ok + 1}" in why
 
 
 def test_spec_and_sim_import_without_torch():

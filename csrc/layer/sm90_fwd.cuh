@@ -72,6 +72,8 @@ constexpr int kStageBytes = kStageA + kStageB;
 constexpr int kEpiStride = 256;
 constexpr int kEpiBytes = 64 * kEpiStride;
 constexpr int kEpiBuffers = MOK_EPI_BUFFERS;  // per consumer warpgroup, used in turn
+// Local experts per rank the fused layer supports (their region starts live in shared memory).
+constexpr int kMaxLocalExperts = 384;
 // Dynamic shared memory: 1 KiB alignment slack, the stages, the two epilogue chunks.
 constexpr int kLayerSmem = 1024 + kStages * kStageBytes + 2 * kEpiBuffers * kEpiBytes;
 
@@ -280,13 +282,33 @@ __device__ __forceinline__ bool pipe_wait(const Ctx& c, uint64_t* bar, uint32_t 
   return true;
 }
 
-// Local expert owning receive row `row` (regions padded to kTileM; binary search on S).
+// A worker's shared state at fixed shared-memory addresses: the consumers name it directly, as
+// pointers to it would each hold two registers beside their 128 accumulators (ptxas serialises
+// their wgmma when it runs short).
+struct WorkerShared {
+  uint64_t full[kStages], empty[kStages];  // pipeline stages: data in, consumed
+  uint64_t epi_full[2][kEpiBuffers], epi_empty[2][kEpiBuffers];  // epilogue buffers
+  int stage_tile[kStages];         // tile index of the stage holding a tile's first k-block
+  int stage_halves[kStages];       // and the tile's sub-tiles (tile_halves)
+  int jobs[2][kEpiBuffers * 9];    // an EpiJob per epilogue buffer
+  int next_tile[2];                // the consumer warpgroups' current tiles (store-warp hints)
+  int stop[2];
+  int abort_flag;
+  // This rank's expert region starts (S), read once: the tile lookups search them on every
+  // tile, and a search through global memory costs the producer and the consumers several
+  // dependent L2 round trips per tile.
+  int offsets[kMaxLocalExperts + 1];
+};
+static __shared__ __align__(8) WorkerShared wsh;
+extern __shared__ uint8_t layer_smem[];
+
+// Local expert owning receive row `row` (binary search on S, which layer_worker copies into
+// shared memory).
 __device__ __forceinline__ int expert_of_row(const Params& p, int row) {
-  const int32_t* s = p.sched + p.o_offsets + p.rank * (p.num_local_experts + 1);
   int lo = 0, hi = p.num_local_experts - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (s[mid] <= row) {
+    if (wsh.offsets[mid] <= row) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -414,20 +436,6 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
   return ok != 0;
 }
 
-// A worker's shared state at fixed shared-memory addresses: the consumers name it directly, as
-// pointers to it would each hold two registers beside their 128 accumulators (ptxas serialises
-// their wgmma when it runs short).
-struct WorkerShared {
-  uint64_t full[kStages], empty[kStages];  // pipeline stages: data in, consumed
-  uint64_t epi_full[2][kEpiBuffers], epi_empty[2][kEpiBuffers];  // epilogue buffers
-  int stage_tile[kStages];         // tile index of the stage holding a tile's first k-block
-  int jobs[2][kEpiBuffers * 9];    // an EpiJob per epilogue buffer
-  int next_tile[2];                // the consumer warpgroups' current tiles (store-warp hints)
-  int stop[2];
-  int abort_flag;
-};
-static __shared__ __align__(8) WorkerShared wsh;
-extern __shared__ uint8_t layer_smem[];
 
 template <class T>
 __device__ __forceinline__ volatile T& vol(T& x) {
@@ -454,6 +462,18 @@ struct TileGeom {
   int k_blocks;
 };
 
+// K blocks of a tile of this kind (its reduction length / kTileK).
+__device__ __forceinline__ int tile_k_blocks(const LayerKernelArgs& k, int kind) {
+  switch (kind) {
+    case kTileSharedDN:
+      return k.a.shared_inter / kTileK;
+    case kTileDN:
+      return k.a.inter / kTileK;
+    default:
+      return k.p.hidden / kTileK;
+  }
+}
+
 // `sub_row`: 64 for the upper 64-row sub-tile of a split block (its expert's weights), else 0.
 __device__ __forceinline__ TileGeom tile_geom(const LayerKernelArgs& k, const Tile& t,
                                               int sub_row = 0) {
@@ -463,24 +483,24 @@ __device__ __forceinline__ TileGeom tile_geom(const LayerKernelArgs& k, const Ti
   switch (t.kind) {
     case kTileSharedGU:
       g = TileGeom{&k.maps[kMapX], &k.maps[kMapSharedGate], &k.maps[kMapSharedUp],
-                   t.rb * kTileM, t.nb * 128, p.hidden / kTileK};
+                   t.rb * kTileM, t.nb * 128, tile_k_blocks(k, t.kind)};
       break;
     case kTileSharedDN:
       g = TileGeom{&k.maps[kMapSharedH], &k.maps[kMapSharedDown], nullptr, t.rb * kTileM,
-                   t.nb * kTileN, a.shared_inter / kTileK};
+                   t.nb * kTileN, tile_k_blocks(k, t.kind)};
       break;
     case kTileGU: {
       const int row = t.rb * kTileM;
       const int e = expert_of_row(p, row + sub_row);
       g = TileGeom{&k.maps[kMapRecv], &k.maps[kMapGate], &k.maps[kMapUp], row % a.ring_rows,
-                   e * a.inter + t.nb * 128, p.hidden / kTileK};
+                   e * a.inter + t.nb * 128, tile_k_blocks(k, t.kind)};
       break;
     }
     default: {
       const int row = t.rb * kTileM;
       const int e = expert_of_row(p, row + sub_row);
       g = TileGeom{&k.maps[kMapH], &k.maps[kMapDown], nullptr, row % a.ring_rows,
-                   e * p.hidden + t.nb * kTileN, a.inter / kTileK};
+                   e * p.hidden + t.nb * kTileN, tile_k_blocks(k, t.kind)};
       break;
     }
   }
@@ -554,11 +574,16 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
   // tile, without data after an abort (drain waits, which only the timeout ends), and the
   // consumers stop at the tile's end on the abort flag. Between tiles it publishes the end
   // marker instead.
+  // Tiles are claimed in order by whichever worker is free, one ahead: the next tile is claimed
+  // as soon as the current one is known, so the claim's round trip overlaps the current tile's
+  // loads. Every tile's dependencies come earlier in the order and are claimed already, and a
+  // worker holding two claims works on the earlier one, which waits only for its own
+  // consumers and for earlier tiles: claims cannot deadlock (the earliest unfinished tile can
+  // always progress), and which SM computes a tile does not change its bits.
+  uint32_t claimed = atom_add_relaxed_gpu(next_tile, 1u);
   for (;;) {
-    // Tiles are claimed in order, one at a time, by whichever worker is free: every tile's
-    // dependencies come earlier in the order and are claimed already, so claims cannot
-    // deadlock, and which SM computes a tile does not change its bits.
-    const int i = *abort_flag ? -1 : static_cast<int>(atom_add_relaxed_gpu(next_tile, 1u));
+    const int i = *abort_flag ? -1 : static_cast<int>(claimed);
+    if (i >= 0) claimed = atom_add_relaxed_gpu(next_tile, 1u);  // used by the next iteration
     if (i < 0 || !cur.find(i, t)) {
       // End of work (or an abort between tiles): one stage carries the end marker.
       if (pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, -1, true)) {
@@ -605,7 +630,10 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
           }
           if (!pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, i, true)) return;
         }
-        if (first) stage_tile[stage] = i;  // published by the arrive below
+        if (first) {  // published by the arrive below
+          stage_tile[stage] = i;
+          vol(wsh.stage_halves[stage]) = halves;
+        }
         first = false;
         if (!ready) {
           mbar_arrive(&full[stage]);  // a stage without data: the tile runs out, then stops
@@ -881,15 +909,16 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
     const int i = vol(wsh.stage_tile[stage]);
     if (i < 0 || !cur.find(i, t)) break;
     if (tid == 0) vol(wsh.next_tile[wg]) = i;  // a hint for the store warp (layer_storer)
-    const TileGeom g = tile_geom(k, t);
+    // The producer's answers for the tile: the consumers look nothing up in the schedule.
+    const int halves = vol(wsh.stage_halves[stage]);
+    const int k_blocks = tile_k_blocks(k, t.kind);
     if (writer) {
       tr.add_at(t_start, kEvTileStart, t.kind, i);
       tr.add(kEvFirstStage, t.kind, i);
     }
-    const int halves = tile_halves(p, o, t);
     int b;
     if (halves == 0) {
-      mma_kloop<kFull>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, g.k_blocks, 0, wg, stage, prev_stage,
+      mma_kloop<kFull>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, k_blocks, 0, wg, stage, prev_stage,
                        phase);
       if (writer) tr.add(kEvMainDone, t.kind, i);
       // Epilogue: registers -> bf16 chunk in shared memory -> the store warp.
@@ -912,7 +941,7 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
         if (((halves >> h) & 1) == 0) continue;
         const bool last = h == 1 || halves == 1;
         if (t.kind == kTileGU) {
-          mma_kloop<kHalfGateUp>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, g.k_blocks, h, wg, stage,
+          mma_kloop<kHalfGateUp>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, k_blocks, h, wg, stage,
                                  prev_stage, phase);
           if (writer && last) tr.add(kEvMainDone, t.kind, i);
           b = buffer_free();
@@ -920,7 +949,7 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
           if (writer && last) tr.add(kEvEpiStaged, t.kind, i);
           post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, i, t, 64 * h, wg * 64, 8, last);
         } else {
-          mma_kloop<kHalfDown>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, g.k_blocks, h, wg, stage,
+          mma_kloop<kHalfDown>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, k_blocks, h, wg, stage,
                                prev_stage, phase);
           if (writer && last) tr.add(kEvMainDone, t.kind, i);
           b = buffer_free();
@@ -947,6 +976,9 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
 
 __device__ __forceinline__ bool layer_worker(const Ctx& c, const LayerKernelArgs& k,
                                              const TileOrder& o, int slots) {
+  const Params& p = k.p;
+  const int32_t* offsets = p.sched + p.o_offsets + p.rank * (p.num_local_experts + 1);
+  for (int e = threadIdx.x; e <= p.num_local_experts; e += blockDim.x) wsh.offsets[e] = offsets[e];
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&wsh.full[s], 1);

@@ -15,12 +15,14 @@ __all__ = [
     "FUSED_BLOCK_ROWS",
     "FUSED_HIDDEN_TILE",
     "FUSED_INTER_TILE",
+    "FUSED_MAX_LOCAL_EXPERTS",
     "FUSED_ROW_TILES",
     "FUSED_DISPATCH_MODES",
     "FUSED_COMBINE_MODES",
     "FUSED_DTYPES",
     "TMA_MIN_ROW_BYTES",
     "config_problems",
+    "expert_problems",
     "shape_problems",
     "why_unsupported",
 ]
@@ -28,6 +30,8 @@ __all__ = [
 # GEMM blocks of 128 receive rows; 256 output columns of the down projection; 128 SwiGLU columns
 # (256 gate+up columns) per gate/up tile.
 FUSED_BLOCK_ROWS, FUSED_HIDDEN_TILE, FUSED_INTER_TILE = 128, 256, 128
+# Local experts per rank: the workers keep their region starts in shared memory.
+FUSED_MAX_LOCAL_EXPERTS = 384
 # Expert regions padded to 64 rows run their 64-row tails as half tiles.
 FUSED_ROW_TILES = (64, 128)
 FUSED_DISPATCH_MODES = ("pull", "dedup_pull")
@@ -93,9 +97,24 @@ def why_unsupported(
     shared_intermediate: int,
     dtype: str = "bf16",
     num_sms: int | None = None,
+    num_local_experts: int | None = None,
 ) -> list[str]:
     """Every reason the fused layer cannot run ``cfg`` on a layer of these sizes (empty: it can).
-    The GPU itself (the fused layer has an sm_90a path only) is checked where it is known."""
-    return config_problems(cfg, num_sms) + shape_problems(
+    ``num_local_experts``: experts per rank (None: not checked). The GPU itself (the fused
+    layer has an sm_90a path only) is checked where it is known."""
+    why = config_problems(cfg, num_sms) + shape_problems(
         hidden, intermediate, shared_intermediate, dtype
     )
+    if num_local_experts is not None:
+        why += expert_problems(num_local_experts)
+    return why
+
+
+def expert_problems(num_local_experts: int) -> list[str]:
+    """Why the fused layer cannot hold this many experts per rank (empty: it can)."""
+    if num_local_experts <= FUSED_MAX_LOCAL_EXPERTS:
+        return []
+    return [
+        f"the fused layer supports at most {FUSED_MAX_LOCAL_EXPERTS} experts per rank (found "
+        f"{num_local_experts}: raise the expert parallelism, or use moe_forward(..., fused=False))"
+    ]

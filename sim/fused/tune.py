@@ -26,6 +26,7 @@ from mok.spec.limits import (
     FUSED_BLOCK_ROWS,
     FUSED_DISPATCH_MODES,
     FUSED_ROW_TILES,
+    expert_problems,
     shape_problems,
 )
 from mok.spec.rows import bench_routing_seed, row_routing_seed
@@ -91,6 +92,7 @@ def fused_limits(
         )
     s = wl.model_shape
     why += shape_problems(s.hidden, s.intermediate, s.shared_intermediate, dtype, s.name)
+    why += expert_problems(s.num_experts // wl.ep)
     if row_tile is not None and row_tile not in FUSED_ROW_TILES:
         why.append(f"the fused layer needs row_tile in {FUSED_ROW_TILES} (found {row_tile})")
     return why
