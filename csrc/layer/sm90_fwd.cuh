@@ -574,16 +574,12 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
   // tile, without data after an abort (drain waits, which only the timeout ends), and the
   // consumers stop at the tile's end on the abort flag. Between tiles it publishes the end
   // marker instead.
-  // Tiles are claimed in order by whichever worker is free, one ahead: the next tile is claimed
-  // as soon as the current one is known, so the claim's round trip overlaps the current tile's
-  // loads. Every tile's dependencies come earlier in the order and are claimed already, and a
-  // worker holding two claims works on the earlier one, which waits only for its own
-  // consumers and for earlier tiles: claims cannot deadlock (the earliest unfinished tile can
-  // always progress), and which SM computes a tile does not change its bits.
-  uint32_t claimed = atom_add_relaxed_gpu(next_tile, 1u);
   for (;;) {
-    const int i = *abort_flag ? -1 : static_cast<int>(claimed);
-    if (i >= 0) claimed = atom_add_relaxed_gpu(next_tile, 1u);  // used by the next iteration
+    // Tiles are claimed in order, one at a time, by whichever worker is free: every tile's
+    // dependencies come earlier in the order and are claimed already, so claims cannot
+    // deadlock, and which SM computes a tile does not change its bits. (Claiming one tile ahead
+    // hides the claim's round trip but takes the tile from an idle worker: measured slower.)
+    const int i = *abort_flag ? -1 : static_cast<int>(atom_add_relaxed_gpu(next_tile, 1u));
     if (i < 0 || !cur.find(i, t)) {
       // End of work (or an abort between tiles): one stage carries the end marker.
       if (pipe_wait(c, &empty[stage], phase ^ 1, abort_flag, -1, true)) {
