@@ -491,6 +491,10 @@ int block_skew(int64_t blocks_per_sm, int64_t grid, int64_t hold_ns, int64_t rec
     return static_cast<int>(cudaErrorInvalidValue);
   const int smem = kSmemKiB[blocks_per_sm - 1] * 1024;
   cudaError_t e = reserve_smem(skew_kernel, smem);
+  // The largest shared-memory carveout, so that blocks_per_sm blocks do fit on one SM.
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(skew_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             static_cast<int>(cudaSharedmemCarveoutMaxShared));
   if (e != cudaSuccess) return static_cast<int>(e);
   uint64_t hold = static_cast<uint64_t>(hold_ns);
   int64_t* rec_ptr = as_ptr<int64_t>(rec);
