@@ -4,6 +4,7 @@ and :func:`sim.app.signalling_fit.fit_signalling` on synthetic probes with plant
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import random
@@ -259,3 +260,114 @@ def test_fit_fence_and_poll_edge_cases():
     assert serial["flag_poll_lanes"] == 1 and serial["sweep_load_us"] == pytest.approx(0.6)
     with pytest.raises(ValueError, match=">= 2 poll_cost points"):
         fit_poll({"1": 1.0})
+
+
+# ---- the sections end to end on a stand-in for the CUDA extension ------------------------------
+def _words(ptr: int, n: int, ctype=ctypes.c_int64):
+    return (ctype * n).from_address(ptr)
+
+
+class FakeExt:
+    """The probe kernels' records written as csrc/probe/probe.cu documents them, with the same
+    arguments and checks (a bad call returns cudaErrorInvalidValue, 1)."""
+
+    num_sms = 132
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def probe_poll_flags(self, flags, k, mode, gpu_scope, target, warmup, sweeps, out, stream):
+        self._count("poll")
+        if not (1 <= k <= 128 and 0 <= mode <= 2 and sweeps >= 1 and warmup >= 0) or flags % 8:
+            return 1
+        assert all(v >= target for v in _words(flags, k))  # the flags are set
+        _words(out, 8)[0] = sweeps * (100 + 10 * k + 1000 * mode + 5000 * gpu_scope)
+        return 0
+
+    def probe_fence_cost(self, dst, per_block, flags, flag_value, fence, grid, hold_ns, rec, s):
+        self._count("fence")
+        if per_block < 0 or per_block % 16 or not 0 <= fence <= 2 or not 1 <= grid <= 132:
+            return 1
+        assert grid * per_block <= FENCE_MAX_BYTES and hold_ns > 0 and flag_value >= 1
+        r = _words(rec, grid * 8)
+        for b in range(grid):  # 2 cycles per ns; stores 2 us; fence 0.5 us + 5 ns x block
+            g0, c0 = 1000 * b, 7
+            g1, c1 = g0 + 2000, c0 + 4000
+            g2, c2 = g1 + 600, c1 + 1000 + 10 * b
+            r[8 * b : 8 * b + 8] = [g0, c0, g1, c1, g2, c2, g0 + hold_ns, c0 + 2 * hold_ns]
+        return 0
+
+    def probe_block_skew(self, blocks_per_sm, grid, hold_ns, rec, stream):
+        self._count("skew")
+        if not 1 <= blocks_per_sm <= 4 or grid != blocks_per_sm * self.num_sms:
+            return 1
+        r = _words(rec, grid * 4)
+        for b in range(grid):
+            r[4 * b : 4 * b + 4] = [5000 + 10 * b, b % self.num_sms, 32, hold_ns]
+        return 0
+
+    def probe_pingpong_samples(self, f0, f1, gpu_scope, warmup, iters, timeout_ns, samples, out, s):
+        self._count("jitter")
+        if warmup < 0 or not 1 <= iters <= 28672 or (f0 | f1) % 8 or f1 - f0 < 128:
+            return 1
+        cyc = [3000 + 400 * (i % 10) for i in range(iters)]
+        _words(samples, iters, ctypes.c_uint32)[:] = cyc
+        o = _words(out, 8)
+        o[7], o[0] = sum(cyc), sum(cyc) // 2
+        return 0
+
+    def probe_enable_peer_access(self, peer_device):
+        return 0
+
+
+def test_sections_run_on_a_stand_in_extension(tmp_path, monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from mok.bench.probe import signalling
+    from mok.bench.probe.context import ProbeContext
+    from mok.bench.probe.run import run_sections
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "all_gather", lambda recs, t: recs[0].copy_(t))
+    monkeypatch.setattr(signalling, "max_over_ranks", lambda v: [float(x) for x in v])
+    out = tmp_path / "sig.json"
+    a = parse_args(["--sections", ",".join(SIG_SECTIONS), "--out", str(out)])
+    p = object.__new__(ProbeContext)
+    p.a, p.res, p.rank, p.world, p.dev = a, ProbeResults(META), 0, 1, torch.device("cpu")
+    p.num_sms, p.sms, p.timeout_ns, p.fence_peer = 132, a.sms, 10**10, None
+    p.out, p.ext, p.write = torch.zeros(8, dtype=torch.int64), FakeExt(), print
+    p.plan = plan_points(a, 132, 1)
+    done = []
+    p.bar = type("Bar", (), {"set_description": lambda *a, **k: None, "close": lambda s: None})()
+    p.bar.update = lambda: done.append(1)
+    p.stream = lambda: 0
+    run_sections(p)
+    assert len(done) == sum(p.plan.values())
+    calls = p.ext.calls
+    assert calls["poll"] == 3 * 2 * 3 * 8  # 3 launches x scopes x modes x flag counts
+    assert calls["fence"] == (1 + a.iters) * 3 * len(fence_points(a, 132))
+    assert calls["skew"] == 2 * (1 + 2 * a.iters) and calls["jitter"] == 2
+    doc = json.loads(out.read_text())
+    r = doc["results"]
+    assert r["poll_cost"]["sys"]["warp"]["8"] == 180.0
+    assert r["poll_cost"]["gpu"]["thread_per_flag"]["128"] == 100 + 1280 + 2000 + 5000
+    pt = r["fence_cost"]["local"]["sc"]["8"]["16384"]
+    assert pt == {"fence_us": 0.5175, "fence_max_us": 0.535, "store_us": 2.0}
+    assert doc["skipped"]["fence_cost.peer"].startswith("stores into a peer GPU need")
+    assert doc["skipped"]["hbm"] == "not in --sections"
+    skew = r["block_skew"]["2"]
+    assert (skew["blocks"], skew["sms_seen"], skew["timer_step_ns"]) == (264, 132, 32)
+    assert skew["spread_us"] == pytest.approx(2.63)
+    jit = r["signal_jitter"]["gpu"]["0<->0"]
+    assert jit["samples"] == a.latency_iters
+    assert jit["round_trip_us"]["min"] == 1.5 and jit["round_trip_us"]["max"] == 3.3
+    assert jit["one_way_jitter_mean_us"] == pytest.approx(0.45)
+    got = fit_signalling(doc)
+    assert got["signalling"]["completion_jitter_us"] == pytest.approx(0.45)
+    assert got["fit"]["fence_target"] == "local"
