@@ -1,5 +1,7 @@
 // Microbenchmark kernels behind `python -m mok.bench probe`: the peer-copy engines (16-byte
-// vector copies, TMA bulk copies), HBM reads, flag ping-pong latency and dependent-load latency.
+// vector copies, TMA bulk copies), HBM reads, flag ping-pong latency, dependent-load latency and
+// the push-signalling costs (flag polling, release fences, block start skew, the distribution of
+// flag round trips).
 // The simulator's GPU profile (sim/app/calibrate.py) is fitted from what they measure.
 //
 // Includes only CUDA and csrc/ headers (CI compile-checks it for sm_90a and sm_100a). The PTX
@@ -206,6 +208,178 @@ __global__ void chase_kernel(const uint64_t* buf, int64_t start, int64_t warmup,
   out[kOutSink] = static_cast<int64_t>(idx);
 }
 
+// ---- push signalling --------------------------------------------------------------------------
+constexpr int kPollMaxFlags = 128;
+constexpr int kFenceThreads = 1024;
+constexpr int kFenceRecWords = 8;
+constexpr int kSkewThreads = 128;
+constexpr int kSkewRecWords = 4;
+constexpr int kMaxJitterSamples = 28672;        // 112 KiB of uint32 in the reserved 120 KiB
+constexpr uint64_t kHoldMaxSpins = 1ull << 24;  // bound of the hold loops besides their time
+
+__device__ __forceinline__ uint64_t clock_cycles() {
+  uint64_t c;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+  return c;
+}
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+// Spins until %globaltimer is `hold_ns` past `start` (or kHoldMaxSpins reads); returns the last
+// read and the smallest non-zero step between consecutive reads (0 if none) in *step.
+__device__ __forceinline__ uint64_t hold_until(uint64_t start, uint64_t hold_ns, uint64_t* step) {
+  uint64_t prev = globaltimer_ns(), now = prev, best = 0;
+  for (uint64_t spin = 0; now - start < hold_ns && spin < kHoldMaxSpins; ++spin) {
+    now = globaltimer_ns();
+    if (now != prev) {
+      if (best == 0 || now - prev < best) best = now - prev;
+      prev = now;
+    }
+  }
+  *step = best;
+  return now;
+}
+
+// kMode 0: one warp (lane l polls flags l, l + 32, ...); 1: thread 0 polls all k in turn; 2: one
+// thread per flag. Every sweep loads each flag once; no wait (the flags are already set).
+template <bool kGpuScope, int kMode>
+__global__ void poll_kernel(const uint64_t* flags, int k, uint64_t target, int64_t warmup,
+                            int64_t sweeps, int64_t* out) {
+  const int t = static_cast<int>(threadIdx.x);
+  if (kMode == 1 && t != 0) return;
+  int64_t missed = 0;
+  uint64_t t0 = globaltimer_ns();
+  for (int64_t s = 0; s < warmup + sweeps; ++s) {
+    if (s == warmup) {
+      if (kMode == 2) __syncthreads();
+      t0 = globaltimer_ns();
+    }
+    bool ok = true;
+    if (kMode == 0) {
+      for (int j = t; j < k; j += 32) ok = (load_flag<kGpuScope>(flags + j) >= target) && ok;
+      ok = __all_sync(0xffffffffu, ok) != 0;
+    } else if (kMode == 1) {
+      for (int j = 0; j < k; ++j) ok = (load_flag<kGpuScope>(flags + j) >= target) && ok;
+    } else {
+      if (t < k) ok = load_flag<kGpuScope>(flags + t) >= target;
+      ok = __syncthreads_and(ok) != 0;
+    }
+    missed += ok ? 0 : 1;
+  }
+  if (t == 0) {
+    out[kOutNs] = static_cast<int64_t>(globaltimer_ns() - t0);
+    out[kOutSink] = missed;
+  }
+}
+
+// kFence 0: fence.sc.sys (as __threadfence_system in common/waits.cuh), 1: fence.acq_rel.sys,
+// 2: none (thread 0's st.release.sys alone).
+template <int kFence>
+__device__ __forceinline__ void release_fence() {
+  if (kFence == 0) __threadfence_system();
+  if (kFence == 1) fence_acq_rel_sys();
+}
+
+template <int kFence>
+__global__ void __launch_bounds__(kFenceThreads)
+    fence_kernel(int4* dst, int64_t n16, uint64_t* flags, uint64_t flag_value, uint64_t hold_ns,
+                 int64_t* rec) {
+  const int t = static_cast<int>(threadIdx.x);
+  uint64_t g0 = 0, c0 = 0;
+  if (t == 0) {
+    g0 = globaltimer_ns();
+    c0 = clock_cycles();
+  }
+  __syncthreads();
+  int4* mine = dst + static_cast<int64_t>(blockIdx.x) * n16;
+  const int4 v = make_int4(static_cast<int>(blockIdx.x), t, 0x5eed, 1);
+  for (int64_t i = t; i < n16; i += kFenceThreads) mine[i] = v;
+  // Every store of the block is issued; what the fence waits for is still in flight.
+  __syncthreads();
+  uint64_t g1 = 0, c1 = 0;
+  if (t == 0) {
+    g1 = globaltimer_ns();
+    c1 = clock_cycles();
+  }
+  release_fence<kFence>();
+  __syncthreads();
+  if (t != 0) return;
+  release_fence<kFence>();
+  st_release_sys(flags + blockIdx.x, flag_value);
+  const uint64_t c2 = clock_cycles();
+  const uint64_t g2 = globaltimer_ns();
+  uint64_t step = 0;
+  const uint64_t g3 = hold_until(g0, hold_ns, &step);
+  const uint64_t c3 = clock_cycles();
+  int64_t* r = rec + static_cast<int64_t>(blockIdx.x) * kFenceRecWords;
+  const uint64_t vals[kFenceRecWords] = {g0, c0, g1, c1, g2, c2, g3, c3};
+  for (int j = 0; j < kFenceRecWords; ++j) r[j] = static_cast<int64_t>(vals[j]);
+}
+
+__global__ void __launch_bounds__(kSkewThreads) skew_kernel(uint64_t hold_ns, int64_t* rec) {
+  if (threadIdx.x != 0) return;
+  const uint64_t t0 = globaltimer_ns();
+  const uint32_t sm = sm_id();
+  uint64_t step = 0;
+  const uint64_t t1 = hold_until(t0, hold_ns, &step);
+  int64_t* r = rec + static_cast<int64_t>(blockIdx.x) * kSkewRecWords;
+  r[0] = static_cast<int64_t>(t0);
+  r[1] = static_cast<int64_t>(sm);
+  r[2] = static_cast<int64_t>(step);
+  r[3] = static_cast<int64_t>(t1 - t0);
+}
+
+template <bool kGpuScope>
+__global__ void pingpong_samples_kernel(uint64_t* flag0, uint64_t* flag1, int64_t warmup,
+                                        int64_t iters, uint64_t timeout_ns, uint32_t* samples,
+                                        int64_t* out) {
+  extern __shared__ uint32_t cycles[];  // [iters], block 0
+  if (threadIdx.x != 0) return;
+  const bool ping = blockIdx.x == 0;
+  uint64_t* wait = ping ? flag0 : flag1;
+  uint64_t* post = ping ? flag1 : flag0;
+  const int64_t total = warmup + iters;
+  uint64_t g0 = globaltimer_ns(), c0 = clock_cycles(), prev = c0;
+  for (int64_t i = 0; i < total; ++i) {
+    if (ping && i == warmup) {
+      g0 = globaltimer_ns();
+      c0 = clock_cycles();
+      prev = c0;
+    }
+    const uint64_t v = static_cast<uint64_t>(i) + 1;
+    if (ping) store_flag<kGpuScope>(post, v);
+    uint64_t seen = load_flag<kGpuScope>(wait);
+    if (seen < v) {
+      const uint64_t start = globaltimer_ns();
+      uint32_t spins = 0;
+      while ((seen = load_flag<kGpuScope>(wait)) < v) {
+        if ((++spins & 255) == 0 && globaltimer_ns() - start > timeout_ns) {
+          report_timeout(out, i, static_cast<int64_t>(seen), static_cast<int64_t>(v));
+          return;
+        }
+      }
+    }
+    if (!ping) {
+      store_flag<kGpuScope>(post, v);
+    } else if (i >= warmup) {
+      const uint64_t c = clock_cycles();
+      const uint64_t d = c - prev;
+      cycles[i - warmup] = d > 0xffffffffull ? 0xffffffffu : static_cast<uint32_t>(d);
+      prev = c;
+    }
+  }
+  if (!ping) return;
+  out[kOutCycles] = static_cast<int64_t>(prev - c0);
+  out[kOutNs] = static_cast<int64_t>(globaltimer_ns() - g0);
+  for (int64_t j = 0; j < iters; ++j) samples[j] = cycles[j];
+}
+
 template <typename Kernel>
 cudaError_t reserve_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
@@ -276,6 +450,83 @@ int chase(int64_t buf, int64_t start, int64_t warmup, int64_t loads, int64_t out
   chase_kernel<<<1, 32, 0, as_stream(stream)>>>(as_ptr<const uint64_t>(buf), start, warmup, loads,
                                                  as_ptr<int64_t>(out));
   return static_cast<int>(cudaGetLastError());
+}
+
+int poll_flags(int64_t flags, int64_t k, int64_t mode, int64_t gpu_scope, int64_t target,
+               int64_t warmup, int64_t sweeps, int64_t out, int64_t stream) {
+  if (k < 1 || k > kPollMaxFlags || mode < 0 || mode > 2 || warmup < 0 || sweeps < 1 ||
+      flags % 8)
+    return static_cast<int>(cudaErrorInvalidValue);
+  using Kernel = void (*)(const uint64_t*, int, uint64_t, int64_t, int64_t, int64_t*);
+  const Kernel kernels[2][3] = {
+      {poll_kernel<false, 0>, poll_kernel<false, 1>, poll_kernel<false, 2>},
+      {poll_kernel<true, 0>, poll_kernel<true, 1>, poll_kernel<true, 2>}};
+  const unsigned threads = mode == 2 ? static_cast<unsigned>((k + 31) / 32 * 32) : 32u;
+  kernels[gpu_scope ? 1 : 0][mode]<<<1, threads, 0, as_stream(stream)>>>(
+      as_ptr<const uint64_t>(flags), static_cast<int>(k), static_cast<uint64_t>(target), warmup,
+      sweeps, as_ptr<int64_t>(out));
+  return static_cast<int>(cudaGetLastError());
+}
+
+int fence_cost(int64_t dst, int64_t bytes_per_block, int64_t flags, int64_t flag_value,
+               int64_t fence, int64_t grid, int64_t hold_ns, int64_t rec, int64_t stream) {
+  if (bytes_per_block < 0 || bytes_per_block % 16 || fence < 0 || fence > 2 || grid < 1 ||
+      hold_ns < 0 || dst % 16 || flags % 8)
+    return static_cast<int>(cudaErrorInvalidValue);
+  auto kernel = fence == 0 ? fence_kernel<0> : fence == 1 ? fence_kernel<1> : fence_kernel<2>;
+  cudaError_t e = reserve_smem(kernel, kOneSmPerBlockSmem);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  kernel<<<static_cast<unsigned>(grid), kFenceThreads, kOneSmPerBlockSmem, as_stream(stream)>>>(
+      as_ptr<int4>(dst), bytes_per_block / 16, as_ptr<uint64_t>(flags),
+      static_cast<uint64_t>(flag_value), static_cast<uint64_t>(hold_ns), as_ptr<int64_t>(rec));
+  return static_cast<int>(cudaGetLastError());
+}
+
+int block_skew(int64_t blocks_per_sm, int64_t grid, int64_t hold_ns, int64_t rec,
+               int64_t stream) {
+  // Dynamic shared memory per block that lets exactly `blocks_per_sm` blocks share an SM
+  // (228 KiB per SM, 1 KiB reserved per block on sm_90 / sm_100).
+  constexpr int kSmemKiB[4] = {120, 100, 64, 50};
+  if (blocks_per_sm < 1 || blocks_per_sm > 4 || grid < 1 || hold_ns < 0)
+    return static_cast<int>(cudaErrorInvalidValue);
+  const int smem = kSmemKiB[blocks_per_sm - 1] * 1024;
+  cudaError_t e = reserve_smem(skew_kernel, smem);
+  // The largest shared-memory carveout, so that blocks_per_sm blocks do fit on one SM.
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(skew_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             static_cast<int>(cudaSharedmemCarveoutMaxShared));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  uint64_t hold = static_cast<uint64_t>(hold_ns);
+  int64_t* rec_ptr = as_ptr<int64_t>(rec);
+  void* args[] = {&hold, &rec_ptr};
+  // NOTE: cooperative, as the persistent kernels (common/launch.cuh): all blocks co-resident.
+  e = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(skew_kernel),
+                                  dim3(static_cast<unsigned>(grid)), dim3(kSkewThreads), args,
+                                  static_cast<size_t>(smem), as_stream(stream));
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) cudaGetLastError();  // a refused launch leaves its error behind
+  return static_cast<int>(e);
+}
+
+int pingpong_samples(int64_t flag0, int64_t flag1, int64_t gpu_scope, int64_t warmup,
+                     int64_t iters, int64_t timeout_ns, int64_t samples, int64_t out,
+                     int64_t stream) {
+  if (warmup < 0 || iters < 1 || iters > kMaxJitterSamples || (flag0 | flag1) % 8 || samples % 4)
+    return static_cast<int>(cudaErrorInvalidValue);
+  auto kernel = gpu_scope ? pingpong_samples_kernel<true> : pingpong_samples_kernel<false>;
+  cudaError_t e = reserve_smem(kernel, kOneSmPerBlockSmem);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  kernel<<<2, 32, kOneSmPerBlockSmem, as_stream(stream)>>>(
+      as_ptr<uint64_t>(flag0), as_ptr<uint64_t>(flag1), warmup, iters,
+      static_cast<uint64_t>(timeout_ns), as_ptr<uint32_t>(samples), as_ptr<int64_t>(out));
+  return static_cast<int>(cudaGetLastError());
+}
+
+int enable_peer_access(int64_t peer_device) {
+  cudaError_t e = cudaDeviceEnablePeerAccess(static_cast<int>(peer_device), 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) e = cudaSuccess;
+  cudaGetLastError();  // neither outcome may linger as the thread's last error
+  return static_cast<int>(e);
 }
 
 }  // namespace probe

@@ -90,4 +90,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_read_bandwidth", &mok::probe::read_bandwidth);
   m.def("probe_pingpong", &mok::probe::pingpong);
   m.def("probe_chase", &mok::probe::chase);
+  m.def("probe_poll_flags", &mok::probe::poll_flags);
+  m.def("probe_fence_cost", &mok::probe::fence_cost);
+  m.def("probe_block_skew", &mok::probe::block_skew);
+  m.def("probe_pingpong_samples", &mok::probe::pingpong_samples);
+  m.def("probe_enable_peer_access", &mok::probe::enable_peer_access);
 }

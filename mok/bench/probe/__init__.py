@@ -8,10 +8,15 @@
 The JSON keeps the keys and units of ``mok/bench/results/h200x2-probe-2026-11-29.json``
 (``what`` / ``methods`` / ``results``) and adds ``meta``, ``skipped`` and the results
 ``hbm_bandwidth``, ``signal_latency_gpu_scope``, ``copy_checks``, ``grouped_gemm_by_rows``,
-``grouped_gemm_by_sms`` (and ``grouped_gemm_by_sms_green``). Bandwidths and GEMM rates are
+``grouped_gemm_by_sms`` (and ``grouped_gemm_by_sms_green``), and the push-signalling results
+``poll_cost``, ``fence_cost``, ``block_skew`` and ``signal_jitter``. Bandwidths and GEMM rates are
 CUDA-event medians after warm-up, max over ranks (mok.bench.common's timer); latencies come from
 %globaltimer inside the kernels (csrc/probe/probe.cu, loaded through mok._ext). The JSON is
 rewritten after every section, so a failure late in the sweep keeps what was measured.
+``--skip`` leaves sections out, ``--sections`` runs only those named: the push-signalling set on
+one GPU, in seconds, is ``python -m mok.bench probe --sections
+poll_cost,fence_cost,block_skew,signal_jitter --out signalling.json``, which
+:func:`sim.app.signalling_fit.fit_signalling` turns into a profile's ``signalling`` values.
 
 Modules, by what they measure:
 
@@ -21,6 +26,11 @@ Modules, by what they measure:
 - :mod:`~mok.bench.probe.copies`: copy bandwidth by SM count (16-byte kernel, TMA, copy engine;
   local and peer, one and both directions; copy checks) and NCCL all_to_all;
 - :mod:`~mok.bench.probe.latency`: flag ping-pong round trips and dependent-load latency;
+- :mod:`~mok.bench.probe.signalling`: push signalling on one GPU: the cost of a poll sweep over K
+  set flags (one warp, one thread, one thread per flag; GPU and system scope), the release fence
+  after n SMs stored K bytes each (local, and a second GPU where one process sees two), the start
+  skew of a persistent grid, and every round trip of the flag ping-pong (min / median / mean /
+  p90 / p99 / max);
 
 and around them :mod:`~mok.bench.probe.args` (flags, defaults, planned points),
 :mod:`~mok.bench.probe.context` (state and helpers of every section, the JSON's meta),

@@ -14,7 +14,7 @@ from mok.bench.probe.args import MIB, plan_points
 from mok.bench.probe.results import ProbeResults
 from mok.errors import MoKError, MoKTimeoutError
 
-__all__ = ["ProbeContext", "probe_meta", "noop"]
+__all__ = ["ProbeContext", "fence_peer_device", "probe_meta", "noop"]
 
 OUT_NS, OUT_CODE, OUT_ITER, OUT_SEEN, OUT_EXPECTED, OUT_BLOCK = (
     0,
@@ -24,6 +24,7 @@ OUT_NS, OUT_CODE, OUT_ITER, OUT_SEEN, OUT_EXPECTED, OUT_BLOCK = (
     4,
     5,
 )  # csrc/probe/probe.h
+OUT_SINK, OUT_CYCLES = 6, 7  # csrc/probe/probe.h
 
 
 def probe_meta(a: argparse.Namespace, dev: torch.device, world: int) -> dict:
@@ -54,6 +55,17 @@ def cuda_error(err: int) -> str:
         return f"cudaError {err}"
 
 
+def fence_peer_device(dev: torch.device, world: int) -> int | None:
+    """The GPU whose memory fence_cost also stores into: the next visible one, when this is the
+    only process (under torchrun every rank runs the one-GPU sections on its own GPU at once) and
+    it can map that GPU's memory; None otherwise."""
+    count = torch.cuda.device_count()
+    if world != 1 or count < 2:
+        return None
+    peer = (dev.index + 1) % count
+    return peer if torch.cuda.can_device_access_peer(dev.index, peer) else None
+
+
 def noop() -> None:
     """What a rank that only takes part in a collective timing runs."""
     return None
@@ -77,7 +89,8 @@ class ProbeContext:
         self.out = torch.zeros(8, dtype=torch.int64, device=dev)  # csrc/probe/probe.h OutField
         self.flag_base = 0
         self.write = tqdm.write
-        self.plan = plan_points(a, self.num_sms, world)
+        self.fence_peer = fence_peer_device(dev, world)
+        self.plan = plan_points(a, self.num_sms, world, self.fence_peer is not None)
         self.bar = tqdm(total=sum(self.plan.values()), disable=rank != 0, desc="probe")
         self.ext = _ext.load()  # compiles on first use (one log line)
 

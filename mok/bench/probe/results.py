@@ -10,12 +10,27 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import math
 import re
 from pathlib import Path
 
-__all__ = ["SECTIONS", "METHODS", "ProbeResults"]
+__all__ = ["SECTIONS", "METHODS", "POLL_MODES", "FENCES", "ProbeResults", "distribution"]
 
-SECTIONS = ("hbm", "gemm", "grouped", "local", "peer", "green")
+SECTIONS = (
+    "hbm",
+    "gemm",
+    "grouped",
+    "local",
+    "peer",
+    "green",
+    "poll_cost",
+    "fence_cost",
+    "block_skew",
+    "signal_jitter",
+)
+# poll_cost modes and fence_cost fences, in the order of csrc/probe/probe.h (mode / fence codes)
+POLL_MODES = ("warp", "thread", "thread_per_flag")
+FENCES = ("sc", "acq_rel", "release")
 
 METHODS = {
     "p2p_access": "1 where rank 0 and rank 1 map each other's memory (torch symmetric memory, no "
@@ -66,6 +81,36 @@ METHODS = {
     "SM partition; timed with CUDA events on that context's stream, this rank only. The kernel "
     "still sizes its persistent grid for all SMs, so its CTAs run in waves over the partition: "
     "expect less than the carveout numbers.",
+    "poll_cost": "ns per sweep over K packed uint64 flags (K in the key) that already hold their "
+    "target, so a sweep never waits: ld.acquire at gpu / sys scope (the key above the mode); "
+    "warp = one warp, flag j on lane j % 32, a warp vote per sweep; thread = one thread loads the "
+    "K flags in turn (the pattern of block_wait_all in csrc/common/waits.cuh); thread_per_flag = "
+    "K threads, one flag each, a block vote (__syncthreads_and) per sweep. One block, untimed "
+    "warm-up sweeps, then --poll-sweeps timed with %globaltimer; median of 3 launches.",
+    "fence_cost": "n blocks of 1024 threads, one per SM (n in the key under the fence), each "
+    "stores bytes_per_sm (the innermost key) with 16-byte stores into its slice of local memory "
+    "(local) or of a second GPU visible to the process (peer), then a barrier and the publication "
+    "of the communication kernels: sc = every thread fence.sc.sys (__threadfence_system), "
+    "barrier, thread 0 fence.sc.sys + st.release.sys of its flag; acq_rel = the same with "
+    "fence.acq_rel.sys; release = barrier, thread 0 st.release.sys only. fence_us: from the "
+    "barrier after the stores to after the flag store, %clock64 of the block converted with the "
+    "SM clock the block measured against %globaltimer over its life (held >= 50 us); median "
+    "over blocks, then median of --iters launches after one untimed; fence_max_us: the same "
+    "with the slowest block; store_us: entry to the barrier after the stores.",
+    "block_skew": "a cooperative launch (as mok's persistent kernels) of blocks_per_sm (key) x "
+    "SMs blocks of 128 threads, shared memory reserved so at most that many share an SM; thread "
+    "0 stamps %globaltimer at entry and holds its SM for 20 us. Per launch the spread is the "
+    "latest entry minus the earliest; spread_us = median and spread_max_us = max over --iters x "
+    "2 launches; p50 / p90 / p99 of every block's entry after its launch's earliest; sms_seen = "
+    "distinct %smid; timer_step_ns = smallest non-zero step between consecutive %globaltimer "
+    "reads (the resolution every globaltimer number here has at best).",
+    "signal_jitter": "as signal_latency '0<->0' (two blocks of one GPU, one thread each, flag "
+    "ping-pong at sys / gpu scope), with every round trip recorded: %clock64 cycles of each of "
+    "--latency-iters round trips (at most 28672) after the warm-up, kept in shared memory and "
+    "converted with the SM clock measured over the loop (%clock64 / %globaltimer); one launch. "
+    "round_trip_us: min / p50 / mean / p90 / p99 / max / std of the round trips; "
+    "one_way_jitter_mean_us = (mean - min) / 2, the mean delay of one completion above the "
+    "fastest (two completions per round trip).",
 }
 
 
@@ -157,6 +202,66 @@ class ProbeResults:
             round(float(ns), 1),
             "ns",
         )
+
+    def add_poll_cost(self, scope: str, mode: str, num_flags: int, ns_per_sweep: float) -> None:
+        """One poll_cost point: ``scope`` gpu / sys, ``mode`` one of :data:`POLL_MODES`."""
+        if scope not in ("gpu", "sys") or mode not in POLL_MODES:
+            raise ValueError(
+                f"unknown poll point {scope}/{mode}; supported: gpu|sys, {'|'.join(POLL_MODES)}"
+            )
+        ns = round(float(ns_per_sweep), 1)
+        self._at("poll_cost", scope, mode)[str(int(num_flags))] = ns
+        self._row("poll", f"{mode} {scope} ns/sweep", int(num_flags), ns, "ns")
+
+    def add_fence_cost(
+        self,
+        target: str,
+        fence: str,
+        num_sms: int,
+        bytes_per_sm: int,
+        fence_us: float,
+        fence_max_us: float,
+        store_us: float,
+    ) -> None:
+        """One fence_cost point: ``target`` local / peer, ``fence`` one of :data:`FENCES`."""
+        if target not in ("local", "peer") or fence not in FENCES:
+            raise ValueError(
+                f"unknown fence point {target}/{fence}; supported: local|peer, {'|'.join(FENCES)}"
+            )
+        pt = {
+            "fence_us": round(float(fence_us), 4),
+            "fence_max_us": round(float(fence_max_us), 4),
+            "store_us": round(float(store_us), 3),
+        }
+        self._at("fence_cost", target, fence, str(int(num_sms)))[str(int(bytes_per_sm))] = pt
+        case = f"{target} {fence} fence us at {int(num_sms)} SMs"
+        self._row("fence", case, int(bytes_per_sm), pt["fence_us"], "us")
+
+    def add_block_skew(self, blocks_per_sm: int, stats: dict) -> None:
+        """One block_skew entry: blocks, sms_seen, launches, spread_us, spread_max_us, p50_us,
+        p90_us, p99_us, timer_step_ns."""
+        ints = ("blocks", "sms_seen", "launches")
+        entry = {k: int(v) if k in ints else round(float(v), 4) for k, v in stats.items()}
+        self._at("block_skew")[str(int(blocks_per_sm))] = entry
+        case = f"start spread {int(blocks_per_sm)} block(s)/SM"
+        self._row("skew", case, None, entry["spread_us"], "us")
+
+    def add_signal_jitter(self, pair: str, scope: str, samples: int, round_trip_us: dict) -> None:
+        """Recorded round trips of a flag ping-pong: ``round_trip_us`` as :func:`distribution`
+        gives it (min, p50, mean, p90, p99, max, std)."""
+        if scope not in ("gpu", "sys"):
+            raise ValueError(f"unknown scope {scope!r}; supported: gpu, sys")
+        rt = {k: round(float(v), 5) for k, v in round_trip_us.items()}
+        self._at("signal_jitter", scope)[pair] = {
+            "samples": int(samples),
+            "round_trip_us": rt,
+            "one_way_jitter_mean_us": round((rt["mean"] - rt["min"]) / 2, 5),
+        }
+        for stat in ("p50", "p99"):
+            case = f"flag round trip {stat} {pair} {scope}"
+            self._row("latency", case, None, round(rt[stat], 3), "us")
+        jitter = round((rt["mean"] - rt["min"]) / 2, 4)
+        self._row("latency", f"flag one-way jitter mean {pair} {scope}", None, jitter, "us")
 
     def add_bf16_gemm(self, tflops: float) -> None:
         self._at("bf16_gemm_and_copy")["bf16_tflops"] = round(float(tflops), 1)
@@ -323,6 +428,33 @@ def _fmt(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
+def distribution(values) -> dict[str, float]:
+    """min, p50, mean, p90, p99, max and std (population) of ``values`` (quantiles linear
+    between the two nearest ranks)."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        raise ValueError("distribution of no values")
+    n = len(xs)
+
+    def q(p: float) -> float:
+        i = p * (n - 1)
+        lo = math.floor(i)
+        hi = min(lo + 1, n - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / n)
+    return {
+        "min": xs[0],
+        "p50": q(0.5),
+        "mean": mean,
+        "p90": q(0.9),
+        "p99": q(0.99),
+        "max": xs[-1],
+        "std": std,
+    }
+
+
 def _replay(res: ProbeResults, results: dict) -> None:
     """Feed every point of ``results`` through ``res``'s add_* calls (keys it does not know are
     left out of the rows)."""
@@ -388,3 +520,24 @@ def _replay(res: ProbeResults, results: dict) -> None:
                 if "sm_limit_effective" in e:
                     ratio = e.get("time_ratio_fewest_to_all_sms", 0.0)
                     res.mark_sm_limit(key, case, e["sm_limit_effective"], ratio)
+        elif key == "poll_cost":
+            for scope, modes in v.items():
+                for mode, pts in modes.items():
+                    for k, ns in pts.items():
+                        res.add_poll_cost(scope, mode, int(k), ns)
+        elif key == "fence_cost":
+            for target, fences in v.items():
+                for fence, by_sms in fences.items():
+                    for n, pts in by_sms.items():
+                        for b, pt in pts.items():
+                            res.add_fence_cost(
+                                target, fence, int(n), int(b),
+                                pt["fence_us"], pt["fence_max_us"], pt["store_us"],
+                            )  # fmt: skip
+        elif key == "block_skew":
+            for k, stats in v.items():
+                res.add_block_skew(int(k), stats)
+        elif key == "signal_jitter":
+            for scope, pairs in v.items():
+                for pair, e in pairs.items():
+                    res.add_signal_jitter(pair, scope, e["samples"], e["round_trip_us"])

@@ -1,7 +1,8 @@
 """The probe's run: the sections in their order (:data:`STEPS`, the keys of
-:data:`mok.bench.probe.results.SECTIONS`), the two sections that measure several things (``local``:
-copies, flags and loads within one GPU; ``peer``: the same between GPU0 and GPU1 over their
-symmetric buffers, then NCCL) and :func:`main`."""
+:data:`mok.bench.probe.results.SECTIONS`; ``--skip`` leaves some out, ``--sections`` keeps only
+those named), the two sections that measure several things (``local``: copies, flags and loads
+within one GPU; ``peer``: the same between GPU0 and GPU1 over their symmetric buffers, then NCCL)
+and :func:`main`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ from mok.bench.probe.gemm import measure_bf16_gemm, measure_green, measure_group
 from mok.bench.probe.hbm import measure_hbm
 from mok.bench.probe.latency import local_chases, local_flags, peer_flags, remote_chases
 from mok.bench.probe.results import ProbeResults
+from mok.bench.probe.signalling import (
+    measure_block_skew,
+    measure_fence_cost,
+    measure_poll_cost,
+    measure_signal_jitter,
+)
 from mok.errors import MoKUnsupportedError
 
 __all__ = ["STEPS", "main", "run_sections"]
@@ -79,6 +86,10 @@ STEPS = {
     "local": local_section,
     "peer": peer_section,
     "green": measure_green,
+    "poll_cost": measure_poll_cost,
+    "fence_cost": measure_fence_cost,
+    "block_skew": measure_block_skew,
+    "signal_jitter": measure_signal_jitter,
 }
 
 
@@ -86,7 +97,8 @@ def run_sections(p: ProbeContext) -> None:
     """Every section not skipped, the JSON rewritten after each (a late failure keeps the rest)."""
     for name, fn in STEPS.items():
         if name in p.a.skip:
-            p.res.skip(name, "--skip")
+            chosen = p.a.sections
+            p.res.skip(name, "not in --sections" if chosen and name not in chosen else "--skip")
             continue
         if name == "peer" and p.world < 2:
             reason = (
