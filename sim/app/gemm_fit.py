@@ -57,7 +57,7 @@ def dense_probe_command(out: str = "h200-probe-gemm-dense.json") -> str:
     rows = ",".join(map(str, DENSE_GEMM_ROWS))
     return (
         f"python -m mok.bench probe --out {out} --csv {out.removesuffix('.json')}.csv "
-        f"--skip hbm,gemm,local,peer,green --gemm-rows {rows} "
+        f"--sections grouped --gemm-rows {rows} "
         "--gemm-sms 8,16,32,48,66,100,116,132 --iters 20 --warmup 5"
     )
 
