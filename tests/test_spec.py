@@ -35,8 +35,8 @@ def _constexpr(header: str, name: str) -> int:
 
 def test_fused_tiles_match_the_kernel():
     tile_m, tile_n = (
-        _constexpr("layer/sm90_fwd.cuh", "kTileM"),
-        _constexpr("layer/sm90_fwd.cuh", "kTileN"),
+        _constexpr("layer/sm90_gemm.cuh", "kTileM"),
+        _constexpr("layer/sm90_gemm.cuh", "kTileN"),
     )
     assert tile_m == FUSED_BLOCK_ROWS
     assert tile_n == FUSED_HIDDEN_TILE  # down-projection output columns per tile

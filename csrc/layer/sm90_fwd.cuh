@@ -47,31 +47,19 @@
 #include "common/rings.cuh"
 #include "common/rows.cuh"
 #include "common/waits.cuh"
+#include "layer/comm_blocks.cuh"
+#include "layer/counters.cuh"
+#include "layer/sm90_gemm.cuh"
+#include "layer/tile_order.cuh"
+#include "layer/trace.cuh"
 #include "params.h"
 #include "ptx/wgmma_sm90.cuh"
 
 namespace mok {
 
-constexpr int kLayerThreads = 384;  // producer warpgroup + two consumer warpgroups
-constexpr int kLayerWarps = kLayerThreads / 32;
-constexpr int kTileM = 128;
-constexpr int kTileN = 256;
-constexpr int kTileK = 64;
-#ifndef MOK_LAYER_STAGES
-#define MOK_LAYER_STAGES 4
-#endif
-#ifndef MOK_EPI_BUFFERS
-#define MOK_EPI_BUFFERS 1
-#endif
-constexpr int kStages = MOK_LAYER_STAGES;
-constexpr int kStageA = kTileM * kTileK * 2;  // 16 KiB
-constexpr int kStageB = kTileN * kTileK * 2;  // 32 KiB
-constexpr int kStageBytes = kStageA + kStageB;
-// One consumer warpgroup's 64 x 128 bf16 output chunk: 256-byte rows whose 16-byte chunks are
-// permuted by row % 8 (the accumulator stores of 8 rows then hit 32 distinct banks).
-constexpr int kEpiStride = 256;
-constexpr int kEpiBytes = 64 * kEpiStride;
-constexpr int kEpiBuffers = MOK_EPI_BUFFERS;  // per consumer warpgroup, used in turn
+// The operand type the layer runs (bf16 tokens and weights) and its k-block depth.
+using Operand = OperandBf16;
+constexpr int kTileK = Operand::kTileK;
 // Local experts per rank the fused layer supports (their region starts live in shared memory).
 constexpr int kMaxLocalExperts = 384;
 // Dynamic shared memory: 1 KiB alignment slack, the stages, the two epilogue chunks.
@@ -96,191 +84,6 @@ struct LayerKernelArgs {
   Params p;
   LayerArgs a;
 };
-
-enum TileKind : int { kTileSharedGU = 0, kTileSharedDN, kTileGU, kTileDN };
-
-// Word offsets of the counters (LayerArgs::counters).
-struct Counters {
-  int ready, gu_mb, dn_mb, gu_rb, sh_rb, staged, pulled, next_tile, total;
-  __host__ __device__ explicit Counters(const Params& p) {
-    const int mbs = p.num_minibatches;
-    ready = 0;
-    gu_mb = ready + mbs;
-    dn_mb = gu_mb + mbs;
-    gu_rb = dn_mb + mbs;
-    sh_rb = gu_rb + (p.capacity + kTileM - 1) / kTileM;
-    staged = sh_rb + (p.max_tokens + kTileM - 1) / kTileM;  // fixed layout: any call's count
-    pulled = staged + 1;
-    next_tile = pulled + 1;  // workers claim tiles in order from here
-    total = next_tile + 1;
-  }
-};
-
-// Event trace (LayerArgs::trace): one writer thread per region, so no atomics.
-enum TraceEvent : int {
-  kEvStaged = 1,        // communication block: x staged and every peer's x ready
-  kEvPulled = 2,        // communication block: dedup rows pulled (dedup pull)
-  kEvRingWait = 3,      // communication block: waiting for ring rows of minibatch (index)
-  kEvReady = 4,         // communication block: minibatch (index) dispatched
-  kEvDepWait = 10,      // producer: waiting for tile (index)'s operands
-  kEvDepDone = 11,      // producer: tile (index)'s operands ready, loads start
-  kEvTileStart = 20,    // consumer: tile (index) begins (waits for its first stage)
-  kEvFirstStage = 21,   // consumer: first stage of tile (index) full
-  kEvMainDone = 22,     // consumer: last MMA of tile (index) done
-  kEvEpiDone = 23,      // consumer: tile (index)'s outputs stored and published
-  kEvEpiStaged = 24,    // consumer: tile (index)'s first output chunk staged in shared memory
-  kEvEpiStored = 25,    // consumer: tile (index)'s last output chunk handed to the store warp
-  kEvEpiFenced = 26,    // (no longer stamped: the store warps fence and publish, untraced)
-  kEvSumStart = 30,     // any block: fixed-order sum begins (every rank's slots filled)
-  kEvSumDone = 31,      // any block: fixed-order sum done
-};
-
-// Holds no state in registers (the count lives in the region's first pair, the rest comes from
-// the kernel's parameters): the consumers' registers are all taken by their accumulators.
-struct Tracer {
-  const LayerArgs& a;
-  int which;
-  __device__ Tracer(const LayerArgs& args, int region) : a(args), which(region) {}
-  __device__ __forceinline__ uint64_t* region() const {
-    return a.trace + (static_cast<int64_t>(blockIdx.x) * 2 + which) * a.trace_entries * 2;
-  }
-  // Packed event: type (8 bits) | tile kind (8 bits) | index (32 bits).
-  __device__ __forceinline__ uint64_t now() const { return a.trace ? globaltimer_ns() : 0; }
-  __device__ __forceinline__ void add(int type, int kind, int index) {
-    add_at(now(), type, kind, index);
-  }
-  __device__ __forceinline__ void add_at(uint64_t t, int type, int kind, int index) {
-    if (a.trace == nullptr) return;
-    uint64_t* r = region();
-    const int64_t n = static_cast<int64_t>(r[0]);  // continues after earlier events
-    if (n + 1 >= a.trace_entries) return;
-    r[2 * n + 2] = t;
-    r[2 * n + 3] = (static_cast<uint64_t>(type) << 56) |
-                   (static_cast<uint64_t>(kind & 0xff) << 48) | static_cast<uint32_t>(index);
-    r[0] = n + 1;
-  }
-};
-
-// The fixed tile order, walked forward by every worker thread that needs it.
-struct TileOrder {
-  int num_rows;        // P: padded receive rows
-  int mb_rows;         // minibatch rows
-  int num_mbs;         // minibatches holding rows
-  int shared_rbs;      // shared expert row blocks
-  int n_shared_gu, n_gu, n_dn;  // column tiles per row block
-  bool interleave;     // GU(m) before DN(m-1) (needs two ring slots)
-
-  // Segments: 0 shared GU, 1 shared DN, then 2 + s for the routed sequence.
-  __device__ int num_segments() const { return 2 + 2 * num_mbs; }
-  __device__ int mb_row_blocks(int mb) const {
-    const int rows = min(mb_rows, num_rows - mb * mb_rows);
-    return rows > 0 ? (rows + kTileM - 1) / kTileM : 0;  // a last block may hold 64 rows
-  }
-  // Kind and minibatch of segment s >= 2.
-  __device__ void routed(int s, int& kind, int& mb) const {
-    const int i = s - 2;
-    if (!interleave) {
-      kind = (i % 2) ? kTileDN : kTileGU;
-      mb = i / 2;
-      return;
-    }
-    if (i == 0) {
-      kind = kTileGU, mb = 0;
-    } else if (i == 2 * num_mbs - 1) {
-      kind = kTileDN, mb = num_mbs - 1;
-    } else {
-      kind = (i % 2) ? kTileGU : kTileDN;
-      mb = (i % 2) ? (i + 1) / 2 : i / 2 - 1;
-    }
-  }
-  __device__ int segment_tiles(int s) const {
-    if (s == 0) return shared_rbs * n_shared_gu;
-    if (s == 1) return shared_rbs * n_dn;
-    int kind, mb;
-    routed(s, kind, mb);
-    return mb_row_blocks(mb) * (kind == kTileGU ? n_gu : n_dn);
-  }
-};
-
-struct Tile {
-  int kind, mb, rb, nb;  // rb: global row block (receive rows rb * 128..) or shared row block
-};
-
-// Forward-only cursor over the tile order.
-struct TileCursor {
-  const TileOrder& o;
-  int seg = 0, seg_start = 0, seg_len;
-  __device__ explicit TileCursor(const TileOrder& order) : o(order) {
-    seg_len = o.segment_tiles(0);
-  }
-  // False when t is past the last tile.
-  __device__ bool find(int t, Tile& tile) {
-    while (t >= seg_start + seg_len) {
-      seg_start += seg_len;
-      if (++seg >= o.num_segments()) return false;
-      seg_len = o.segment_tiles(seg);
-    }
-    const int i = t - seg_start;
-    if (seg < 2) {
-      const int cols = seg == 0 ? o.n_shared_gu : o.n_dn;
-      tile = Tile{seg == 0 ? kTileSharedGU : kTileSharedDN, -1, i / cols, i % cols};
-      return true;
-    }
-    int kind, mb;
-    o.routed(seg, kind, mb);
-    const int cols = kind == kTileGU ? o.n_gu : o.n_dn;
-    tile = Tile{kind, mb, mb * (o.mb_rows / kTileM) + i / cols, i % cols};
-    return true;
-  }
-};
-
-__device__ __forceinline__ bool counter_reached(uint32_t v, uint32_t target) {
-  return v >= target;
-}
-
-// Spins until the local counter reaches `target`. False on timeout (recorded) or abort.
-static __device__ __noinline__ bool wait_count(const Ctx& c, const uint32_t* ptr, uint32_t target,
-                                        int wait, int64_t extra) {
-  uint32_t v = ld_acquire_gpu(ptr);
-  if (counter_reached(v, target)) return true;
-  const uint64_t start = globaltimer_ns();
-  uint32_t spins = 0;
-  while (true) {
-    v = ld_acquire_gpu(ptr);
-    if (counter_reached(v, target)) return true;
-    if ((++spins & 63) == 0) {
-      if (c.aborted()) return false;
-      if (globaltimer_ns() - start > c.p.timeout_ns) {
-        record_error(c, kErrTimeout, wait, c.p.rank, v, target, extra);
-        return false;
-      }
-    }
-  }
-}
-
-// Waits for phase `parity` of a pipeline barrier, bounded like every other wait: false when
-// the block's abort flag is raised, another block aborted, or the timeout expired (recorded).
-// `drain`: the producer finishing a tile after an abort; it waits for the consumers (which
-// always free their stages: they wait for nothing but the producer) and gives up only on the
-// timeout, so that they are never left inside a tile waiting for a stage nobody fills.
-__device__ __forceinline__ bool pipe_wait(const Ctx& c, uint64_t* bar, uint32_t parity,
-                                          volatile int* abort_flag, int64_t extra,
-                                          bool drain = false) {
-  if (mbar_try_wait(bar, parity)) return true;
-  const uint64_t start = globaltimer_ns();
-  uint32_t spins = 0;
-  while (!mbar_try_wait(bar, parity)) {
-    if ((++spins & 1023) == 0) {
-      if (!drain && (*abort_flag || c.aborted())) return false;
-      if (globaltimer_ns() - start > c.p.timeout_ns) {
-        record_error(c, kErrTimeout, kWaitLayerPipeline, c.p.rank, parity, 0, extra);
-        *abort_flag = 1;
-        return false;
-      }
-    }
-  }
-  return true;
-}
 
 // A worker's shared state at fixed shared-memory addresses: the consumers name it directly, as
 // pointers to it would each hold two registers beside their 128 accumulators (ptxas serialises
@@ -328,118 +131,6 @@ __device__ __forceinline__ int routed_halves(const Params& p, int num_rows, int 
 
 __device__ __forceinline__ int tile_halves(const Params& p, const TileOrder& o, const Tile& t) {
   return t.kind == kTileGU || t.kind == kTileDN ? routed_halves(p, o.num_rows, t.rb * kTileM) : 0;
-}
-
-// Fast reciprocal division: no slow-path branch per element (g -> -inf gives -0, as silu does).
-__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
-
-// ---- communication blocks ------------------------------------------------------------------
-
-// False when the block stopped on an abort or a timeout (the same answer for all its threads).
-__device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
-                                           const TileOrder& o, int slots) {
-  const Params& p = c.p;
-  const int C = a.num_comm_blocks;
-  const int blk = blockIdx.x;
-  const Counters cnt(p);
-  uint32_t* counters = a.counters;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gwarp = blk * kLayerWarps + warp, nwarps = C * kLayerWarps;
-  const int n16 = static_cast<int>(p.row_bytes / 16);
-  __shared__ int ok;
-
-  // Stage x once every peer finished reading the previous call's rows.
-  if (!block_wait_all(c, kSigLayerXConsumed, static_cast<uint64_t>(p.epoch - 1) * C)) return false;
-  uint8_t* xs = c.sym(p.rank, p.off_x);
-  const uint8_t* x = static_cast<const uint8_t*>(p.in0);
-  for (int t = gwarp; t < p.num_tokens; t += nwarps)
-    warp_copy_row(reinterpret_cast<int4*>(xs + t * p.row_bytes),
-                  reinterpret_cast<const int4*>(x + t * p.row_bytes), n16, lane);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    red_add_release_gpu(counters + cnt.staged, 1u);
-    ok = wait_count(c, counters + cnt.staged, C, kWaitLayerStaged, 0);
-  }
-  __syncthreads();
-  if (!ok) return false;
-  if (blk == 0) block_signal_all(c, kSigLayerXReady);
-  if (!block_wait_all(c, kSigLayerXReady, static_cast<uint64_t>(p.epoch))) return false;
-  Tracer tr(a, 0);
-  if (threadIdx.x == 0) tr.add(kEvStaged, 0, 0);
-
-  const bool dedup = (p.flags & kFlagDedup) != 0;
-  uint8_t* dbuf = static_cast<uint8_t*>(a.dedup);
-  if (dedup) {
-    const int num_remote = num_remote_dedup(p);
-    for (int i = gwarp; i < num_remote; i += nwarps) {
-      const int row = remote_dedup_row(p, i);
-      const int s = p.sched[p.o_dedup_src_rank + row];
-      const int token = p.sched[p.o_dedup_src_token + row];
-      warp_copy_row(reinterpret_cast<int4*>(dbuf + row * p.row_bytes),
-                    reinterpret_cast<const int4*>(c.sym(s, p.off_x) + token * p.row_bytes), n16,
-                    lane);
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      red_add_release_gpu(counters + cnt.pulled, 1u);
-      ok = wait_count(c, counters + cnt.pulled, C, kWaitLayerPulled, 0);
-    }
-    __syncthreads();
-    if (!ok) return false;
-    if (threadIdx.x == 0) tr.add(kEvPulled, 0, 0);
-  }
-  const int32_t* src_rank = p.sched + p.o_src_rank;
-  const int32_t* src_index = p.sched + p.o_src_index;
-  const int32_t* fanout = p.sched + p.o_fanout;
-  uint8_t* recv = c.sym(p.rank, p.off_recv);
-  for (int mb = 0; mb < o.num_mbs; ++mb) {
-    if (mb >= slots) {
-      // The ring rows of minibatch mb - slots are free once its gate/up tiles read them.
-      if (threadIdx.x == 0) {
-        tr.add(kEvRingWait, 0, mb);
-        const uint32_t target = 2u * o.mb_row_blocks(mb - slots) * o.n_gu;
-        ok = wait_count(c, counters + cnt.gu_mb + mb - slots, target, kWaitLayerRecvFree, mb);
-      }
-      __syncthreads();
-      if (!ok) return false;
-    }
-    const int r0 = mb * o.mb_rows, r1 = min(o.num_rows, r0 + o.mb_rows);
-    for (int row = r0 + gwarp; row < r1; row += nwarps) {
-      const int src = src_rank[row];
-      if (src < 0) continue;
-      const int4* from;
-      if (dedup) {
-        from = reinterpret_cast<const int4*>(fan_src(p, dbuf, fanout[row], true));
-      } else {
-        const int token = src_index[row] / p.num_topk;
-        from = reinterpret_cast<const int4*>(c.sym(src, p.off_x) + token * p.row_bytes);
-      }
-      const int64_t ring_row = row % a.ring_rows;
-      warp_copy_row(reinterpret_cast<int4*>(recv + ring_row * p.row_bytes), from, n16, lane);
-    }
-    // NOTE: the rows are read by the workers' TMA (async proxy): every writer fences its
-    // generic stores against the async proxy before the release.
-    fence_proxy_async_global();
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      red_add_release_gpu(counters + cnt.ready + mb, 1u);
-      tr.add(kEvReady, 0, mb);
-    }
-  }
-  block_signal_all(c, kSigLayerXConsumed);
-  // NOTE: one read of the abort word for the block (ok is shared), after the barrier above.
-  if (threadIdx.x == 0) ok = !c.aborted();
-  __syncthreads();
-  return ok != 0;
-}
-
-
-template <class T>
-__device__ __forceinline__ volatile T& vol(T& x) {
-  return const_cast<volatile T&>(x);
 }
 
 // The pipeline stages (1 KiB aligned for the 128-byte swizzle), then the epilogue buffers.
@@ -649,54 +340,12 @@ __device__ __forceinline__ void layer_producer(const Ctx& c, const LayerKernelAr
   }
 }
 
-// Writes a warpgroup's 64 x (8 kChunks) accumulator chunk (an m64n128 or m64n64 layout) as bf16
-// into its shared-memory chunk: d, or bf16(silu(d) * u) for a gate/up tile (gate columns in d,
-// the matching up columns in u). kChunks: 16-byte chunks per output row (16 or 8).
-template <bool kSwiGLU, int kChunks = 16>
-__device__ __forceinline__ void stage_chunk(const float* d, const float* u, uint8_t* epi,
-                                            int warp, int lane) {
-  // Row warp * 16 + lane / 4 (+ 8): its row % 8 is lane / 4 for both halves.
-  const int x = lane / 4;
-  uint8_t* row = epi + (warp * 16 + x) * kEpiStride + (lane % 4) * 4;
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    uint8_t* at = row + ((j ^ x) << 4);  // columns 8j..8j+7 are 16-byte chunk j of the row
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float v0 = d[4 * j + 2 * hr], v1 = d[4 * j + 2 * hr + 1];
-      if (kSwiGLU) {
-        v0 = silu(v0) * u[4 * j + 2 * hr];
-        v1 = silu(v1) * u[4 * j + 2 * hr + 1];
-      }
-      *reinterpret_cast<uint32_t*>(at + hr * 8 * kEpiStride) = pack_bf16x2(v0, v1);
-    }
-  }
-}
-
 // An output chunk handed from a consumer warpgroup to its store warp: 64 staged rows of
 // `chunks` 16-byte chunks, for tile rows row0.. from output column `col` on. `last`: the tile's
 // last chunk of this warpgroup (the store warp then publishes the tile). index -1: no more.
 struct EpiJob {
   int index, kind, mb, rb, nb, row0, col, chunks, last;
 };
-
-// Store warp: copies a staged chunk out to its rows, 16 bytes per lane per row. Lane l holds
-// the destinations (at output column 0) of chunk rows l (lo) and 32 + l (hi); a pass takes
-// them from there by shuffle.
-template <int kChunks>
-__device__ __forceinline__ void copy_chunk(uint8_t* lo, uint8_t* hi, int col,
-                                           const uint8_t* epi, int lane) {
-  constexpr int kRows = 32 / kChunks;  // rows per pass
-#pragma unroll 8
-  for (int r0 = 0; r0 < 64; r0 += kRows) {
-    const int r = r0 + lane / kChunks;
-    const uint64_t d = __shfl_sync(~0u, reinterpret_cast<uint64_t>(r0 < 32 ? lo : hi), r % 32);
-    const int chunk = (lane % kChunks) ^ (r % 8);
-    if (d != 0)
-      reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(d) + col * 2)[lane % kChunks] =
-          *reinterpret_cast<const uint4*>(epi + r * kEpiStride + chunk * 16);
-  }
-}
 
 // One store warp per consumer warpgroup (warps 1 and 2 of the producer warpgroup): takes the
 // warpgroup's staged chunks in order, stores them, frees the buffer, and after a tile's last
@@ -800,66 +449,6 @@ static __device__ __noinline__ void layer_storer(const Ctx& c, const LayerKernel
   }
 }
 
-// One tile's k-loop for consumer warpgroup wg, over the pipeline stages (stage, prev_stage and
-// phase carry on from tile to tile):
-//   kFull:       rows wg * 64.. of the 128-row tile, all 256 columns: two m64n128 MMAs per k16
-//                step (acc0: columns 0..127, acc1: 128..255);
-//   kHalfGateUp: rows 64h.. (a 64-row sub-tile), warpgroup wg's 64 gate and 64 up columns: two
-//                m64n64 MMAs (acc0[0..31] gate, acc0[32..63] up);
-//   kHalfDown:   rows 64h.., warpgroup wg's 128 of the 256 columns: one m64n128 (acc0).
-enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown };
-
-template <int kMode>
-__device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], uint8_t* stages,
-                                          uint64_t* full, uint64_t* empty, int k_blocks, int h,
-                                          int wg, int& stage, int& prev_stage, uint32_t& phase) {
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
-    const uint8_t* sa = stages + stage * kStageBytes;
-    const uint64_t da = wgmma_desc(sa + (kMode == kFull ? wg : h) * 64 * 128);
-    if (kMode == kFull) {
-      const uint64_t db0 = wgmma_desc(sa + kStageA);
-      const uint64_t db1 = wgmma_desc(sa + kStageA + 128 * 128);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk) {
-        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
-        wgmma_m64n128k16(acc0, da + 2 * kk, db0 + 2 * kk, accum);
-        wgmma_m64n128k16(acc1, da + 2 * kk, db1 + 2 * kk, accum);
-      }
-    } else if (kMode == kHalfGateUp) {
-      wgmma_fence();
-      const uint64_t dg = wgmma_desc(sa + kStageA + wg * 64 * 128);
-      const uint64_t du = wgmma_desc(sa + 2 * kStageA + wg * 64 * 128);
-#pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk) {
-        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
-        wgmma_m64n64k16(acc0, da + 2 * kk, dg + 2 * kk, accum);
-        wgmma_m64n64k16(acc0 + 32, da + 2 * kk, du + 2 * kk, accum);
-      }
-    } else {
-      wgmma_fence();
-      const uint64_t db = wgmma_desc(sa + kStageA + wg * 128 * 128);
-#pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk) {
-        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
-        wgmma_m64n128k16(acc0, da + 2 * kk, db + 2 * kk, accum);
-      }
-    }
-    wgmma_commit();
-    // Keep this k-block's MMAs in flight; the previous k-block's are done once at most one
-    // group is pending, so its stage goes back to the producer now.
-    wgmma_wait<1>();
-    // NOTE: every consumer thread arrives (no divergent branch while MMAs are in flight, which
-    // would make ptxas serialise the wgmma instructions).
-    if (kb > 0) mbar_arrive(&empty[prev_stage]);
-    prev_stage = stage;
-    if (++stage == kStages) stage = 0, phase ^= 1;
-  }
-  wgmma_wait<0>();
-  if (k_blocks > 0) mbar_arrive(&empty[prev_stage]);
-}
-
 // Hands the warpgroup's staged chunk to its store warp (after the warpgroup's barrier, so all
 // of its shared-memory writes come before the arrive).
 __device__ __forceinline__ void post_chunk(uint64_t* epi_full, volatile int* job_words, int wg,
@@ -879,7 +468,6 @@ __device__ __forceinline__ void post_chunk(uint64_t* epi_full, volatile int* job
 // (layer_storer); it waits only for that warp to have read the previous chunk.
 __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelArgs& k,
                                                const TileOrder& o, int wg) {
-  const Params& p = c.p;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   TileCursor cur(o);
   Tile t;
@@ -914,7 +502,7 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
     }
     int b;
     if (halves == 0) {
-      mma_kloop<kFull>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, k_blocks, 0, wg, stage, prev_stage,
+      mma_kloop<Operand, kFull>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, k_blocks, 0, wg, stage, prev_stage,
                        phase);
       if (writer) tr.add(kEvMainDone, t.kind, i);
       // Epilogue: registers -> bf16 chunk in shared memory -> the store warp.
@@ -937,7 +525,7 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
         if (((halves >> h) & 1) == 0) continue;
         const bool last = h == 1 || halves == 1;
         if (t.kind == kTileGU) {
-          mma_kloop<kHalfGateUp>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, k_blocks, h, wg, stage,
+          mma_kloop<Operand, kHalfGateUp>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, k_blocks, h, wg, stage,
                                  prev_stage, phase);
           if (writer && last) tr.add(kEvMainDone, t.kind, i);
           b = buffer_free();
@@ -945,7 +533,7 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
           if (writer && last) tr.add(kEvEpiStaged, t.kind, i);
           post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, i, t, 64 * h, wg * 64, 8, last);
         } else {
-          mma_kloop<kHalfDown>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, k_blocks, h, wg, stage,
+          mma_kloop<Operand, kHalfDown>(acc0, acc1, stage_memory(), wsh.full, wsh.empty, k_blocks, h, wg, stage,
                                prev_stage, phase);
           if (writer && last) tr.add(kEvMainDone, t.kind, i);
           b = buffer_free();

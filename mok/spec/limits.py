@@ -1,6 +1,6 @@
 """What the fused layer kernel supports, written once.
 
-The tile sizes mirror ``csrc/layer/sm90_fwd.cuh`` (``kTileM`` receive rows per GEMM block,
+The tile sizes mirror ``csrc/layer/sm90_gemm.cuh`` (``kTileM`` receive rows per GEMM block,
 ``kTileN`` output columns of the down projection, half of it SwiGLU columns per gate/up tile); a
 CPU test reads them from the header, so the two cannot drift apart. ``mok.functional`` raises
 :class:`mok.MoKUnsupportedError` with :func:`why_unsupported`'s reasons and the simulator's
