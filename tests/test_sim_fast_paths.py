@@ -4,8 +4,9 @@
   (:func:`sim.core.flows.maxmin_rates`), on random problems and inside the event loop;
 * a ring-size variant copied from a build (:meth:`sim.layer.model.LayerBuilder.for_ring`)
   against a fresh build of it, and the sweep that uses it against one simulation per config;
-* the successor lists the event loop caches on a graph, and the comm-free run, against the
-  constructions they replaced.
+* the successor lists the event loop caches on a graph, the comm-free run, the per-phase sums
+  over phase codes and the compiled dedup round counts, against the constructions they
+  replaced.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from sim.config import SimConfig, Workload
 from sim.core.engine import DELAY, TRANSFER, Graph, run_graph
 from sim.core.flows import FlowTable, add_rows, maxmin_dense, solve
 from sim.layer.model import LayerBuilder, plan_for, simulate, simulate_many
-from sim.layer.results import comm_free_run
+from sim.layer.plan import _dedup_rounds
+from sim.layer.results import COMPUTE_PHASES, PHASE_CATEGORY, comm_free_run
 
 TINY = Workload("tiny", 256, 8, "hgx-h200", "uniform", seed=1)
 CFG = SimConfig(minibatch_size=256, macrobatch_size=512, num_comm_sms=16)
@@ -276,3 +278,59 @@ def test_flow_table_copy_owns_its_coefficients():
     c.arrays()[2][1] = 7.0
     assert t.arrays()[2][1] == saved[1]
     assert len(c) == len(t) and c.columns()[0].tolist() == [0, 1, 3]
+
+
+def _dedup_rounds_by_sort(dest, rnd, src, max_rounds, num_ranks):
+    """The numpy construction that :func:`sim.layer.plan._dedup_rounds` replaced."""
+    key = np.sort(dest * max_rounds + rnd, axis=1)
+    d, r = np.divmod(key, max_rounds)
+    start = np.ones(key.shape, dtype=bool)
+    start[:, 1:] = d[:, 1:] != d[:, :-1]
+    stop = np.ones(key.shape, dtype=bool)
+    stop[:, :-1] = start[:, 1:]
+    s = np.broadcast_to(src[:, None], key.shape)
+    size = num_ranks * max_rounds * num_ranks
+    first = np.bincount(((d * max_rounds + r) * num_ranks + s)[start], minlength=size)
+    last = np.bincount(((d * max_rounds + r) * num_ranks + s)[stop], minlength=size)
+    return first.astype(np.int64), last.astype(np.int64)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_dedup_round_counts_match_a_sort(data):
+    nr, rounds = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))
+    n, k = data.draw(st.integers(0, 12)), data.draw(st.integers(1, 6))
+
+    def ints(hi, count):
+        return np.array(data.draw(st.lists(st.integers(0, hi - 1), min_size=count, max_size=count)))
+
+    # few ranks and rounds: a token's k rows often share a destination, or a (dest, round)
+    dest = ints(nr, n * k).reshape(n, k).astype(np.int64)
+    rnd = ints(rounds, n * k).reshape(n, k).astype(np.int64)
+    src = ints(nr, n).astype(np.int64)
+    got = _dedup_rounds(dest, rnd, src, rounds, nr)
+    want = _dedup_rounds_by_sort(dest, rnd, src, rounds, nr)
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("combine", ["push", "pull"])
+def test_phase_code_sums_match_string_masks(combine):
+    r = simulate(TINY, CFG.replace(dispatch_mode="push", combine_mode=combine))
+    g, run = r.graph, r.run
+    phase, rank = np.asarray(g.phase), np.asarray(g.rank)
+    dur = run.end_us - run.start_us
+    busy = np.zeros(TINY.ep)
+    for p in COMPUTE_PHASES:
+        sel = phase == p
+        np.add.at(busy, rank[sel], dur[sel])
+    sel = phase == "reduce"
+    done = np.zeros(TINY.ep)
+    done[rank[sel]] = run.end_us[sel]
+    sig = np.isin(phase, [p for p, c in PHASE_CATEGORY.items() if c == "signalling"])
+    per = np.zeros(TINY.ep)
+    np.add.at(per, rank[sig & (rank >= 0)], dur[sig & (rank >= 0)])
+    assert r.compute_busy_us.tobytes() == busy.tobytes()
+    assert r.rank_done_us.tobytes() == done.tobytes()
+    assert r.signalling_per_rank() == (float(per.mean()), float(per.max()))
+    assert not g.phase_mask(("no such phase",)).any()

@@ -168,6 +168,12 @@ class Graph:
 
         return self._cached("phase_codes", make)
 
+    def phase_mask(self, phases) -> np.ndarray:
+        """[n] bool: the tasks whose phase is in ``phases`` (through :meth:`phase_codes`, which
+        compares small ints instead of the strings of every task)."""
+        names, code, _ = self.phase_codes()
+        return np.isin(code, [i for i, p in enumerate(names) if p in phases])
+
 
 @njit(cache=True)
 def _successors(indeg, dst):  # pragma: no cover - numba

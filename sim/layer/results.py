@@ -135,13 +135,13 @@ class LayerResult:
         layer_us = float(end[last])
         path_comm = critical_path(graph, run)["exposed_comm"]
         busy = np.zeros(wl.ep)
-        names, phase, rank = graph.phase_codes()
+        rank = graph.phase_codes()[2]
         dur = end - start
         for p in COMPUTE_PHASES:
-            sel = phase == (names.index(p) if p in names else -1)
+            sel = graph.phase_mask((p,))
             np.add.at(busy, rank[sel], dur[sel])
         done = np.zeros(wl.ep)
-        sel = phase == (names.index("reduce") if "reduce" in names else -1)
+        sel = graph.phase_mask(("reduce",))
         done[rank[sel]] = end[sel]
         return cls(
             workload=wl,
@@ -173,12 +173,11 @@ class LayerResult:
         if self._signal_rank is None:
             if self.graph is None or self.run is None:
                 return (0.0, 0.0)
-            names, phase, rank = self.graph.phase_codes()
+            rank = self.graph.phase_codes()[2]
             # a phase PHASE_CATEGORY does not list is not counted here (critical_path counts
             # it as signalling)
-            sig_names = [i for i, p in enumerate(names) if PHASE_CATEGORY.get(p) == "signalling"]
-            sig = np.isin(phase, sig_names)
-            sel = sig & (rank >= 0)
+            sig = [p for p, c in PHASE_CATEGORY.items() if c == "signalling"]
+            sel = self.graph.phase_mask(sig) & (rank >= 0)
             per = np.zeros(self.workload.ep)
             dur = self.run.end_us - self.run.start_us
             np.add.at(per, rank[sel], dur[sel])
