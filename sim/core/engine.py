@@ -15,17 +15,17 @@ network's job.
 The loop keeps a heap of delay completions and the set of active flows. Whenever the flow set
 changes (a batch of simultaneous starts/ends) the max-min rates are re-solved once; between
 changes every flow drains at a constant rate, so the next flow event is computed in closed form.
-The solve is :func:`sim.core.flows.maxmin_dense` over dense rows of the routes when they touch
-most of the resources that any flow touches (:data:`DENSE_MIN_FILL`), else
+The solve is :func:`sim.core.flows.maxmin_dense` over dense rows of the routes when the routes
+fill at least :data:`DENSE_MIN_FILL` of the (flow x touched resource) matrix, else
 :func:`sim.core.flows.maxmin_sparse`; both give the bits of :func:`sim.core.flows.maxmin_rates`.
 The dense path extends its demand sum while flows only start (summed afresh after one ends,
 since a float sum cannot be undone exactly). The graph's successor lists and phase codes are
 kept on the graph (:meth:`Graph.structure`), so re-running a graph (another SM split, the
-comm-free run of the breakdown) does not rebuild them. Why not SimPy: the process layer here is
-a static DAG,
-and a generator-per-task SimPy model of the same graph runs several times slower (measured by
-``python -m sim.app.bench``; see :mod:`sim.core.simpy_engine`), while the flow solve is the same
-numba code in both.
+comm-free run of the breakdown) does not rebuild them.
+
+Why not SimPy: the process layer here is a static DAG, and a generator-per-task SimPy model of
+the same graph runs several times slower (measured by ``python -m sim.app.bench``; see
+:mod:`sim.core.simpy_engine`), while the flow solve is the same numba code in both.
 """
 
 from __future__ import annotations
