@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         med,
         f"build {statistics.median(builds):.3f} s + event loop {statistics.median(runs):.3f} s; "
         f"{r.num_tasks} tasks, {r.num_flows} flows, {r.num_events} events, "
-        f"{r.num_solves} max-min solves, {ev_rate:,.0f} events/s",
+        f"{r.num_solves} max-min solves, {ev_rate:,.0f} events/s; target < 0.1 s",
     )
     row(
         "one layer end to end (trace+plan+warm sim)",
