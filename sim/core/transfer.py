@@ -136,6 +136,7 @@ class TransferBuilder:
         self.rates = Rates(1.0, 1.0, 1.0)
         # flow, kind, nv/B, local/B, role (index into roles, -1: self.rates)
         self._eng: list[tuple[int, int, float, float, int]] = []
+        self._eng_arrays: tuple | None = None  # (len(_eng), its columns as arrays)
         self._proto = {
             k: (gpu.protocol[k].data_bytes_per_byte, gpu.protocol[k].reverse_bytes_per_byte)
             for k in ("push", "pull")
@@ -352,11 +353,15 @@ class TransferBuilder:
         if not self._eng:
             return
         ptr, _, coef, _ = self.g.flows.arrays()
-        f, k, nv, loc, role = (np.asarray(x) for x in zip(*self._eng, strict=True))
+        # the _eng columns as arrays, kept while no flow is added
+        if self._eng_arrays is None or self._eng_arrays[0] != len(self._eng):
+            f, k, nv, loc, role = (np.asarray(x) for x in zip(*self._eng, strict=True))
+            self._eng_arrays = (len(self._eng), f.astype(np.int64), k, nv, loc, role)
+        _, f, k, nv, loc, role = self._eng_arrays
         # rates by role index (roles order, then -1 = self.rates)
         tab = [self._roles.get(r, self.rates) for r in self.roles] + [self.rates]
         push = np.array([t.push for t in tab])[role]
         pull = np.array([t.pull for t in tab])[role]
         local = np.array([t.local for t in tab])[role]
         rate = np.where(k == 0, push, pull)
-        coef[ptr[f.astype(np.int64)]] = nv / rate + loc / local
+        coef[ptr[f]] = nv / rate + loc / local

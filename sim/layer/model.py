@@ -33,16 +33,18 @@ the same builder helpers.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
+from itertools import chain, islice
 
 import numpy as np
 
 from sim.comm.profile import KernelProfile, load_kernel_profile
 from sim.comm.rates import kernel_rates
 from sim.config import SimConfig, Workload
-from sim.core.engine import Graph, run_graph
+from sim.core.engine import DELAY, Graph, run_graph
 from sim.core.gemm import reduce_us
 from sim.core.gemm_waves import GemmWaves, gemm_spec, round_times
 from sim.core.transfer import Rates, TransferBuilder
@@ -177,6 +179,12 @@ class LayerBuilder(TransferBuilder):
         self._ffn: list[tuple[int, int, int, int, int]] = []
         # (busy, tail) of _ffn_us by (row tiles, intermediate, experts, compute SMs)
         self._ffn_cache: dict[tuple[int, int, int, int], tuple[float, float]] = {}
+        # what the dispatch policy recorded as ring-dependent (sim.layer.policies.Builder; both
+        # None: unknown, no ring variant is copied), and what for_ring copies: (config,
+        # durations, flow coefficients) as build() left them
+        self.ring_deps: list[tuple[int, int, int | None, int, int]] | None = None
+        self.ring_credits: tuple | None = None
+        self._fresh: tuple[SimConfig, list[float], np.ndarray] | None = None
 
     def _set_sms(self) -> None:
         gpu, topo, cfg = self.gpu, self.topo, self.cfg
@@ -266,6 +274,91 @@ class LayerBuilder(TransferBuilder):
         hit = (padded[..., None] > 0) & (lo[..., None] < m0 + mb) & (hi[..., None] > m0)
         return hit.sum(axis=1)
 
+    def for_ring(self, cfg: SimConfig) -> LayerBuilder:
+        """The builder of ``cfg``, made from this built one without building again (valid after
+        any number of :meth:`retime`): ``cfg`` may differ from the config of the build only in
+        its ring size. The graph is the one build() left with what the policies recorded as
+        ring-dependent redone for ``cfg``: under pull dispatch the ring-slot dependency of each
+        dispatch transfer (:attr:`ring_deps`), under push dispatch the credit tasks, which
+        shifts the ids of every later task, and the credits each dispatch transfer waits on
+        (:attr:`ring_credits`). The result has the same lists, flows and floats as a fresh build
+        of ``cfg`` (tests/test_sim_fast_paths.py compares them)."""
+        if not self.can_share_with(cfg):
+            raise ValueError(f"{cfg.label()} is not a ring variant of this builder's build")
+        _, dur, coef = self._fresh
+        new = copy.copy(self)
+        new.cfg = cfg
+        src, g = self.g, Graph()
+        g.flows = src.flows.copy(coef)
+        new.g = g
+        new.payload_bytes = dict(self.payload_bytes)
+        new._set_sms()
+        slots = cfg.ring_slots
+        if self.ring_deps is not None:
+            g.kind, g.duration = list(src.kind), list(dur)
+            g.deps = list(src.deps)  # tuples
+            g.flow_lo, g.flow_hi = list(src.flow_lo), list(src.flow_hi)
+            g.rank, g.phase, g.round = list(src.rank), list(src.phase), list(src.round)
+            g.payload_bytes = list(src.payload_bytes)
+            for t, sched, prev, d, m in self.ring_deps:
+                slot = self.slot_free.get((d, m - slots))
+                g.deps[t] = tuple([x for x in (sched, prev, slot) if x is not None])
+            return new
+        # push dispatch: the credit tasks [cs, ce) are redone for cfg, later ids shift by shift
+        cs, ce, sends = self.ring_credits
+        rc, nr = self.rc, self.num_ranks
+        keys = [
+            (d, m)
+            for m in range(max(0, rc.max_rounds - slots))
+            for d in range(nr)
+            if m < rc.num_rounds[d]
+        ]
+        shift = len(keys) - (ce - cs)
+        credit = [[None] * nr for _ in range(max(0, rc.max_rounds - slots))]
+        for i, (d, m) in enumerate(keys):
+            credit[m][d] = cs + i
+
+        def moved(x):
+            return x + shift if x >= ce else x
+
+        nc = len(keys)
+        lo = src.flow_hi[cs - 1]  # flows before the credits (a credit owns none)
+        g.kind = src.kind[:cs] + [DELAY] * nc + src.kind[ce:]
+        g.duration = dur[:cs] + [float(self.flag_remote)] * nc + dur[ce:]
+        g.flow_lo = src.flow_lo[:cs] + [lo] * nc + src.flow_lo[ce:]
+        g.flow_hi = src.flow_hi[:cs] + [lo] * nc + src.flow_hi[ce:]
+        g.rank = src.rank[:cs] + [d for d, _ in keys] + src.rank[ce:]
+        g.phase = src.phase[:cs] + ["credit"] * nc + src.phase[ce:]
+        g.round = src.round[:cs] + [m for _, m in keys] + src.round[ce:]
+        g.payload_bytes = src.payload_bytes[:cs] + [0.0] * nc + src.payload_bytes[ce:]
+        head = src.deps[:cs] + src.deps[ce:]
+        if shift:  # every id past the credits moves: remap the flattened dependencies at once
+            lens = list(map(len, head))
+            flat = np.fromiter(chain.from_iterable(head), np.int64, sum(lens))
+            flat[flat >= ce] += shift
+            it = iter(flat.tolist())
+            head = [tuple(islice(it, n)) for n in lens]
+        credit_deps = [(self.slot_free[(d, m)],) for d, m in keys]
+        g.deps = head[:cs] + credit_deps + head[cs:]
+        for t, prev, _, m, dests in sends:
+            deps = [self.sched, None if prev is None else moved(prev)]
+            if m >= slots:
+                cm = credit[m - slots]
+                deps += [cm[d] for d in dests]
+            g.deps[moved(t)] = tuple([x for x in deps if x is not None])
+        new._ffn = [(moved(t), moved(tail), *rest) for t, tail, *rest in self._ffn]
+        new._fences = [(moved(t), nbytes, extra) for t, nbytes, extra in self._fences]
+        new.ring_credits = None  # ids of this copy's own build are not recorded
+        return new
+
+    def can_share_with(self, cfg: SimConfig) -> bool:
+        """Whether :meth:`for_ring` can make the builder of ``cfg`` from this one."""
+        if self._fresh is None or (self.ring_deps is None and self.ring_credits is None):
+            return False
+        built = self._fresh[0]
+        one_slot = built.replace(macrobatch_size=built.minibatch_size)
+        return cfg.replace(macrobatch_size=cfg.minibatch_size) == one_slot
+
     def retime(self, num_comm_sms: int) -> SimConfig:
         """Re-target the built graph to another comm/compute SM split: only the comm-engine
         coefficients and the GEMM durations depend on it, so a sweep over SMs reuses the graph."""
@@ -345,6 +438,8 @@ class LayerBuilder(TransferBuilder):
         for s in range(nr):
             dur = reduce_us(gpu, int(rows_in[s]), self.wl.tokens_per_rank, shape.hidden)
             g.delay(dur, [chain[s], *finals[s], *arrivals[s]], s, "reduce")
+        if self.ring_deps is not None or self.ring_credits is not None:
+            self._fresh = (cfg, list(g.duration), g.flows.arrays()[2].copy())
         return g
 
 
@@ -375,7 +470,9 @@ def simulate_many(
     """Simulate several configs of one workload, yielding results in input order.
 
     Configs that differ only in ``num_comm_sms`` share one task graph: it is built once and
-    re-timed (:meth:`LayerBuilder.retime`) for each SM split.
+    re-timed (:meth:`LayerBuilder.retime`) for each SM split. A group whose first config is a
+    ring-size variant of the last group built (:meth:`LayerBuilder.can_share_with`) copies
+    that build (:meth:`LayerBuilder.for_ring`) instead of building its own.
     """
     configs = list(configs)
     groups: dict[SimConfig, list[int]] = {}
@@ -383,13 +480,18 @@ def simulate_many(
         groups.setdefault(_structure_key(c), []).append(i)
     out: dict[int, LayerResult] = {}
     nxt = 0
+    last: LayerBuilder | None = None  # the last build, for its ring variants
     for idx in groups.values():
         cfg0 = configs[idx[0]]
         t0 = time.perf_counter()
         if plan is None or plan.row_tile != cfg0.row_tile:
             plan = plan_for(wl, cfg0.row_tile)
-        b = LayerBuilder(wl, cfg0, plan)
-        graph = b.build()
+        if last is not None and last.plan is plan and last.can_share_with(cfg0):
+            b = last.for_ring(cfg0)
+        else:
+            b = last = LayerBuilder(wl, cfg0, plan)
+            b.build()
+        graph = b.g
         caps = b.topo.capacities(b.gpu)
         build_s = time.perf_counter() - t0
         for n, i in enumerate(idx):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from mok.spec.workload import RoutingTrace
 
@@ -48,24 +49,35 @@ def _assign_positions(order, counts, region_start, pos_out) -> None:
         pos_out[order[base[e, r] + o]] = region_start[e] + np.arange(live.size)
 
 
-def _dedup_rounds(dest, rnd, src, max_rounds, num_ranks):
+@njit(cache=True)
+def _dedup_rounds(dest, rnd, src, max_rounds, num_ranks):  # pragma: no cover - numba
     """Count distinct (token, dest) pairs by the round of their first and last row.
 
-    dest, rnd: [num_tokens_total, num_topk]; src: [num_tokens_total]. Returns two flat
-    [R_dst * max_rounds * R_src] count arrays. Each token's k rows are sorted by (dest, round);
-    a pair's first row starts a run of equal dest, its last row ends one.
+    dest, rnd: [num_tokens_total, num_topk] int64; src: [num_tokens_total] int64. Returns two
+    flat [R_dst * max_rounds * R_src] count arrays. Each token's k rows are sorted by (dest,
+    round); a pair's first row starts a run of equal dest, its last row ends one.
     """
-    key = np.sort(dest * max_rounds + rnd, axis=1)
-    d, r = np.divmod(key, max_rounds)
-    start = np.ones(key.shape, dtype=bool)
-    start[:, 1:] = d[:, 1:] != d[:, :-1]
-    stop = np.ones(key.shape, dtype=bool)
-    stop[:, :-1] = start[:, 1:]
-    s = np.broadcast_to(src[:, None], key.shape)
+    n, k = dest.shape
     size = num_ranks * max_rounds * num_ranks
-    first = np.bincount(((d * max_rounds + r) * num_ranks + s)[start], minlength=size)
-    last = np.bincount(((d * max_rounds + r) * num_ranks + s)[stop], minlength=size)
-    return first.astype(np.int64), last.astype(np.int64)
+    first = np.zeros(size, np.int64)
+    last = np.zeros(size, np.int64)
+    key = np.empty(k, np.int64)
+    for t in range(n):
+        for i in range(k):  # insertion sort of the token's (dest, round) keys
+            x = dest[t, i] * max_rounds + rnd[t, i]
+            j = i
+            while j > 0 and key[j - 1] > x:
+                key[j] = key[j - 1]
+                j -= 1
+            key[j] = x
+        s = src[t]
+        for i in range(k):
+            d = key[i] // max_rounds
+            if i == 0 or key[i - 1] // max_rounds != d:
+                first[key[i] * num_ranks + s] += 1
+            if i == k - 1 or key[i + 1] // max_rounds != d:
+                last[key[i] * num_ranks + s] += 1
+    return first, last
 
 
 @dataclass

@@ -77,6 +77,16 @@ class Builder(Protocol):
     num_ranks: int
     sched: int  # the schedule task
     slot_free: dict[tuple[int, int], int]  # (rank, round) -> join task that frees its ring slot
+    # What the ring size (cfg.ring_slots) changes in the graph, for
+    # :meth:`sim.layer.model.LayerBuilder.for_ring`, which copies a build for another ring
+    # size; a dispatch policy records one of them and the combine policies do not depend on
+    # the ring (a policy that does must leave both None). ring_deps (pull): (transfer, schedule
+    # task, previous transfer, rank, round) of every dispatch transfer, whose ring slot is the
+    # one ring-dependent input. ring_credits (push): (first credit task, end of the credit
+    # tasks, (transfer, previous transfer, sender, round, destinations) of every dispatch
+    # transfer).
+    ring_deps: list[tuple[int, int, int | None, int, int]] | None
+    ring_credits: tuple[int, int, list[tuple[int, int | None, int, int, tuple[int, ...]]]] | None
     dispatch_row_bytes: float
     combine_row_bytes: float
     combine_rows: np.ndarray  # [R_owner, max_rounds, R_home] rows the combine sends back
@@ -122,6 +132,7 @@ class PullDispatch:
     def build(self, b: Builder) -> dict:
         rc = b.rc
         ready = {}
+        b.ring_deps = []
         for d in range(b.num_ranks):
             prev = None
             for m in range(int(rc.num_rounds[d])):
@@ -129,6 +140,7 @@ class PullDispatch:
                 slot = b.slot_free.get((d, m - b.cfg.ring_slots))
                 deps = [b.sched, prev, slot]
                 t = b.transfer(d, "pull", True, peer, local, deps, d, "dispatch", m)
+                b.ring_deps.append((t, b.sched, prev, d, m))
                 ready[(d, m)] = b.g.delay(b.flag_local, [t], d, "signal", m)
                 prev = t
         return ready
@@ -157,6 +169,7 @@ class PushDispatch:
         rc = b.rc
         nr, slots = b.num_ranks, b.cfg.ring_slots
         has = rc.rows > 0  # [R_dst, max_rounds, R_src]
+        first_credit = len(b.g)
         # the destination tells every sender that ring slot m is free again (remote flag)
         credit = [
             [
@@ -167,6 +180,8 @@ class PushDispatch:
             ]
             for m in range(max(0, rc.max_rounds - slots))
         ]
+        sends: list[tuple[int, int | None, int, int, tuple[int, ...]]] = []
+        b.ring_credits = (first_credit, len(b.g), sends)
         sig: list[list[int | None]] = [[None] * nr for _ in range(rc.max_rounds)]
         writers = remote_writers(rc.rows)  # [R_dst, rounds]
         jitter = b.completion_jitter(0, (nr, rc.max_rounds))
@@ -183,6 +198,7 @@ class PushDispatch:
                 peer = rc.rows[:, m, s] * b.dispatch_row_bytes
                 w = writers[:, m]
                 t = b.transfer(s, "push", False, peer, 0.0, deps, s, "dispatch", m, writers=w)
+                sends.append((t, prev, s, m, tuple(dests)))
                 remote = float(peer.sum() - peer[s])
                 extra = b.flag_remote + float(jitter[s, m])
                 sig[m][s] = b.fence_delay(remote, extra, [t], s, "signal", m)

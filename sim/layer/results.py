@@ -36,8 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.config import SimConfig, Workload
-from sim.core.engine import DELAY, KIND_NAMES, TRANSFER, Graph, RunResult, run_graph
-from sim.core.flows import FlowTable
+from sim.core.engine import KIND_NAMES, Graph, RunResult, run_graph
 from sim.core.topology import RES_PER_GPU, Topology
 
 __all__ = ["LayerResult", "write_csv", "PHASE_CATEGORY", "comm_free_run", "critical_path"]
@@ -61,19 +60,7 @@ CATEGORIES = ("gemm", "exposed_comm", "signalling", "schedule")
 def comm_free_run(graph: Graph) -> RunResult:
     """``graph`` run with communication free: every transfer becomes a zero-time delay (no
     latency, no flows); the other tasks keep their durations and dependencies."""
-    g = Graph()
-    g.kind = [DELAY if k == TRANSFER else k for k in graph.kind]
-    g.duration = [
-        0.0 if k == TRANSFER else d for k, d in zip(graph.kind, graph.duration, strict=True)
-    ]
-    g.deps = graph.deps
-    n = len(graph)
-    g.flow_lo = [0] * n
-    g.flow_hi = [0] * n
-    g.rank, g.phase, g.round = graph.rank, graph.phase, graph.round
-    g.payload_bytes = graph.payload_bytes
-    g.flows = FlowTable()
-    return run_graph(g, np.ones(1))
+    return run_graph(graph, np.ones(1), free_transfers=True)
 
 
 def critical_path(graph: Graph, run: RunResult) -> dict[str, float]:
@@ -148,14 +135,13 @@ class LayerResult:
         layer_us = float(end[last])
         path_comm = critical_path(graph, run)["exposed_comm"]
         busy = np.zeros(wl.ep)
-        phase = np.asarray(graph.phase)
-        rank = np.asarray(graph.rank)
+        rank = graph.phase_codes()[2]
         dur = end - start
         for p in COMPUTE_PHASES:
-            sel = phase == p
+            sel = graph.phase_mask((p,))
             np.add.at(busy, rank[sel], dur[sel])
         done = np.zeros(wl.ep)
-        sel = phase == "reduce"
+        sel = graph.phase_mask(("reduce",))
         done[rank[sel]] = end[sel]
         return cls(
             workload=wl,
@@ -187,10 +173,11 @@ class LayerResult:
         if self._signal_rank is None:
             if self.graph is None or self.run is None:
                 return (0.0, 0.0)
-            phase = np.asarray(self.graph.phase)
-            rank = np.asarray(self.graph.rank)
-            sig = np.isin(phase, [p for p, c in PHASE_CATEGORY.items() if c == "signalling"])
-            sel = sig & (rank >= 0)
+            rank = self.graph.phase_codes()[2]
+            # a phase PHASE_CATEGORY does not list is not counted here (critical_path counts
+            # it as signalling)
+            sig = [p for p, c in PHASE_CATEGORY.items() if c == "signalling"]
+            sel = self.graph.phase_mask(sig) & (rank >= 0)
             per = np.zeros(self.workload.ep)
             dur = self.run.end_us - self.run.start_us
             np.add.at(per, rank[sel], dur[sel])

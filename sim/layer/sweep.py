@@ -77,6 +77,10 @@ def _run_group(cfgs: list[SimConfig]) -> list[dict]:
     return [r.summary() for r in simulate_many(wl, cfgs, plans[tile])]
 
 
+def _work_key(cfg: SimConfig) -> SimConfig:
+    return cfg.replace(num_comm_sms=1, macrobatch_size=cfg.minibatch_size)
+
+
 def sweep(
     wl: Workload,
     configs: Sequence[SimConfig],
@@ -89,10 +93,11 @@ def sweep(
     for c in configs:  # a bad kernel profile fails here, not in a worker
         check_kernel_profile(c)
     jobs = jobs or min(os.cpu_count() or 1, len(configs)) or 1
-    # configs that differ only in comm SMs share a task graph: keep them in one work item
+    # configs that differ only in comm SMs share a task graph, and those that differ only in
+    # the ring size share its build (sim.layer.model.simulate_many): one work item
     groups: dict[SimConfig, list[int]] = {}
     for i, c in enumerate(configs):
-        groups.setdefault(c.replace(num_comm_sms=1), []).append(i)
+        groups.setdefault(_work_key(c), []).append(i)
     items = [[configs[i] for i in idx] for idx in groups.values()]
     bar = tqdm(total=len(configs), disable=not progress, desc=wl.label(), unit="cfg")
     out: list[dict | None] = [None] * len(configs)
