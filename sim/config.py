@@ -97,6 +97,12 @@ class SimConfig:
     # against the profile where it is used (sim.layer.model.check_kernel_profile), not here: a
     # SimConfig validates its own fields and reads no file
     kernel_profile: str | None = None
+    # opt-in measured GEMM rates of the megakernel: name or path of a fused profile
+    # (format mok-fused-profile/1, e.g. "mok-fused-h200x2"). None: the GPU profile's GEMM
+    # waves, the standalone grouped GEMM's rates (sim.core.gemm_waves). Set: the expert GEMMs
+    # run at that kernel's k-loop efficiency, per-tile fixed cost and operand ceiling
+    # (sim.fused.profile.FusedProfile.gemm_waves); read where it is used, not here
+    gemm_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.dispatch_mode not in DISPATCH_MODES:

@@ -95,6 +95,14 @@ def _add_config(p: argparse.ArgumentParser, single: bool = True) -> None:
         "(kernel profile name under sim/profiles, e.g. mok-comm-h200x2, or a JSON path); "
         "default: the probe curves",
     )
+    g.add_argument(
+        "--gemm-profile",
+        metavar="NAME|PATH",
+        default=None,
+        help="run the expert GEMMs at a fused profile's measured megakernel rates (e.g. "
+        f"{DEFAULT_FUSED_PROFILE}; SimConfig.gemm_profile); default: the GPU profile's "
+        "(standalone grouped GEMM)",
+    )
 
 
 def _workload(a) -> Workload:
@@ -108,6 +116,7 @@ def _base_config(a, single: bool = True) -> SimConfig:
         "dtype": a.dtype,
         "flow_granularity": a.granularity,
         "kernel_profile": a.kernel_profile,
+        "gemm_profile": a.gemm_profile,
     }
     if single:
         kw.update(
@@ -411,7 +420,12 @@ def _cmd_validate(a) -> int:
     layer = kinds == {"layer"}
     rows = [r for _, t in tables for r in t]
     names = ", ".join(map(str, a.measured))
-    records = _validate_layer(a, rows) if layer else _validate_comm(a, rows)
+    if a.layer_model and not layer:
+        raise CliError("--layer-model checks the layer model on layer CSVs (mok.bench layer)")
+    if a.layer_model:
+        records = _validate_layer_model(a, rows)
+    else:
+        records = _validate_layer(a, rows) if layer else _validate_comm(a, rows)
     summary = summarise(records)
     print(f"{names}: {len(rows)} rows")
     print(format_report(records, summary, rows=a.rows))
@@ -487,6 +501,22 @@ def _validate_layer(a, rows: list[dict]) -> list[dict]:
         )
     print(f"fused-layer model, profile {name} fitted on: {prof.fit_subset}")
     return validate_layer_rows(rows, prof)
+
+
+def _validate_layer_model(a, rows: list[dict]) -> list[dict]:
+    from sim.app.validate import validate_layer_model_rows
+
+    if a.refit:
+        raise CliError(
+            "--layer-model has nothing to refit (its GEMM rates come from --gemm-profile)"
+        )
+    rates = (
+        f"GEMM rates of fused profile {a.gemm_profile}"
+        if a.gemm_profile
+        else ("GEMM rates of the GPU profile (the standalone grouped GEMM's)")
+    )
+    print(f"layer model (sim.layer), {rates}; two-GPU mok-fused rows, all held out")
+    return validate_layer_model_rows(rows, a.gemm_profile)
 
 
 def _cmd_bench(a) -> int:
@@ -610,6 +640,19 @@ def build_parser() -> argparse.ArgumentParser:
         + ". With --refit: the rows and knobs to fit (default: the fit the profile came from). "
         "Without: validate with that fit's profile unless --fused-profile names one. Fit and "
         "validation roles are always those of the profile used",
+    )
+    v.add_argument(
+        "--layer-model",
+        action="store_true",
+        help="predict the layer CSV's two-GPU fused rows with the layer model (sim.layer, the "
+        "push-vs-pull model) instead of the fused model",
+    )
+    v.add_argument(
+        "--gemm-profile",
+        metavar="NAME|PATH",
+        default=None,
+        help="with --layer-model: run its GEMMs at this fused profile's rates (e.g. "
+        f"{DEFAULT_FUSED_PROFILE}; SimConfig.gemm_profile); default: the GPU profile's",
     )
     v.add_argument("--csv", help="write the per-row predictions here")
     v.add_argument("--plot", help="PNG scatter of predicted vs measured")

@@ -142,6 +142,7 @@ _PROFILE_ARGS = (
     ("kernel_profile", "--kernel-profile", "kernel"),
     ("profile", "--profile", "kernel"),
     ("fused_profile", "--fused-profile", "fused"),
+    ("gemm_profile", "--gemm-profile", "fused"),
 )
 PROBE_KINDS = (
     "calibrate reads the probe JSON of `torchrun --nproc-per-node=2 -m mok.bench probe` "

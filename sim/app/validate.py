@@ -46,8 +46,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from mok.spec.rows import row_routing_seed
 from sim.comm.model import predict_row
 from sim.comm.profile import KernelProfile
+from sim.config import SimConfig, Workload
 from sim.fused.fit import is_profile_fit_row
 from sim.fused.model import fused_row
 from sim.fused.profile import FusedProfile
@@ -162,6 +164,69 @@ def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:
             rec.update(host_bound=bool(res.layer_us > res.device_us), kernel=f"fused.{row['mode']}")
             rec.update(err=res.layer_us / rec["measured_us"] - 1, **res.terms)
             rec["role"] = "fit" if is_profile_fit_row(row, prof) else "validation"
+        out.append(rec)
+    return out
+
+
+# the receive ring of a mok.bench layer run: the whole receive buffer (capacity_factor 2)
+_BENCH_CAPACITY_FACTOR = 2
+
+
+def layer_model_config(row: dict, gemm_profile: str | None = None) -> tuple[Workload, SimConfig]:
+    """The layer model's workload and config for a two-GPU ``mok-fused`` row of a
+    ``mok.bench layer`` / ``sweep`` CSV: h200x2, its model, tokens, skew and routing seed; its
+    mode (push combine), comm SMs, minibatch and row tile; the ring the benchmark ran (the whole
+    receive buffer). ValueError for rows of another rank count (the layer model runs preset
+    shapes, so an emulated one-GPU row has no workload)."""
+    ranks = int(row.get("num_ranks") or 2)
+    if ranks != 2:
+        raise ValueError(f"the layer model is checked on two-GPU rows (this row ran {ranks})")
+    wl = Workload(
+        row["model"], int(row["tokens_per_rank"]), 2, "h200x2", row["skew"], row_routing_seed(row)
+    )
+    rt, mb = row_tile_of(row), int(row["minibatch"])
+    shape = wl.model_shape
+    rows = _BENCH_CAPACITY_FACTOR * wl.tokens_per_rank * shape.num_topk
+    rows += shape.num_experts // wl.ep * (rt - 1)
+    ring = -(-(-(-rows // rt) * rt) // mb) * mb
+    cfg = SimConfig(
+        dispatch_mode=row["mode"],
+        combine_mode="push",
+        num_comm_sms=int(row["sms"]),
+        minibatch_size=mb,
+        macrobatch_size=ring,
+        row_tile=rt,
+        gemm_profile=gemm_profile,
+    )
+    return wl, cfg
+
+
+def validate_layer_model_rows(rows: Iterable[dict], gemm_profile: str | None = None) -> list[dict]:
+    """As :func:`validate_layer_rows`, with the layer model (:func:`sim.layer.model.simulate`,
+    the push-vs-pull model of :mod:`sim.layer`) instead of the fused model: the two-GPU
+    ``mok-fused`` rows predicted under :func:`layer_model_config`, every row role
+    ``validation`` (the layer model is not fitted on layer rows). ``gemm_profile``: see
+    :attr:`sim.config.SimConfig.gemm_profile`."""
+    from sim.layer.model import simulate
+
+    out = []
+    for i, row in enumerate(rows):
+        rec = _record(i, row, what="layer", scope="", engine="-", row_tile=str(row_tile_of(row)))
+        impl = row.get("impl", "")
+        if impl != "mok-fused":
+            rec["status"] = "baseline"
+            rec["reason"] = f"{impl}: " + BASELINES.get(impl, "not a mok fused-layer row")
+            out.append(rec)
+            continue
+        try:
+            res = simulate(*layer_model_config(row, gemm_profile))
+        except ValueError as e:
+            rec["status"], rec["reason"] = "unsupported", str(e)
+        else:
+            us = res.layer_us
+            rec.update(predicted_us=us, device_us=us, kernel=f"layer.{row['mode']}")
+            rec.update(err=us / rec["measured_us"] - 1, role="validation")
+            rec.update({f"{k}": v for k, v in res.breakdown.items()})
         out.append(rec)
     return out
 

@@ -16,7 +16,10 @@ SMs:
   chip's power-limited rate: in the dense probe's SM-carveout sweep the rate per SM is flat up to
   66 SMs and the total about flat from 116 to 132 SMs). In the layer the compute SMs share it
   alone: the comm SMs' copies are assumed to draw none of it;
-* compute time of a tile: ``t_c = tile_fixed_us + 2 * m_tile * n_tile * K / r(P)``;
+* compute time of a tile: ``t_c = tile_fixed_us + 2 * m_tile * n_tile * K / r(P)``; with an
+  operand ceiling (``operand_tbps``, set by a fused profile only) the second term is the 2-norm of
+  itself and the tile's share of the ceiling, ``P * (m_tile + n_tile) * K * bytes / operand_tbps
+  - tile_fixed_us``;
 * weight streaming: the GEMM reads ``E * N * K * weight bytes`` from HBM at ``weight_gbps`` (on
   another GPU scaled by its ``hbm_gbps`` over ``reference_hbm_gbps``):
   ``t_w``. A tile lasts ``t = max(t_c, t_w / max(1, T / P))`` (its share of the stream), so a GEMM
@@ -52,16 +55,20 @@ over to the derived profiles (rates as the same fractions of their own ``tensor_
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
-from sim.core.hardware import GemmWaves, GpuProfile
+from sim.core.hardware import FUSED_PROFILE_FORMAT, GemmWaves, GpuProfile, profiles_dir
 
 __all__ = [
     "GemmWaves",
+    "kernel_waves",
+    "load_kernel_waves",
     "GemmSpec",
     "gemm_spec",
     "per_sm_tflops",
@@ -107,6 +114,45 @@ class GemmSpec:
     weight_us: float
 
 
+def kernel_waves(
+    gpu: GpuProfile, gemm_efficiency: float, tile_fixed_us: float, operand_tbps: float
+) -> GemmWaves:
+    """The GPU's GEMM waves at a fused kernel's fitted rates: ``tile_efficiency`` = its k-loop
+    efficiency (both a fraction of the GPU's per-SM share of ``tensor_tflops``), its per-tile
+    fixed cost, and its operand ceiling (TB/s; inf: none) as the 2-norm of :func:`gemm_spec`.
+    The sustained cap, fill, launch, host floor and weight streaming stay the GPU's; the fused
+    model's 64-row sub-tile factors have no counterpart here (the layer model has no split
+    blocks)."""
+    return gpu.waves().replace(
+        tile_efficiency=gemm_efficiency,
+        tile_fixed_us=tile_fixed_us,
+        operand_tbps=None if math.isinf(operand_tbps) else operand_tbps,
+        source=f"k-loop, tile and operand terms of a fused profile; the rest: {gpu.waves().source}",
+    )
+
+
+def load_kernel_waves(gpu: GpuProfile, profile: str) -> GemmWaves:
+    """:func:`kernel_waves` with the terms of a fused profile (``sim/profiles/<name>.json`` or a
+    path, format ``mok-fused-profile/1``: ``gemm_efficiency``, ``tile_fixed_us``,
+    ``operand_tbps``; :class:`sim.fused.profile.FusedProfile`)."""
+    p = Path(profile)
+    if not p.suffix:
+        p = profiles_dir() / f"{profile}.json"
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise ValueError(f"gemm_profile {profile!r} not found ({e.strerror})") from None
+    if d.get("format") != FUSED_PROFILE_FORMAT:
+        raise ValueError(
+            f"gemm_profile {profile!r} is not a fused profile (format {d.get('format')!r}, "
+            f"want {FUSED_PROFILE_FORMAT})"
+        )
+    ceiling = d.get("operand_tbps")
+    return kernel_waves(
+        gpu, d["gemm_efficiency"], d["tile_fixed_us"], math.inf if ceiling is None else ceiling
+    )
+
+
 def gemm_spec(
     gpu: GpuProfile,
     p: GemmWaves,
@@ -129,7 +175,16 @@ def gemm_spec(
     n_tile = n_tile or gpu.gemm_n_tile
     tiles = row_tiles * math.ceil(n / n_tile)
     per_sm = per_sm_tflops(gpu, p, compute_sms, dtype) * 1e6  # flops per us
-    t_c = p.tile_fixed_us + 2.0 * row_tile * n_tile * k / per_sm
+    own = 2.0 * row_tile * n_tile * k / per_sm
+    if p.operand_tbps is not None:
+        # the 2-norm of the SM's own MMA time and its share of the chip-wide operand ceiling
+        # (all compute SMs streaming their A and B boxes; the part of the ceiling the others
+        # spend in the tiles' fixed parts does not count), as sim.fused.tiles.kblock_us does
+        # per k-block
+        operand = (row_tile + n_tile) * k * weight_bytes_per_elem(dtype) * compute_sms
+        shared = operand / (p.operand_tbps * 1e6) - p.tile_fixed_us
+        own = math.hypot(own, max(shared, 0.0))
+    t_c = p.tile_fixed_us + own
     bw = p.weight_gbps * gpu.hbm_gbps / p.reference_hbm_gbps
     t_w = max(1, experts) * n * k * weight_bytes_per_elem(dtype) / (bw * 1e3)
     t = max(t_c, t_w / max(1.0, tiles / compute_sms))

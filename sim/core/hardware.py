@@ -198,6 +198,10 @@ class GemmWaves:
     launch_us: float  # part of fill_us that a standalone launch pays (the megakernel not)
     reference_hbm_gbps: float  # hbm_gbps of the fitted GPU: weight_gbps scales with it
     source: str = ""
+    # chip-wide ceiling (TB/s) on the tiles' operand loads, approached smoothly (the 2-norm in
+    # sim.core.gemm_waves.gemm_spec); None: none (the standalone kernel's fit has no such term;
+    # a fused profile sets it: sim.fused.profile.FusedProfile.gemm_waves)
+    operand_tbps: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.tile_efficiency > 0 and self.sustained_efficiency > 0):
@@ -207,6 +211,8 @@ class GemmWaves:
         for f in ("tile_fixed_us", "fill_us", "host_us", "launch_us"):
             if getattr(self, f) < 0:
                 raise ValueError(f"GemmWaves.{f} must be >= 0 ({self})")
+        if self.operand_tbps is not None and not self.operand_tbps > 0:
+            raise ValueError(f"GemmWaves.operand_tbps must be positive or None ({self})")
 
     @property
     def layer_fill_us(self) -> float:
@@ -217,7 +223,10 @@ class GemmWaves:
         return replace(self, **kw)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["operand_tbps"] is None:  # profiles written before the term keep their form
+            del d["operand_tbps"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -307,6 +316,8 @@ class GpuProfile:
         d["assumptions"] = list(self.assumptions)
         if d["gemm_waves"] is None:  # profiles fitted without GEMM points keep their old form
             del d["gemm_waves"]
+        else:
+            d["gemm_waves"] = self.gemm_waves.to_dict()
         return {"format": PROFILE_FORMAT, **d}
 
     @classmethod
@@ -329,6 +340,11 @@ class GpuProfile:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+# the format of a fused-layer profile (sim.fused.profile), whose GEMM terms the layer model can
+# run at (sim.core.gemm_waves.load_kernel_waves)
+FUSED_PROFILE_FORMAT = "mok-fused-profile/1"
 
 
 def profiles_dir() -> Path:

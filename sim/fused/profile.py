@@ -9,11 +9,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sim.core.hardware import profiles_dir
+from sim.core.gemm_waves import kernel_waves
+from sim.core.hardware import FUSED_PROFILE_FORMAT, GemmWaves, GpuProfile, profiles_dir
 
 __all__ = ["FusedProfile", "FUSED_PROFILE_FORMAT", "DEFAULT_FUSED_PROFILE", "load_fused_profile"]
 
-FUSED_PROFILE_FORMAT = "mok-fused-profile/1"
 DEFAULT_FUSED_PROFILE = "mok-fused-h200x2"
 
 
@@ -77,6 +77,11 @@ class FusedProfile:
                 f"half_fixed_factor must be in [0, 1]: a 64-row sub-tile's share of "
                 f"tile_fixed_us (found {self.half_fixed_factor})"
             )
+
+    def gemm_waves(self, gpu: GpuProfile) -> GemmWaves:
+        """The layer model's GEMM parameters at this kernel's rates
+        (:func:`sim.core.gemm_waves.kernel_waves`)."""
+        return kernel_waves(gpu, self.gemm_efficiency, self.tile_fixed_us, self.operand_tbps)
 
     def replace(self, **kw) -> FusedProfile:
         # NOTE: fields are shared with self, not copied: profiles are never changed in place.

@@ -46,7 +46,7 @@ from sim.comm.rates import kernel_rates
 from sim.config import SimConfig, Workload
 from sim.core.engine import DELAY, Graph, run_graph
 from sim.core.gemm import reduce_us
-from sim.core.gemm_waves import GemmWaves, gemm_spec, round_times
+from sim.core.gemm_waves import GemmWaves, gemm_spec, load_kernel_waves, round_times
 from sim.core.transfer import Rates, TransferBuilder
 from sim.layer.plan import RoutingPlan
 from sim.layer.policies import get_combine, get_dispatch
@@ -174,7 +174,11 @@ class LayerBuilder(TransferBuilder):
         self.flag_local = self.gpu.flag_latency_local_us
         self.combine_rows = self.rc.uniq_last if cfg.dedup else self.rc.rows
         self.slot_free: dict[tuple[int, int], int] = {}
-        self.waves: GemmWaves = self.gpu.waves()
+        self.waves: GemmWaves = (
+            self.gpu.waves()
+            if cfg.gemm_profile is None
+            else load_kernel_waves(self.gpu, cfg.gemm_profile)
+        )
         # (busy task, tail task, row tiles, intermediate, experts)
         self._ffn: list[tuple[int, int, int, int, int]] = []
         # (busy, tail) of _ffn_us by (row tiles, intermediate, experts, compute SMs)
