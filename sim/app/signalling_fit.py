@@ -28,7 +28,8 @@ What is fitted, each against the simulator's own formula:
 * ``block_skew``, where present, is reported (the start spread of a persistent grid, a lower
   bound of the per-sender jitter), not fitted.
 
-:func:`fit_signalling` returns the values; it changes no committed profile.
+:func:`fit_signalling` returns the values; :func:`sim.app.calibrate.with_signalling` writes
+them into the ``h200`` profile (from :data:`sim.measured.SIGNALLING_FIT_PROBE`).
 """
 
 from __future__ import annotations
