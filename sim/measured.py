@@ -60,6 +60,7 @@ __all__ = [
     "fused_fit",
     "is_fused_fit_row",
     "GEMM_WAVES_FIT_PROBES",
+    "SIGNALLING_FIT_PROBE",
 ]
 
 
@@ -213,6 +214,12 @@ def row_tile_of(row: dict) -> int:
 # GEMMs of the other probes (h200-probe-1gpu-2026-11-30.json, h200x2-mok-probe-2026-11-30.json:
 # other runs, other days) are held out
 GEMM_WAVES_FIT_PROBES = ("h200-probe-gemm-dense-2026-12-01.json",)
+
+# Push signalling (sim.app.signalling_fit, written into the h200 profile by sim.app.calibrate):
+# the one-H200 run of the probe's poll_cost, fence_cost, block_skew and signal_jitter sections
+# (local stores only: its fence_cost.peer needs two GPUs in one process and was skipped). The
+# only probe with these sections; nothing is held out
+SIGNALLING_FIT_PROBE = "h200-probe-signalling-2026-12-01.json"
 
 
 # The calibration subset: a mok row is a FIT row iff its tokens_per_rank is in FIT_TOKENS. The

@@ -219,6 +219,10 @@ def test_fit_signalling_recovers_the_planted_values():
     assert fit["fence_drain_gbps"] == pytest.approx(DRAIN_GBPS, rel=0.03)
     assert fit["fence_us_empty"] == pytest.approx(FENCE_US)
     assert fit["poll_sweep_load_us"] == pytest.approx(LOAD_US, rel=0.01)
+    assert fit["poll_sweep_overhead_us"] == pytest.approx(0.0, abs=1e-6)  # none planted
+    # the planted release points are half the sequence: the part above the flag is the other half
+    assert fit["fence_release_us"] == pytest.approx(FENCE_US / 2, rel=0.02)
+    assert got["fence_us_above_flag"] == pytest.approx(FENCE_US / 2, rel=0.02)
     assert fit["poll_thread_us_per_flag"] == pytest.approx(0.7)
     assert fit["one_way_min_us"] == pytest.approx(RT_MIN_US / 2, rel=0.01)
     assert fit["start_skew_us"] == 2.5
@@ -260,6 +264,45 @@ def test_fit_fence_and_poll_edge_cases():
     assert serial["flag_poll_lanes"] == 1 and serial["sweep_load_us"] == pytest.approx(0.6)
     with pytest.raises(ValueError, match=">= 2 poll_cost points"):
         fit_poll({"1": 1.0})
+
+
+def test_fit_poll_with_a_per_wait_overhead_keeps_the_warp_width():
+    """A warp sweep whose first load per lane costs o + a and every further one a (the H200
+    shape: flat to 32 flags, then one load latency per extra flag per lane): without ``o`` the
+    form can pay the overhead only once by a wider L (64 here, a fit artifact), with it L = 32."""
+    o, a = 0.12, 0.17
+    pts = {str(k): 1e3 * (o + a * math.ceil(k / 32)) for k in (1, 2, 4, 8, 16, 32, 64, 128)}
+    got = fit_poll(pts, overhead=True)
+    assert got["flag_poll_lanes"] == 32
+    assert got["sweep_overhead_us"] == pytest.approx(o, rel=1e-6)
+    assert got["sweep_load_us"] == pytest.approx(a, rel=1e-6)
+    assert got["per_flag_us"] == pytest.approx(0.0, abs=1e-9)
+    assert fit_poll(pts)["flag_poll_lanes"] == 64
+    # no step at all: the no-overhead answer (no sweep within the largest N)
+    assert (
+        fit_poll({str(k): 800.0 for k in (1, 8, 32, 128)}, overhead=True)["flag_poll_lanes"] == 128
+    )
+
+
+def test_fit_signalling_on_the_committed_h200_probe():
+    """The one-H200 run (h200-probe-signalling-2026-12-01.json): the numbers docs/sim-validation.md
+    quotes ("Push signalling")."""
+    from sim.measured import SIGNALLING_FIT_PROBE, measured_path
+
+    got = fit_signalling(json.loads(measured_path(SIGNALLING_FIT_PROBE).read_text()))
+    f = got["fit"]
+    assert got["fence_us"] == pytest.approx(2.214, abs=5e-4)
+    assert f["fence_release_us"] == pytest.approx(0.645, abs=5e-4)
+    assert got["fence_us_above_flag"] == pytest.approx(1.569, abs=5e-4)
+    assert got["signalling"]["fence_inflight_bytes_per_sm"] == pytest.approx(6455, abs=1)
+    assert f["fence_drain_gbps"] == pytest.approx(1233, abs=1)
+    assert got["signalling"]["flag_poll_lanes"] == 32 and f["poll_lanes_without_overhead"] == 64
+    assert got["flag_poll_us_per_peer"] == 0.0
+    assert got["signalling"]["completion_jitter_us"] == pytest.approx(0.086, abs=5e-4)
+    assert f["completion_jitter_gpu_scope_us"] == pytest.approx(0.045, abs=5e-4)
+    assert f["one_way_spread_us"] == pytest.approx(0.150, abs=5e-4)
+    assert f["poll_thread_us_per_flag"] == pytest.approx(0.153, abs=5e-4)
+    assert (f["start_skew_us"], f["start_skew_2_per_sm_us"]) == (0.032, 0.064)
 
 
 # ---- the sections end to end on a stand-in for the CUDA extension ------------------------------

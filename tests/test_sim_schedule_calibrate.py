@@ -16,15 +16,18 @@ from sim.app.calibrate import (
     fit_h200_profile,
     predict_bidirectional_gbps,
     predict_one_direction_gbps,
+    with_signalling,
 )
+from sim.app.signalling_fit import fit_signalling
 from sim.core.gemm import gemm_us
 from sim.core.hardware import GpuProfile, list_gpus, load_gpu, profiles_dir
 from sim.layer.plan import RoutingPlan
-from sim.measured import measured_path
+from sim.measured import SIGNALLING_FIT_PROBE, measured_path
 from tests import tolerances as tol
 
 PROFILES = profiles_dir()
 PROBE = measured_path("h200x2-probe-2026-11-29.json")
+SIG_PROBE = measured_path(SIGNALLING_FIT_PROBE)
 
 
 def _brute_positions(trace, row_tile):
@@ -113,13 +116,48 @@ def test_calibration_reproduces_the_probe_within_5_percent():
 
 
 def test_committed_h200_profile_is_the_fit_of_the_committed_probe():
-    """The comm fit of the two-GPU probe plus the GEMM waves fit (sim.app.gemm_fit)."""
+    """The comm fit of the two-GPU probe, the signalling fit of the one-GPU signalling probe
+    (sim.app.signalling_fit) and the GEMM waves fit (sim.app.gemm_fit)."""
     fresh = fit_h200_profile(PROBE).to_dict()
     committed = json.loads((PROFILES / "h200.json").read_text())
     tol.assert_json_close(json.loads(json.dumps(fresh)), committed)
-    bare = fit_gpu_profile(json.loads(PROBE.read_text()), probe_file=PROBE.name).to_dict()
-    assert "gemm_waves" not in bare  # the comm probe alone gives no GEMM waves section
-    assert bare["assumptions"] == committed["assumptions"][:-1]  # ... nor its assumption line
+    bare = fit_gpu_profile(json.loads(PROBE.read_text()), probe_file=PROBE.name)
+    assert "gemm_waves" not in bare.to_dict()  # the comm probe alone gives no GEMM waves section
+    assert bare.fence_us == 0.5  # ... and keeps the stated fence (not in the comm probe)
+    sig = with_signalling(bare, fit_signalling(json.loads(SIG_PROBE.read_text())), SIG_PROBE.name)
+    assert list(sig.assumptions) == committed["assumptions"][:-1]  # all but the GEMM waves line
+
+
+def test_calibration_writes_the_signalling_probe_fit_into_the_h200_profile():
+    """fence_us, flag_poll_lanes and completion_jitter_us are the fit of the committed one-H200
+    signalling probe; the fence's in-flight window stays the stated 16 KiB per SM (the probe
+    stored into local memory: its window and drain are HBM/L2's, not NVLink's); incast stays
+    the stated assumption. Values as fitted on h200-probe-signalling-2026-12-01.json."""
+    got = fit_signalling(json.loads(SIG_PROBE.read_text()))
+    h200 = load_gpu("h200")
+    assert got["fit"]["fence_target"] == "local"
+    assert h200.fence_us == pytest.approx(got["fence_us_above_flag"], rel=1e-12)
+    assert h200.fence_us == pytest.approx(got["fence_us"] - got["fit"]["fence_release_us"])
+    assert h200.signalling.flag_poll_lanes == got["signalling"]["flag_poll_lanes"] == 32
+    assert h200.signalling.completion_jitter_us == got["signalling"]["completion_jitter_us"]
+    assert h200.signalling.fence_inflight_bytes_per_sm == 16384.0
+    assert (h200.incast.efficiency_min, h200.incast.writers_half) == (0.8, 8.0)
+    # the numbers of the committed file (docs/sim-validation.md, "Push signalling")
+    assert got["fence_us"] == pytest.approx(2.214, abs=5e-4)
+    assert got["fit"]["fence_release_us"] == pytest.approx(0.645, abs=5e-4)
+    assert h200.fence_us == pytest.approx(1.569, abs=5e-4)
+    assert h200.signalling.completion_jitter_us == pytest.approx(0.086, abs=5e-4)
+    assert got["fit"]["poll_sweep_overhead_us"] == pytest.approx(0.117, abs=5e-4)
+    assert got["fit"]["poll_sweep_load_us"] == pytest.approx(0.168, abs=5e-4)
+    # without the per-wait overhead the fit prefers 64 lanes: the artifact the overhead removes
+    assert got["fit"]["poll_lanes_without_overhead"] == 64
+    assert h200.fit["signalling"]["probe"] == SIGNALLING_FIT_PROBE
+    for name in ("h100", "b200", "gb200", "gb300"):
+        d = load_gpu(name)
+        assert (d.fence_us, d.signalling, d.incast) == (h200.fence_us, h200.signalling, h200.incast)
+        assert any(
+            a.startswith("signalling and incast: measured on one H200") for a in d.assumptions
+        )
 
 
 def test_committed_derived_profiles_are_derived_from_the_committed_h200():

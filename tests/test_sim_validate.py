@@ -128,7 +128,9 @@ def test_dedup_sum_row_ring(grid):
     assert kernel_key({**row, "hidden": "7168"})[2] == "vec+tma"
     assert kernel_key({**row, "hidden": "2048"})[2] == "vector"
     e2e = _ok(recs, what="combine", mode="dedup_pull", tokens_per_rank=16384)
-    assert len(e2e) == 4 and max(_abs(e2e)) <= 0.045  # 4.4 %
+    # 4.5 % (4.4 % with the assumed 0.5 us fence; the composite pays the measured 1.569 us
+    # fence between its phases, and its rows are not fitted)
+    assert len(e2e) == 4 and max(_abs(e2e)) <= 0.046
 
 
 def test_schedule_rows(grid):

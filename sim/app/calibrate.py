@@ -24,6 +24,12 @@ The protocol bytes per payload byte come from the one-tile NVLink counter measur
 docs/design.md (131,072-byte tile; push 155.6 KB data + 2.9 KB back, pull 147.5 KB data + 24.6 KB of
 requests); a probe may override them with a ``results.protocol_bytes`` block of the same shape.
 
+The push-signalling terms (``fence_us`` and the ``signalling`` section) are not fitted from the
+comm probe either: :func:`fit_h200_profile` adds them with :func:`with_signalling` from the fit of
+:func:`sim.app.signalling_fit.fit_signalling` on :data:`sim.measured.SIGNALLING_FIT_PROBE` (the
+one-H200 signalling sections); each term's reading is in the profile's ``assumptions`` and in
+docs/sim-validation.md, "Push signalling". The ``incast`` section stays the stated assumption.
+
 The ``gemm_waves`` section (:mod:`sim.core.gemm_waves`) is not fitted from the comm probe:
 :func:`fit_h200_profile`, the committed ``h200`` profile, adds the fit of
 :func:`sim.app.gemm_fit.fit` on the probes of :data:`sim.measured.GEMM_WAVES_FIT_PROBES`;
@@ -44,14 +50,23 @@ from pathlib import Path
 import numpy as np
 
 from sim.app.gemm_fit import fit as fit_gemm_waves
+from sim.app.signalling_fit import fit_signalling
 from sim.core.gemm import gemm_us
-from sim.core.hardware import CommCurve, GemmWaves, GpuProfile, Protocol, profiles_dir
-from sim.measured import measured_path
+from sim.core.hardware import (
+    CommCurve,
+    GemmWaves,
+    GpuProfile,
+    Protocol,
+    Signalling,
+    profiles_dir,
+)
+from sim.measured import SIGNALLING_FIT_PROBE, measured_path
 
 __all__ = [
     "fit_comm_curve",
     "fit_gpu_profile",
     "fit_h200_profile",
+    "with_signalling",
     "predict_one_direction_gbps",
     "predict_bidirectional_gbps",
     "calibration_points",
@@ -391,11 +406,98 @@ def with_gemm_waves(prof: GpuProfile, gw: GemmWaves) -> GpuProfile:
     )
 
 
+def with_signalling(prof: GpuProfile, sig: dict, probe_file: str) -> GpuProfile:
+    """``prof`` with the push-signalling terms of ``sig`` (:func:`fit_signalling` of the probe
+    ``probe_file``) and their assumption lines, which replace the stated ``fence_us`` line:
+
+    * ``fence_us``: ``fence_us_above_flag``, the kernels' release sequence (every thread
+      ``fence.sc.sys``, a barrier, thread 0's fence and ``st.release.sys``) less the
+      ``st.release.sys`` alone, which the flag latencies already hold;
+    * ``fence_inflight_bytes_per_sm``: fitted only from stores into a peer; from local stores
+      (the drain is HBM/L2's, not NVLink's) the profile keeps its value;
+    * ``flag_poll_lanes``: the fit with a once-per-wait overhead (:func:`fit_poll`);
+    * ``completion_jitter_us``: the measured one-GPU mean, system scope.
+    """
+    f = sig["fit"]
+    above = sig.get("fence_us_above_flag")
+    if above is None:
+        raise ValueError(
+            f"{probe_file}: no fence_cost release points, so no fence_us above the flag's own "
+            "release (run the probe's fence_cost section)"
+        )
+    peer = f["fence_target"] == "peer"
+    old = prof.signalling
+    window = (
+        sig["signalling"]["fence_inflight_bytes_per_sm"]
+        if peer
+        else (old.fence_inflight_bytes_per_sm)
+    )
+    new = Signalling(
+        fence_inflight_bytes_per_sm=float(window),
+        flag_poll_lanes=int(sig["signalling"]["flag_poll_lanes"]),
+        completion_jitter_us=float(sig["signalling"]["completion_jitter_us"]),
+    )
+    drain = f["fence_drain_gbps"]
+    lines = (
+        f"fence_us={above:.3f}: measured on one H200 ({probe_file}, fence_cost.{f['fence_target']}"
+        f"): the comm kernels' release sequence after stores (every thread fence.sc.sys, "
+        f"barrier, thread 0 fence.sc.sys + st.release.sys; intercept {sig['fence_us']:.3f} us) "
+        f"less st.release.sys alone ({f['fence_release_us']:.3f} us), which the flag latencies "
+        "(ping-pongs of st.release.sys / ld.acquire.sys) already hold",
+        (
+            f"fence_inflight_bytes_per_sm={window:g}: fitted on stores into the peer "
+            f"(drain {drain:.0f} GB/s)"
+            if peer
+            else f"fence_inflight_bytes_per_sm={window:g} (1024 threads x 16 B per comm SM) and "
+            "the NVLink drain (wire rate / push data bytes) assumed: the probe stored into local "
+            f"memory only (window {sig['signalling']['fence_inflight_bytes_per_sm']:.0f} B per "
+            f"SM at {drain:.0f} GB/s, HBM/L2's drain, not NVLink's)"
+        ),
+        f"flag_poll_lanes={new.flag_poll_lanes}: one warp, one flag per lane, measured sweep "
+        f"{f['poll_sweep_overhead_us']:.3f} us + {f['poll_sweep_load_us']:.3f} us x "
+        f"ceil(N / {new.flag_poll_lanes}) ({probe_file}, poll_cost.sys.warp); the model charges "
+        "local_load_latency_us per lane load and no per-wait overhead",
+        f"completion_jitter_us={new.completion_jitter_us:g}: one-way (mean - min) / 2 of "
+        f"{f['jitter_samples']} flag round trips between two blocks of one H200 at system "
+        f"scope ({probe_file}, signal_jitter); a lower bound for completions across GPUs; "
+        "the measured delays are bounded (spread "
+        f"{f['one_way_spread_us']:.3f} us one way), the model draws them exponential",
+        f"incast efficiency_min={prof.incast.efficiency_min:g}, writers_half="
+        f"{prof.incast.writers_half:g}: assumed (no measurement of many writers into one port)",
+    )
+    kept = tuple(a for a in prof.assumptions if not a.startswith("fence_us="))
+    at = next((i for i, a in enumerate(prof.assumptions) if a.startswith("fence_us=")), len(kept))
+    fit = {
+        **prof.fit,
+        "signalling": {
+            "probe": probe_file,
+            "fence_sequence_us": sig["fence_us"],
+            **{k: v for k, v in f.items() if k != "jitter_samples"},
+            "fence_inflight_bytes_per_sm_fitted": sig["signalling"]["fence_inflight_bytes_per_sm"],
+            "flag_poll_us_per_peer": sig["flag_poll_us_per_peer"],
+        },
+    }
+    return GpuProfile(
+        **{
+            **prof.__dict__,
+            "fence_us": float(above),
+            "signalling": new,
+            "assumptions": kept[:at] + lines + kept[at:],
+            "fit": fit,
+        }
+    )
+
+
 def fit_h200_profile(probe_path: Path | None = None) -> GpuProfile:
     """The committed ``h200`` profile: the comm fit of the two-GPU probe (default
-    :data:`H200_PROBE`) with the GEMM waves fit on :data:`sim.measured.GEMM_WAVES_FIT_PROBES`."""
+    :data:`H200_PROBE`), the push-signalling terms fitted on
+    :data:`sim.measured.SIGNALLING_FIT_PROBE` (:func:`with_signalling`) and the GEMM waves fit on
+    :data:`sim.measured.GEMM_WAVES_FIT_PROBES`."""
     path = Path(probe_path) if probe_path else measured_path(H200_PROBE)
     h200 = fit_gpu_profile(json.loads(path.read_text()), "h200", path.name)
+    sig_path = measured_path(SIGNALLING_FIT_PROBE)
+    sig = fit_signalling(json.loads(sig_path.read_text()))
+    h200 = with_signalling(h200, sig, sig_path.name)
     return with_gemm_waves(h200, fit_gemm_waves(h200))
 
 
@@ -408,12 +510,21 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
         "payload byte and the NVLink wire efficiency are assumed equal to the H200 measurement",
     )
     # (after each profile's own lines)
+    measured = any(a.startswith("completion_jitter_us=") for a in h200.assumptions)
+    where = (
+        f"measured on one H200 ({h200.fit.get('signalling', {}).get('probe', 'the probe')}) and "
+        "assumed equal on this GPU"
+        if measured
+        else "the H200 values, none of them probed"
+    )
     tail = (
-        "signalling and incast: the H200 values (sim.core.hardware.Signalling / Incast defaults; "
-        "docs/sim-validation.md, 'Push signalling' and 'Incast'): "
+        f"signalling and incast: {where} (docs/sim-validation.md, 'Push signalling' and "
+        f"'Incast'): fence_us {h200.fence_us:.3f} us"
+        + (" above the flag's own release" if measured else "")
+        + f", {sig.flag_poll_lanes} flags per polling sweep, exponential per-sender completion "
+        f"jitter of mean {sig.completion_jitter_us:g} us; assumed on every GPU: "
         f"{sig.fence_inflight_bytes_per_sm / 1024:g} KiB of stores in flight per comm SM at a "
-        f"fence, {sig.flag_poll_lanes} flags per polling sweep, exponential per-sender completion "
-        f"jitter of mean {sig.completion_jitter_us:g} us, incast efficiency "
+        "fence, drained at this GPU's NVLink rate, incast efficiency "
         f"{inc.efficiency_min:g} for many writers (half-way at {1 + inc.writers_half:g}); none of "
         "them probed on this GPU",
     )

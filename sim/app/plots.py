@@ -1,8 +1,15 @@
-"""Figures of simulation results; each function returns a matplotlib Figure (Agg backend)."""
+"""Figures of simulation results; each function returns a matplotlib Figure (Agg backend).
+
+``python -m sim.app.plots signalling-sensitivity [--out docs/img]`` writes the sensitivity
+figures of the push-signalling assumptions (:func:`write_signalling_sensitivity`;
+docs/sim-validation.md, "Push signalling")."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import matplotlib
 
@@ -12,7 +19,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from sim.core.topology import RES_PER_GPU  # noqa: E402
+from sim.config import SimConfig, Workload  # noqa: E402
+from sim.core import hardware  # noqa: E402
+from sim.core.hardware import GpuProfile, load_gpu  # noqa: E402
+from sim.core.topology import RES_PER_GPU, get_topology  # noqa: E402
+from sim.layer.model import simulate  # noqa: E402
 from sim.layer.results import LayerResult  # noqa: E402
 
 __all__ = [
@@ -27,6 +38,11 @@ __all__ = [
     "validation_scatter",
     "layer_validation",
     "PHASE_COLORS",
+    "gpu_variant",
+    "SIGNALLING_ASSUMPTIONS",
+    "signalling_sensitivity_rows",
+    "signalling_sensitivity",
+    "write_signalling_sensitivity",
 ]
 
 PHASE_COLORS = {
@@ -450,3 +466,175 @@ def layer_validation(records: Sequence[dict]) -> Figure:
         )
     fig.suptitle("fused layer: predicted vs measured median (grey: measured p20-p80)", fontsize=10)
     return fig
+
+
+# -- sensitivity of the push-signalling assumptions ----------------------------------------------
+
+
+@contextlib.contextmanager
+def gpu_variant(gpu_name: str, change: Callable[[GpuProfile], GpuProfile]) -> Iterator[GpuProfile]:
+    """Within the block, :func:`sim.core.hardware.load_gpu` (so every topology on this GPU)
+    returns ``change(profile)`` for the preset ``gpu_name``; restored on exit."""
+    base = load_gpu(gpu_name)
+    new = change(base)
+    hardware._CACHE[gpu_name] = new
+    try:
+        yield new
+    finally:
+        hardware._CACHE[gpu_name] = base
+
+
+def _sig(**kw) -> Callable[[GpuProfile], GpuProfile]:
+    return lambda g: dataclasses.replace(g, signalling=dataclasses.replace(g.signalling, **kw))
+
+
+def _inc(**kw) -> Callable[[GpuProfile], GpuProfile]:
+    return lambda g: dataclasses.replace(g, incast=dataclasses.replace(g.incast, **kw))
+
+
+# name -> (axis label, values swept, profile change for one value, the measurement that pins it)
+SIGNALLING_ASSUMPTIONS: dict[str, tuple[str, tuple[float, ...], Callable, str]] = {
+    "incast_e_min": (
+        "incast efficiency_min (many writers into one NVSwitch port)",
+        (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+        lambda v: _inc(efficiency_min=float(v)),
+        "N GPUs writing into one port against one reader of N sources (8-GPU HGX)",
+    ),
+    "incast_n_half": (
+        "incast writers_half (efficiency half-way at 1 + n_half writers)",
+        (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
+        lambda v: _inc(writers_half=float(v)),
+        "the same N-writer probe at N = 1..7 (8-GPU HGX)",
+    ),
+    "fence_inflight_kib": (
+        "fence in-flight window per comm SM (KiB), drained at the NVLink rate",
+        (0.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0),
+        lambda v: _sig(fence_inflight_bytes_per_sm=1024.0 * float(v)),
+        "fence_cost into a peer GPU (two GPUs in one process)",
+    ),
+    "jitter_us": (
+        "cross-GPU completion jitter mean (us, exponential per sender)",
+        (0.0, 0.045, 0.086, 0.2, 0.5, 1.0, 2.0),
+        lambda v: _sig(completion_jitter_us=float(v)),
+        "signal_jitter across two GPUs; the last of N flags at one receiver (8-GPU HGX)",
+    ),
+}
+
+_SENS_MODES = (("push", "push"), ("pull", "push"), ("pull", "pull"))
+
+
+def signalling_sensitivity_rows(
+    param: str,
+    values: Sequence[float] | None = None,
+    shape: str = "kimi-k2",
+    topology: str = "gb300-nvl72",
+    ep: int = 64,
+    skews: Sequence[str] = ("hot:0.3", "uniform"),
+    tokens: int = 4096,
+    cfg: SimConfig | None = None,
+    modes: Sequence[tuple[str, str]] = _SENS_MODES,
+) -> list[dict]:
+    """One row per (value of ``param``, skew, dispatch/combine mode): the layer time, the
+    signalling a rank spends (mean over ranks), with the GPU profile
+    of ``topology`` changed by :data:`SIGNALLING_ASSUMPTIONS` ``[param]`` (``values``: its
+    default sweep)."""
+    _, default, change, _ = SIGNALLING_ASSUMPTIONS[param]
+    gpu_name = get_topology(topology).gpu_name
+    base = cfg or SimConfig()
+    rows = []
+    for v in values if values is not None else default:
+        with gpu_variant(gpu_name, change(v)):
+            for skew in skews:
+                wl = Workload(shape, tokens, ep, topology, skew)
+                for disp, comb in modes:
+                    r = simulate(wl, base.replace(dispatch_mode=disp, combine_mode=comb))
+                    rows.append(
+                        {
+                            "param": param,
+                            "value": float(v),
+                            "skew": skew,
+                            "mode": f"{disp}/{comb}",
+                            "layer_us": r.layer_us,
+                            "signal_rank_us": r.signalling_per_rank()[0],
+                        }
+                    )
+    return rows
+
+
+def signalling_sensitivity(rows: Sequence[dict], title: str = "") -> Figure:
+    """Per skew (columns): the layer time of each mode against the parameter (top) and the
+    push-vs-pull differences push/push - pull/push and push/push - pull/pull (bottom)."""
+    param = rows[0]["param"]
+    label = SIGNALLING_ASSUMPTIONS.get(param, (param,))[0]
+    skews = list(dict.fromkeys(r["skew"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, axes = plt.subplots(2, len(skews), figsize=(5.2 * len(skews), 6.4), squeeze=False)
+    for j, skew in enumerate(skews):
+        by = {
+            m: sorted(
+                (r["value"], r["layer_us"]) for r in rows if r["skew"] == skew and r["mode"] == m
+            )
+            for m in modes
+        }
+        top, bot = axes[0][j], axes[1][j]
+        for m, pts in by.items():
+            x, y = zip(*pts, strict=True)
+            top.plot(x, y, "o-", ms=3, label=m)
+        top.set_title(skew, fontsize=9)
+        top.set_ylabel("layer us")
+        top.legend(fontsize=7)
+        ref = dict(by.get("push/push", []))
+        for m in modes:
+            if m == "push/push" or not ref:
+                continue
+            other = dict(by[m])
+            x = sorted(set(ref) & set(other))
+            bot.plot(x, [ref[v] - other[v] for v in x], "s-", ms=3, label=f"push/push - {m}")
+        bot.axhline(0, color="k", lw=0.6)
+        bot.set_ylabel("layer us difference")
+        bot.set_xlabel(label, fontsize=8)
+        if bot.lines[1:]:
+            bot.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def write_signalling_sensitivity(
+    out_dir: str | Path = "docs/img",
+    params: Sequence[str] | None = None,
+    values: dict[str, Sequence[float]] | None = None,
+    **kw,
+) -> list[Path]:
+    """Write ``signalling-sensitivity-<param>.png`` for each of ``params`` (default: every
+    :data:`SIGNALLING_ASSUMPTIONS`) into ``out_dir``; ``values``: sweeps other than the default
+    per param; ``kw``: :func:`signalling_sensitivity_rows` arguments (workload, config)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for p in params or list(SIGNALLING_ASSUMPTIONS):
+        rows = signalling_sensitivity_rows(p, (values or {}).get(p), **kw)
+        wl = (
+            f"{kw.get('shape', 'kimi-k2')} EP{kw.get('ep', 64)} {kw.get('topology', 'gb300-nvl72')}"
+            f", {kw.get('tokens', 4096)} tokens per rank; pins it: {SIGNALLING_ASSUMPTIONS[p][3]}"
+        )
+        fig = signalling_sensitivity(rows, wl)
+        path = out / f"signalling-sensitivity-{p.replace('_', '-')}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":  # pragma: no cover - maintenance entry point
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m sim.app.plots")
+    sub = ap.add_subparsers(dest="what", required=True)
+    sp = sub.add_parser("signalling-sensitivity", help="the push-signalling assumptions' figures")
+    sp.add_argument("--out", default="docs/img")
+    sp.add_argument("--params", default=",".join(SIGNALLING_ASSUMPTIONS))
+    a = ap.parse_args()
+    for path in write_signalling_sensitivity(a.out, a.params.split(",")):
+        print(f"wrote {path}")
