@@ -84,6 +84,19 @@ def test_sweep_writes_csv_and_heatmap(tmp_path, capsys):
     assert {r["dispatch_mode"] for r in rows} == {"push", "pull", "dedup_pull"}
     assert {"signalling_us", "signal_rank_us", "nvl_util_mean", "nvl_util_max"} <= set(rows[0])
     assert (tmp_path / "h.png").exists()
+    # the best row of each mode, with its signalling and NVLink utilisation, on the console
+    text = capsys.readouterr().out
+    lines = text[text.index("best per mode:") :].splitlines()[2:7]
+    assert len(lines) == 5
+    modes = [line.split()[0] for line in lines]
+    assert sorted(modes) == sorted({f"{r['dispatch_mode']}/{r['combine_mode']}" for r in rows})
+    for line in lines:
+        mode = line.split()[0]
+        best = min(
+            (r for r in rows if f"{r['dispatch_mode']}/{r['combine_mode']}" == mode),
+            key=lambda r: float(r["layer_us"]),
+        )
+        assert line.split()[1] == f"{float(best['layer_us']):.1f}"
 
 
 def test_tune_emits_a_mok_config(tmp_path, capsys):

@@ -159,6 +159,29 @@ def format_table(results, title: str = "") -> str:
     return "\n".join(lines)
 
 
+def format_mode_bests(ranked: list[dict]) -> str:
+    """The best sweep row of each dispatch/combine mode (``ranked``: best first), with its
+    signalling (exposed; per rank over the layer, mean) and NVLink port utilisation (mean /
+    max), the terms that separate the modes."""
+    head = (
+        f"{'dispatch/combine':<18}{'layer us':>10}{'sms':>5}{'mb':>6}{'ring':>7}{'signal':>8}"
+        f"{'sig/rank':>9}{'NVL util%':>10}"
+    )
+    lines, seen = ["best per mode:", head], set()
+    for r in ranked:
+        mode = f"{r['dispatch_mode']}/{r['combine_mode']}"
+        if mode in seen:
+            continue
+        seen.add(mode)
+        util = f"{100 * r['nvl_util_mean']:.0f}/{100 * r['nvl_util_max']:.0f}"
+        lines.append(
+            f"{mode:<18}{r['layer_us']:>10.1f}{r['num_comm_sms']:>5}{r['minibatch_size']:>6}"
+            f"{r['macrobatch_size']:>7}{r['signalling_us']:>8.1f}{r['signal_rank_us']:>9.1f}"
+            f"{util:>10}"
+        )
+    return "\n".join(lines)
+
+
 def _default_job(wl: Workload) -> list:
     from sim.layer.model import plan_for
     from sim.layer.sweep import compare
@@ -229,12 +252,14 @@ def _cmd_sweep(a) -> int:
     rows = sweep(wl, configs, jobs=a.jobs, progress=not a.quiet)
     dt = time.perf_counter() - t0
     write_csv(rows, a.out)
-    best = rank_rows(rows)[0]
+    ranked = rank_rows(rows)
+    best = ranked[0]
     print(f"{len(rows)} configs in {dt:.1f} s -> {a.out}")
     print(
         f"best: {best['dispatch_mode']}/{best['combine_mode']} sms={best['num_comm_sms']} "
         f"mb={best['minibatch_size']} ring={best['macrobatch_size']} -> {best['layer_us']:.1f} us"
     )
+    print(format_mode_bests(ranked))
     if a.heatmap:
         from sim.app.plots import sweep_heatmap
 
