@@ -124,13 +124,15 @@ class Signalling:
       (sender, round), drawn from a seeded generator, so that the wait for the last of N
       senders grows as the N-th harmonic number H_N times the mean.
 
-    The defaults are the H200 values (``h200.json`` is the calibration's output, which writes
-    them); ``Signalling.off()`` switches the three terms off (the constant fence of before).
+    The defaults are the values assumed before the one-H200 signalling probe; the GPU profiles
+    carry the calibrated ones (``h200.json``, the calibration's output: polling lanes and the
+    jitter mean measured, 0.086 us one way on one GPU; the fence window assumed).
+    ``Signalling.off()`` switches the three terms off (the constant fence of before).
     """
 
     fence_inflight_bytes_per_sm: float = 16384.0  # 1024 threads x 16 B stores per SM
     flag_poll_lanes: int = 32  # flags one warp polls per sweep (one per lane)
-    completion_jitter_us: float = 0.1  # mean of the exponential per-sender term
+    completion_jitter_us: float = 0.1  # mean of the exponential per-sender term (assumed)
 
     def __post_init__(self) -> None:
         if self.fence_inflight_bytes_per_sm < 0 or self.completion_jitter_us < 0:
