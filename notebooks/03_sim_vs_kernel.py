@@ -19,8 +19,10 @@
 # (`sim.comm.model`) predicts every mok row of such a sweep from the calibrated H200 profile plus a
 # few kernel knobs (`sim/profiles/mok-comm-h200x2.json`) that were fitted on a designated subset
 # of the rows (the grid's 4096-token rows); its 512- and 16384-token rows are the validation set.
-# The second part does the same for the fused layer (`csrc/layer.cuh`, one persistent kernel)
-# with the fused-kernel model (`sim.fused.model`, `sim/profiles/mok-fused-h200x2.json`).
+# The second part does the same for the fused layer (`csrc/layer/`, one persistent kernel)
+# with the fused-kernel model (`sim.fused.model`, `sim/profiles/mok-fused-h200x2.json`); the
+# third puts the layer model (`sim.layer`, the push-vs-pull model of the other notebooks) on the
+# same rows.
 #
 # This notebook scores the predictions the way `mok-sim validate` does: absolute % error,
 # Spearman rank correlation per workload group, and how much slower the simulator's chosen
@@ -40,6 +42,7 @@ from sim.app.validate import (
     format_report,
     rerun_spearman,
     summarise,
+    validate_layer_model_rows,
     validate_layer_rows,
     validate_rows,
 )
@@ -164,3 +167,25 @@ lmissed = [k for k, ok in layer_summary["targets"].items() if not ok]
 print(
     f"Fused layer targets met: {', '.join(lmet) or 'none'}; missed: {', '.join(lmissed) or 'none'}."
 )
+
+# %% [markdown]
+# ## The layer model on the same rows
+#
+# The push-vs-pull model of notebooks 01, 02 and 04 (`sim.layer.model`) is not fitted on layer
+# rows. By default it runs the expert GEMMs at the standalone grouped GEMM's calibrated rates
+# (`sim.core.gemm_waves`, the GPU profile's `gemm_waves`), which the megakernel does not reach;
+# `SimConfig(gemm_profile=FUSED_PROFILE)` runs them at the fused profile's k-loop efficiency,
+# per-tile cost and operand ceiling instead (`mok-sim ... --gemm-profile`). Both on the two-GPU
+# fused rows above (every row held out):
+
+# %%
+model_rows = read_rows(*(measured(p) for p in LAYER_CSVS))
+for rates, prof in (("standalone GEMM rates", None), (f"{FUSED_PROFILE} rates", FUSED_PROFILE)):
+    lm = summarise(validate_layer_model_rows(model_rows, prof))["validation"]
+    print(
+        f"layer model, {rates}: median |error| {100 * lm['median_abs_err']:.1f}%, max "
+        f"{100 * lm['max_abs_err']:.1f}% ({lm['n']} rows)"
+    )
+
+# %%
+display(layer_validation(validate_layer_model_rows(model_rows, FUSED_PROFILE)))
