@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mok.autograd import moe
 from mok.comm import combine, dedup_partials, dedup_sum, dispatch, fanout
 from mok.errors import MoKInputError
 from mok.experts import dense_swiglu, grouped_swiglu
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DeviceSchedule",
+    "moe",
     "build_schedule",
     "dispatch",
     "fanout",

@@ -1,0 +1,143 @@
+"""The layer under autograd on one GPU (:func:`mok.functional.moe`): every gradient against the
+reference's explicit backward (fp64 oracle) under the bf16 rule, and bitwise equal across runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mok.spec.workload import ModelShape, make_routing
+from reference.moe import moe_backward
+from reference.weights import MoEWeights
+from tests import tolerances as tol
+
+CASES = [
+    (ModelShape("shared", 16, 1024, 512, 4, shared_intermediate=512), 300, "uniform"),
+    (ModelShape("noshared", 32, 2048, 768, 8), 513, "hot:0.5"),
+    (ModelShape("dsv3-like", 16, 7168, 2048, 4, shared_intermediate=2048), 130, "uniform"),
+]
+GRADS = ("dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down")
+SHARED_GRADS = ("d_shared_w_gate", "d_shared_w_up", "d_shared_w_down")
+WEIGHTS = {"dw_gate": "w_gate", "dw_up": "w_up", "dw_down": "w_down"}
+WEIGHTS.update({f"d_{n}": n for n in ("shared_w_gate", "shared_w_up", "shared_w_down")})
+
+
+def _inputs(shape: ModelShape, n: int, skew: str, seed: int = 0):
+    w = MoEWeights.random(shape, seed=seed, dtype=torch.bfloat16, device="cuda")
+    t = make_routing(n, shape.num_experts, shape.num_topk, 1, skew, seed=seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(n, shape.hidden, device="cuda", generator=g).to(torch.bfloat16)
+    grad_out = torch.randn(n, shape.hidden, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.from_numpy(t.topk_idx).cuda()
+    tw = torch.from_numpy(t.topk_weights).cuda().float()
+    return x, idx, tw, w, grad_out
+
+
+def _mok_grads(shape, x, idx, tw, w, grad_out, fused=False):
+    import mok
+    from mok import functional as mf
+
+    w = dataclasses.replace(
+        w, **{k: v.detach().clone() for k, v in vars(w).items() if v is not None}
+    )
+    for v in vars(w).values():
+        if v is not None:
+            v.requires_grad_(True)
+    xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+    out = mf.moe(xs, idx, tws, w, shape.num_experts, cfg, fused=fused)
+    out.backward(grad_out)
+    got = {"dx": xs.grad, "d_topk_weights": tws.grad}
+    got.update({g: getattr(w, n).grad for g, n in WEIGHTS.items() if getattr(w, n) is not None})
+    return out.detach(), got
+
+
+def _cpu(w: MoEWeights) -> MoEWeights:
+    return dataclasses.replace(w, **{k: v.cpu() for k, v in vars(w).items() if v is not None})
+
+
+def _grads_and_oracle(shape, n, skew):
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew)
+    _, got = _mok_grads(shape, x, idx, tw, w, grad_out)
+    args = (grad_out.cpu(), x.cpu(), idx.cpu(), tw.cpu(), _cpu(w))
+    names = GRADS + (SHARED_GRADS if shape.shared_intermediate else ())
+    return got, moe_backward(*args, torch.float64), moe_backward(*args, torch.bfloat16), names
+
+
+def _report(got, oracle, ref16, names) -> str:
+    return "; ".join(
+        f"{n}: {tol.max_abs_err(got[n].cpu(), getattr(oracle, n)):.3e} vs bf16 reference "
+        f"{tol.max_abs_err(getattr(ref16, n), getattr(oracle, n)):.3e}"
+        for n in names
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize(("shape", "n", "skew"), CASES, ids=[c[0].name for c in CASES])
+def test_gradients_against_the_reference(shape, n, skew):
+    """dx and the router-weight gradient under the bf16 rule; the weight gradients within
+    BF16_REF_REL_ERR of their scale (the bf16 rule for them: the next test); every gradient
+    bitwise equal in a second run (fixed-order sums, no atomics)."""
+    got, oracle, ref16, names = _grads_and_oracle(shape, n, skew)
+    for name in names:
+        assert got[name] is not None, f"{name}: no gradient"
+        want = getattr(oracle, name).double()
+        if name in ("dx", "d_topk_weights"):
+            tol.assert_bf16_rule(got[name].cpu().double(), getattr(ref16, name).double(), want)
+        else:
+            tol.assert_bf16_ref_bound(got[name].cpu().double(), want, name)
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew)
+    _, again = _mok_grads(shape, x, idx, tw, w, grad_out)
+    for name in names:
+        assert torch.equal(got[name], again[name]), f"{name} differs between two runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.xfail(
+    strict=True,
+    reason="the recomputed expert backward rounds g, u, h and the gradients dh, dg, du to bf16 "
+    "before the weight-gradient GEMMs (torch autograd of bf16 grouped GEMMs); measured 1.5-3.5x "
+    "the bf16 reference's error on dw_gate / dw_up and the shared expert's weights (rule: 2x)",
+)
+@pytest.mark.parametrize(("shape", "n", "skew"), CASES, ids=[c[0].name for c in CASES])
+def test_weight_gradients_bf16_rule(shape, n, skew):
+    got, oracle, ref16, names = _grads_and_oracle(shape, n, skew)
+    failed = []
+    for name in names:
+        try:
+            tol.assert_bf16_rule(
+                got[name].cpu().double(), getattr(ref16, name).double(), getattr(oracle, name)
+            )
+        except AssertionError:
+            failed.append(name)
+    assert not failed, f"{failed} break the bf16 rule; " + _report(got, oracle, ref16, names)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fused_forward_backs_through_the_same_path():
+    shape, n, skew = CASES[0]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=3)
+    _, unfused = _mok_grads(shape, x, idx, tw, w, grad_out)
+    _, fused = _mok_grads(shape, x, idx, tw, w, grad_out, fused=True)
+    for name, g in unfused.items():
+        assert torch.equal(g, fused[name]), f"{name}: the backward depends only on the inputs"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_without_grad_it_is_moe_forward():
+    import mok
+    from mok import functional as mf
+
+    shape, n, skew = CASES[1]
+    x, idx, tw, w, _ = _inputs(shape, n, skew, seed=5)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+    a = mf.moe(x, idx, tw, w, shape.num_experts, cfg)
+    b = mf.moe_forward(x, idx, tw, w, shape.num_experts, cfg)
+    assert not a.requires_grad and torch.equal(a, b)
