@@ -34,6 +34,7 @@ __all__ = [
     "cached_workspaces",
     "clear_workspaces",
     "check",
+    "MoE",
 ]
 __version__ = "0.1.0"
 
@@ -44,4 +45,8 @@ def __getattr__(name: str):
         from mok import workspace
 
         return getattr(workspace, name)
+    if name == "MoE":
+        from mok.module import MoE
+
+        return MoE
     raise AttributeError(f"module 'mok' has no attribute {name!r}")

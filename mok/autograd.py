@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from mok.errors import MoKUnsupportedError
+from mok.experts import _halves_of_one
 
 if TYPE_CHECKING:
     from mok.spec.config import MoKConfig
     from reference.weights import MoEWeights
 
-__all__ = ["moe"]
+__all__ = ["moe", "expert_backward"]
 
 _ROUTED = ("w_gate", "w_up", "w_down")
 _SHARED = ("shared_w_gate", "shared_w_up", "shared_w_down")
@@ -84,6 +85,35 @@ class _MoE(torch.autograd.Function):
         return (None,) * 6 + grads
 
 
+def expert_backward(recv, wg, wu, wd, offs, dy):
+    """The routed experts recomputed and differentiated: ``recv`` [R, H] rows grouped by expert
+    (``offs``: [L] group ends), weights w_gate / w_up [L, I, H], w_down [L, H, I], ``dy`` [R, H]
+    the gradient of the expert outputs. Returns (y, d_recv, d_w_gate, d_w_up, d_w_down); rows
+    past ``offs[-1]`` of y and d_recv are unspecified. Gate and up run as one GEMM where they are
+    the halves of one [L, 2I, H] tensor (mok.MoE's layout; their gradients are then views of
+    one [L, 2I, H] gradient), else one each."""
+    inter = wg.shape[1]
+    base = _halves_of_one(wg, wu)
+    gate_up = (wg, wu) if base is None else (base,)
+    leaves = [t.detach().requires_grad_() for t in (recv, *gate_up, wd)]
+    with torch.enable_grad():
+        a, ld = leaves[0], leaves[-1]
+        if base is None:
+            g = torch._grouped_mm(a, leaves[1].transpose(1, 2), offs=offs)
+            u = torch._grouped_mm(a, leaves[2].transpose(1, 2), offs=offs)
+        else:
+            gu = torch._grouped_mm(a, leaves[1].transpose(1, 2), offs=offs)
+            g, u = gu[:, :inter], gu[:, inter:]
+        h = (F.silu(g.float()) * u.float()).to(a.dtype)
+        y = torch._grouped_mm(h, ld.transpose(1, 2), offs=offs)
+        d_recv, *d_gate_up, d_wd = torch.autograd.grad(y, leaves, dy)
+    if base is None:
+        d_wg, d_wu = d_gate_up
+    else:
+        d_wg, d_wu = d_gate_up[0][:, :inter], d_gate_up[0][:, inter:]
+    return y.detach(), d_recv, d_wg, d_wu, d_wd
+
+
 def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group):
     from mok.functional import (
         _received_rows_bound,
@@ -123,17 +153,10 @@ def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, 
     # the experts, recomputed from x dispatched again, differentiated by torch
     recv = torch.where(valid[:, None], dispatch(x, sched)[:rows], 0)
     offs = sched.group_ends.clone()
-    leaves = [t.detach().requires_grad_() for t in (recv, wg, wu, wd)]
-    with torch.enable_grad():
-        a, lg, lu, ld = leaves
-        g = torch._grouped_mm(a, lg.transpose(1, 2), offs=offs)
-        u = torch._grouped_mm(a, lu.transpose(1, 2), offs=offs)
-        h = (F.silu(g.float()) * u.float()).to(torch.bfloat16)
-        y = torch._grouped_mm(h, ld.transpose(1, 2), offs=offs)
-        d_recv, d_wg, d_wu, d_wd = torch.autograd.grad(y, leaves, dy)
+    y, d_recv, d_wg, d_wu, d_wd = expert_backward(recv, wg, wu, wd, offs, dy)
     # router weights: <dY_out[t], y[t, k]> of the token's receive row (one rank: all local)
     dst = sched.dst_index.long()
-    d_topk = (g_out.float()[:, None, :] * y.detach()[dst].float()).sum(-1)
+    d_topk = (g_out.float()[:, None, :] * y[dst].float()).sum(-1)
     d_topk = d_topk.to(topk_weights.dtype)
     # the shared expert
     dx_shared, d_shared = None, (None, None, None)

@@ -141,3 +141,34 @@ def test_without_grad_it_is_moe_forward():
     a = mf.moe(x, idx, tw, w, shape.num_experts, cfg)
     b = mf.moe_forward(x, idx, tw, w, shape.num_experts, cfg)
     assert not a.requires_grad and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_module_on_cuda_is_the_functional_layer():
+    """mok.MoE on its fused [L, 2I, H] Parameters gives the functional layer's output and
+    gradients, bitwise (both halves' gradients land in gate_up)."""
+    import mok
+
+    shape, n, skew = CASES[0]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=7)
+    out, want = _mok_grads(shape, x, idx, tw, w, grad_out)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+    m = mok.MoE.from_weights(
+        shape.num_experts,
+        torch.cat([w.w_gate, w.w_up], 1).clone(),
+        w.w_down.clone(),
+        torch.cat([w.shared_w_gate, w.shared_w_up], 0).clone(),
+        w.shared_w_down.clone(),
+        config=cfg,
+    )
+    xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
+    got = m(xs, idx, tws)
+    got.backward(grad_out)
+    assert torch.equal(got.detach(), out)
+    assert torch.equal(xs.grad, want["dx"]) and torch.equal(tws.grad, want["d_topk_weights"])
+    assert torch.equal(m.gate_up.grad, torch.cat([want["dw_gate"], want["dw_up"]], 1))
+    assert torch.equal(m.down.grad, want["dw_down"])
+    assert torch.equal(
+        m.shared_gate_up.grad, torch.cat([want["d_shared_w_gate"], want["d_shared_w_up"]], 0)
+    )

@@ -1,0 +1,193 @@
+"""``mok.MoE``: the layer as an ``nn.Module`` that owns this rank's routed experts and the shared
+expert as Parameters and takes its routing (``topk_idx`` / ``topk_weights``) from any router.
+
+Weights are held fused: ``gate_up`` ``[L, 2I, H]`` (the I gate rows, then the I up rows, the
+``nn.Linear`` layout of each; HF transformers' and torchtitan's fused layout) and ``down``
+``[L, H, I]``; :meth:`MoE.from_weights` wraps tensors of that layout without copying them. The
+layer sees them as :class:`reference.weights.MoEWeights` views (:meth:`MoE.weights`), so the
+gradients of both halves land in ``gate_up``.
+
+On a CUDA device the forward is :func:`mok.functional.moe` (mok's kernels, differentiable);
+elsewhere it is the reference layer (:func:`reference.moe.moe_forward` in fp32 or fp64, which
+autograd differentiates), so a model built on the module runs and tests on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mok.errors import MoKInputError
+from mok.spec.config import MoKConfig
+from reference.weights import MoEWeights
+
+__all__ = ["MoE"]
+
+
+class MoE(nn.Module):
+    """This rank's experts of an MoE layer.
+
+    Args:
+        num_experts: the global expert count; this rank holds ``num_experts / ranks`` of them
+            (``num_local_experts``; all of them without a process group).
+        hidden, intermediate: the model and expert sizes.
+        shared_intermediate: the shared expert's intermediate size (0: none).
+        num_local_experts: the experts of this rank (default: all; under expert parallelism
+            ``num_experts`` / the group's size).
+        config: the :class:`mok.MoKConfig` (or dict / JSON path) of the CUDA path.
+        group: the expert-parallel process group (None: one rank).
+        fused: run the fused forward kernel on Hopper (the backward is the same).
+        dtype, device: of the Parameters (bf16 for the CUDA path).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        shared_intermediate: int = 0,
+        *,
+        num_local_experts: int | None = None,
+        config: MoKConfig | dict | str | Path | None = None,
+        group=None,
+        fused: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        local = num_experts if num_local_experts is None else num_local_experts
+        for name, v in (
+            ("num_experts", num_experts),
+            ("hidden", hidden),
+            ("intermediate", intermediate),
+            ("num_local_experts", local),
+        ):
+            if not isinstance(v, int) or v < 1:
+                raise MoKInputError(f"{name} must be a positive int (found {v!r})")
+        if num_experts % local:
+            raise MoKInputError(
+                f"num_local_experts={local} must divide num_experts={num_experts} (experts are "
+                "split evenly over the ranks)"
+            )
+        if not isinstance(shared_intermediate, int) or shared_intermediate < 0:
+            raise MoKInputError(
+                f"shared_intermediate must be an int >= 0 ({shared_intermediate!r})"
+            )
+        kw = {"dtype": dtype, "device": device}
+        self.num_experts, self.config, self.group, self.fused = num_experts, config, group, fused
+        self.gate_up = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, **kw))
+        self.down = nn.Parameter(torch.empty(local, hidden, intermediate, **kw))
+        if shared_intermediate:
+            self.shared_gate_up = nn.Parameter(torch.empty(2 * shared_intermediate, hidden, **kw))
+            self.shared_down = nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))
+        else:
+            self.shared_gate_up = self.shared_down = None
+        self.reset_parameters()
+
+    @classmethod
+    def from_weights(
+        cls,
+        num_experts: int,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        shared_gate_up: torch.Tensor | None = None,
+        shared_down: torch.Tensor | None = None,
+        **kw,
+    ) -> MoE:
+        """A module on existing weights, not copied: ``gate_up`` ``[L, 2I, H]``, ``down``
+        ``[L, H, I]``, optional ``shared_gate_up`` ``[2Is, H]`` / ``shared_down`` ``[H, Is]``
+        (the module's Parameters share their storage). ``kw``: config, group, fused."""
+        if gate_up.ndim != 3 or gate_up.shape[1] % 2 or down.ndim != 3:
+            raise MoKInputError(
+                f"gate_up must be [L, 2I, H] and down [L, H, I] (found {tuple(gate_up.shape)} and "
+                f"{tuple(down.shape)})"
+            )
+        local, two_i, hidden = gate_up.shape
+        if tuple(down.shape) != (local, hidden, two_i // 2):
+            raise MoKInputError(
+                f"down must be [L={local}, H={hidden}, I={two_i // 2}] for gate_up "
+                f"{tuple(gate_up.shape)} (found {tuple(down.shape)})"
+            )
+        if (shared_gate_up is None) != (shared_down is None):
+            raise MoKInputError("give both shared-expert weights or neither")
+        si = 0 if shared_gate_up is None else shared_gate_up.shape[0] // 2
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.num_experts = num_experts
+        m.config, m.group, m.fused = kw.get("config"), kw.get("group"), kw.get("fused", False)
+        m.gate_up = gate_up if isinstance(gate_up, nn.Parameter) else nn.Parameter(gate_up)
+        m.down = down if isinstance(down, nn.Parameter) else nn.Parameter(down)
+        if si:
+            if tuple(shared_gate_up.shape) != (2 * si, hidden) or tuple(shared_down.shape) != (
+                hidden,
+                si,
+            ):
+                raise MoKInputError(
+                    f"shared_gate_up must be [2Is, H={hidden}] and shared_down [H, Is] (found "
+                    f"{tuple(shared_gate_up.shape)} and {tuple(shared_down.shape)})"
+                )
+            m.shared_gate_up = nn.Parameter(shared_gate_up)
+            m.shared_down = nn.Parameter(shared_down)
+        else:
+            m.shared_gate_up = m.shared_down = None
+        if num_experts % local:
+            raise MoKInputError(f"{local} local experts do not divide num_experts={num_experts}")
+        return m
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init of each expert matrix (uniform, bound 1 / sqrt(fan_in))."""
+        with torch.no_grad():
+            for p in (self.gate_up, self.down, self.shared_gate_up, self.shared_down):
+                if p is not None:
+                    bound = 1.0 / math.sqrt(p.shape[-1])
+                    p.uniform_(-bound, bound)
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate_up.shape[1] // 2
+
+    def weights(self) -> MoEWeights:
+        """The layer's weights as views of the Parameters (no copy)."""
+        i = self.intermediate
+        shared = {}
+        if self.shared_gate_up is not None:
+            si = self.shared_gate_up.shape[0] // 2
+            shared = {
+                "shared_w_gate": self.shared_gate_up[:si],
+                "shared_w_up": self.shared_gate_up[si:],
+                "shared_w_down": self.shared_down,
+            }
+        return MoEWeights(self.gate_up[:, :i], self.gate_up[:, i:], self.down, **shared)
+
+    def forward(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """[num_tokens, hidden] -> [num_tokens, hidden] (x's dtype): shared(x) + the k routed
+        experts' outputs weighted by topk_weights; topk_idx holds global expert ids."""
+        if x.is_cuda:
+            from mok.functional import moe
+
+            return moe(
+                x, topk_idx, topk_weights, self.weights(), self.num_experts, self.config,
+                self.group, self.fused,
+            )  # fmt: skip
+        from reference.moe import moe_forward
+
+        if self.gate_up.shape[0] != self.num_experts:
+            raise MoKInputError(
+                f"off CUDA the module runs the reference layer on one device, which needs all "
+                f"{self.num_experts} experts (this rank holds {self.gate_up.shape[0]})"
+            )
+        mode = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return moe_forward(x, topk_idx, topk_weights, self.weights(), mode).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        local, two_i, hidden = self.gate_up.shape
+        si = 0 if self.shared_gate_up is None else self.shared_gate_up.shape[0] // 2
+        return (
+            f"num_experts={self.num_experts}, local={local}, hidden={hidden}, "
+            f"intermediate={two_i // 2}, shared_intermediate={si}, fused={self.fused}"
+        )

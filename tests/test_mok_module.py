@@ -1,0 +1,85 @@
+"""``mok.MoE`` off CUDA: the reference layer on the module's fused-layout Parameters, gradients
+by autograd (gradcheck in fp64), weights wrapped without copies, clear errors. The CUDA path is
+checked in tests/test_mok_autograd_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok
+from mok import MoKInputError
+from mok.spec.workload import make_routing
+from reference.moe import moe_forward
+
+E, H, INTER, IS, K, N = 6, 16, 8, 12, 2, 9
+
+
+def _routing(n=N, seed=0):
+    t = make_routing(n, E, K, 1, "zipf:1.0", seed=seed)
+    return torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights).double()
+
+
+@pytest.mark.parametrize("shared", [0, IS])
+def test_forward_is_the_reference_on_views_of_the_parameters(shared):
+    torch.manual_seed(0)
+    m = mok.MoE(E, H, INTER, shared, dtype=torch.float64)
+    idx, tw = _routing()
+    x = torch.randn(N, H, dtype=torch.float64)
+    w = m.weights()
+    assert w.w_gate.data_ptr() == m.gate_up.data_ptr()  # views, no copy
+    assert w.w_up.data_ptr() == m.gate_up.data_ptr() + INTER * H * 8
+    assert torch.equal(m(x, idx, tw), moe_forward(x, idx, tw, w, torch.float64))
+
+
+@pytest.mark.parametrize("shared", [0, IS])
+def test_gradcheck_fp64(shared):
+    torch.manual_seed(1)
+    m = mok.MoE(E, H, INTER, shared, dtype=torch.float64)
+    idx, tw = _routing(seed=1)
+    x = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    names = [n for n, _ in m.named_parameters()]
+    leaves = [p.detach().clone().requires_grad_(True) for _, p in m.named_parameters()]
+
+    def f(x, tw, *ps):
+        return torch.func.functional_call(m, dict(zip(names, ps, strict=True)), (x, idx, tw))
+
+    assert torch.autograd.gradcheck(f, (x, tw.requires_grad_(True), *leaves), eps=1e-6, atol=1e-8)
+
+
+def test_gradients_land_in_the_fused_parameters():
+    torch.manual_seed(2)
+    m = mok.MoE(E, H, INTER, IS, dtype=torch.float64)
+    idx, tw = _routing(seed=2)
+    x = torch.randn(N, H, dtype=torch.float64)
+    m(x, idx, tw).square().sum().backward()
+    w = m.weights()
+    ref = {k: v.detach().clone().requires_grad_(True) for k, v in vars(w).items()}
+    moe_forward(x, idx, tw, type(w)(**ref), torch.float64).square().sum().backward()
+    assert torch.equal(m.gate_up.grad, torch.cat([ref["w_gate"].grad, ref["w_up"].grad], 1))
+    assert torch.equal(m.down.grad, ref["w_down"].grad)
+    assert torch.equal(
+        m.shared_gate_up.grad, torch.cat([ref["shared_w_gate"].grad, ref["shared_w_up"].grad], 0)
+    )
+
+
+def test_from_weights_shares_storage_and_checks_shapes():
+    gu = torch.randn(E, 2 * INTER, H, dtype=torch.float64)
+    dn = torch.randn(E, H, INTER, dtype=torch.float64)
+    m = mok.MoE.from_weights(E, gu, dn)
+    assert m.gate_up.data_ptr() == gu.data_ptr() and m.down.data_ptr() == dn.data_ptr()
+    with pytest.raises(MoKInputError, match=r"down must be \[L=6, H=16, I=8\]"):
+        mok.MoE.from_weights(E, gu, dn.transpose(1, 2))
+    with pytest.raises(MoKInputError, match="both shared-expert weights or neither"):
+        mok.MoE.from_weights(E, gu, dn, shared_gate_up=torch.randn(2 * IS, H))
+    with pytest.raises(MoKInputError, match="must divide num_experts"):
+        mok.MoE(E, H, INTER, num_local_experts=4)
+    with pytest.raises(MoKInputError, match="hidden must be a positive int"):
+        mok.MoE(E, 0, INTER)
+
+
+def test_local_experts_need_cuda():
+    m = mok.MoE(E, H, INTER, num_local_experts=3, dtype=torch.float64)
+    idx, tw = _routing()
+    with pytest.raises(MoKInputError, match="needs all 6 experts"):
+        m(torch.randn(N, H, dtype=torch.float64), idx, tw)
