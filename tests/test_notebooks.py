@@ -18,6 +18,7 @@ EXPECTED_TEXT = {
     "02_tuning.py": "MoKConfig.from_json reads back",
     "03_sim_vs_kernel.py": "Targets met:",
     "04_scaling.py": "layer time at",
+    "05_training.py": "Loss curves:",
 }
 
 
