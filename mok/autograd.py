@@ -55,7 +55,7 @@ def moe(
     gives gradients for x (bf16), topk_weights (its dtype) and every weight tensor of
     ``weights`` (their dtype). The backward runs at one rank (MoKUnsupportedError at more).
     """
-    from mok.functional import moe_forward
+    from mok.layer import moe_forward
 
     shared = [getattr(weights, n, None) for n in _SHARED]
     tensors = [x, topk_weights, *(getattr(weights, n) for n in _ROUTED), *shared]
@@ -67,7 +67,7 @@ def moe(
 class _MoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, topk_idx, weights, num_experts, config, group, fused, *tensors):
-        from mok.functional import moe_forward
+        from mok.layer import moe_forward
 
         out = moe_forward(
             tensors[0], topk_idx, tensors[1], weights, num_experts, config, group, fused
@@ -115,14 +115,9 @@ def expert_backward(recv, wg, wu, wd, offs, dy):
 
 
 def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group):
-    from mok.functional import (
-        _received_rows_bound,
-        as_config,
-        build_schedule,
-        combine,
-        dispatch,
-        unfused_config,
-    )
+    from mok.comm import combine, dispatch
+    from mok.layer import _received_rows_bound, as_config, unfused_config
+    from mok.schedule import build_schedule
     from mok.workspace import get_workspace
 
     wg, wu, wd = routed

@@ -1,0 +1,190 @@
+"""The MoE layer's forward composed from mok's stages (:func:`moe_forward`) and the config
+helpers it runs under (:func:`as_config`, :func:`unfused_config`). Its public namespace is
+:mod:`mok.functional`, which documents the calls' asynchrony and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mok.comm import combine, dispatch
+from mok.errors import MoKInputError
+from mok.experts import dense_swiglu, grouped_swiglu
+from mok.fused import forward
+from mok.schedule import build_schedule
+from mok.spec.config import MAX_COMM_SMS, MoKConfig
+from mok.workspace import get_workspace
+
+if TYPE_CHECKING:
+    from reference.weights import MoEWeights
+
+__all__ = ["UNFUSED_ROW_TILE", "as_config", "moe_forward", "unfused_config"]
+
+
+def as_config(config: MoKConfig | dict | str | Path | None) -> MoKConfig:
+    """A :class:`MoKConfig` from itself, a dict, a JSON string or a JSON file path.
+
+    Args:
+        config: a :class:`MoKConfig` (returned as it is); a dict, a JSON string or the path of a
+            JSON file in the ``{"format": "mok-config/1", "config": {...}}`` form of
+            :meth:`MoKConfig.to_dict` (the file ``mok-sim tune --emit-config`` writes); or None
+            for the defaults.
+
+    Returns:
+        The :class:`MoKConfig` (frozen).
+
+    Raises:
+        MoKConfigError: a malformed source: empty, of another type, a missing file or a
+            directory, text that is not a JSON object, unknown keys, or fields of the wrong type
+            or out of range.
+    """
+    if config is None:
+        return MoKConfig()
+    if isinstance(config, MoKConfig):
+        return config
+    return MoKConfig.from_json(config)
+
+
+# Expert regions of the unfused path are padded to this many rows: its grouped GEMMs compute
+# the padding rows too, and 16 keeps them to a few percent (128, the fused layer's tile, adds
+# ~25 % at 256 rows per expert).
+UNFUSED_ROW_TILE = 16
+
+
+def unfused_config(config: MoKConfig, num_sms: int) -> MoKConfig:
+    """The config :func:`moe_forward` runs its unfused path with: ``config`` with every SM of the
+    GPU given to the communication kernels (nothing runs beside them in this path;
+    ``num_comm_sms`` sizes the fused layer's split) and expert regions padded to
+    :data:`UNFUSED_ROW_TILE` rows when ``config.row_tile`` is larger.
+
+    Args:
+        config: the caller's config (the same on every rank).
+        num_sms: the GPU's SM count (capped at the kernels' limit, ``MAX_COMM_SMS``).
+
+    Returns:
+        A :class:`MoKConfig` (``config`` itself when nothing changes).
+    """
+    sms = min(int(num_sms), MAX_COMM_SMS)
+    row_tile = min(config.row_tile, UNFUSED_ROW_TILE)
+    if (config.num_comm_sms, config.row_tile) == (sms, row_tile):
+        return config
+    return dataclasses.replace(config, num_comm_sms=sms, row_tile=row_tile)
+
+
+def _received_rows_bound(ws, num_tokens: int) -> int:
+    """An upper bound, known on the host, of the receive rows a call fills (the schedule's
+    padded row count lives on the device): at one rank this call's ``num_tokens * num_topk``
+    routed rows plus each expert region's padding; with peers the workspace's capacity (a
+    peer may send up to its own ``max_tokens``)."""
+    if ws.num_ranks > 1:
+        return ws.capacity
+    k, rt = ws.shapes.num_topk, ws.config.row_tile
+    return min(ws.capacity, num_tokens * k + ws.num_local_experts * (rt - 1))
+
+
+def moe_forward(
+    x: torch.Tensor,  # [num_tokens, hidden] bf16
+    topk_idx: torch.Tensor,  # [num_tokens, num_topk] int
+    topk_weights: torch.Tensor,  # [num_tokens, num_topk] float
+    weights: MoEWeights,  # w_gate/w_up [L, I, H], w_down [L, H, I] bf16; optional shared_w_*
+    num_experts: int,
+    config: MoKConfig | dict | str | Path | None = None,
+    group=None,
+    fused: bool = False,
+) -> torch.Tensor:
+    """The MoE layer on this rank: schedule, dispatch, grouped SwiGLU experts, combine.
+
+    Collective over ``group``. The workspace of this shape and config is created (collectively)
+    on first use and cached (:func:`mok.get_workspace`).
+
+    Args:
+        x: [num_tokens, hidden] bf16, this rank's tokens (0..max_tokens of them; ranks may
+            differ).
+        topk_idx: [num_tokens, num_topk] int32 or int64, global expert ids in
+            ``[0, num_experts)``, distinct within a token.
+        topk_weights: [num_tokens, num_topk] float, the routing weights.
+        weights: this rank's experts (:class:`reference.weights.MoEWeights`), bf16 on x's
+            device: w_gate / w_up [L, I, H] and w_down [L, H, I] with
+            ``L = num_experts / num_ranks``; optional shared_w_gate / shared_w_up [Is, H] and
+            shared_w_down [H, Is].
+        num_experts: the global expert count, divisible by the number of ranks.
+        config: see :func:`as_config`; the same on every rank.
+        group: the process group of the expert-parallel ranks; None: the default group (one
+            rank without torch.distributed).
+        fused: run :func:`forward` (one kernel; Hopper); else the communication kernels with
+            ``torch._grouped_mm`` experts (:mod:`mok.experts`), under :func:`unfused_config`.
+
+    Returns:
+        [num_tokens, hidden] bf16 = shared(x) + sum_k w_k expert_k(x), a new tensor.
+
+    Raises:
+        MoKInputError: x, topk_idx, topk_weights or the routed weights of the wrong shape,
+            dtype or device; num_experts not divisible by the number of ranks; shapes or config
+            that differ between ranks when the workspace is created; too many cached
+            workspaces.
+        MoKConfigError: a malformed config.
+        MoKUnsupportedError: ``fused=True`` with a GPU, config or shapes the fused layer does
+            not run (see :func:`forward`); more ranks than mok supports; a call inside a CUDA
+            graph capture.
+        MoKCapacityError: more tokens than the workspace's max_tokens (here, and on the other
+            ranks at their next mok call); a receive buffer too small for the routing (found on
+            the device, raised by the next mok call or :func:`mok.check`).
+        MoKInputError, MoKCapacityError, MoKTimeoutError: an error a kernel recorded on the
+            device (see the module docstring), raised by this call when an earlier one
+            recorded it.
+    """
+    config = as_config(config)
+    if not fused and x.is_cuda:
+        config = unfused_config(
+            config, torch.cuda.get_device_properties(x.device).multi_processor_count
+        )
+    if x.ndim != 2 or x.dtype != torch.bfloat16:
+        raise MoKInputError(
+            f"x must be [num_tokens, hidden] bf16 (found {tuple(x.shape)} {x.dtype})"
+        )
+    if topk_idx.ndim != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise MoKInputError(
+            f"topk_idx must be [num_tokens={x.shape[0]}, num_topk] (found {tuple(topk_idx.shape)})"
+        )
+    wg, wu, wd = weights.w_gate, weights.w_up, weights.w_down
+    for name, t in (("w_gate", wg), ("w_up", wu), ("w_down", wd)):
+        if t.dtype != torch.bfloat16 or t.device != x.device:
+            raise MoKInputError(
+                f"weights.{name} must be bf16 on {x.device} (found {t.dtype} on {t.device})"
+            )
+    if wg.shape[2] != x.shape[1]:
+        raise MoKInputError(f"x has hidden={x.shape[1]} but w_gate has hidden={wg.shape[2]}")
+    ws = get_workspace(
+        x.shape[0],
+        x.shape[1],
+        topk_idx.shape[1],
+        num_experts,
+        x.dtype,
+        config,
+        group,
+        x.device,
+        fused=fused,
+    )
+    if wg.shape[0] != ws.num_local_experts:
+        raise MoKInputError(
+            f"rank {ws.rank} holds {wg.shape[0]} experts, expected num_experts / num_ranks = "
+            f"{ws.num_local_experts}"
+        )
+    sched = build_schedule(topk_idx, topk_weights, ws)
+    if fused:
+        return forward(x, sched, weights)
+    recv = dispatch(x, sched)
+    rows = _received_rows_bound(ws, x.shape[0])
+    # NOTE: checked on the device (no synchronisation): SwiGLU leaves rows past the bound
+    # unwritten, so a wrong bound must stop the call rather than feed garbage to the combine.
+    torch._assert_async(sched.group_ends[-1] <= rows, "mok: receive rows past the host bound")
+    y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends, exact=False, rows=rows)  # [capacity, H]
+    shared_y = None
+    if getattr(weights, "shared_w_gate", None) is not None:
+        shared_y = dense_swiglu(
+            x, weights.shared_w_gate, weights.shared_w_up, weights.shared_w_down, exact=False
+        )
+    return combine(y, sched, shared_y=shared_y)
