@@ -47,6 +47,8 @@ BATCH, SEQ, STEPS, LR, SEED = 8, 32, 150, 3e-3, 0
 # realistic size use e.g. HIDDEN = 2048, EXPERTS = 64, INTER = 768, BATCH x SEQ = 4096 on a GPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+if DEVICE == "cpu":
+    torch.set_num_threads(1)  # a tiny model: threads only add overhead (and contend with others)
 
 
 # %% [markdown]
