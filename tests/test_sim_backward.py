@@ -10,8 +10,15 @@ import pytest
 
 from sim.app.cli import main
 from sim.config import SimConfig, Workload
-from sim.layer.backward import BackwardBuilder, backward_config, forward_backward
-from sim.layer.model import LayerBuilder, kernel_knobs, plan_for, simulate
+from sim.layer.backward import backward_config
+from sim.layer.model import (
+    BackwardBuilder,
+    LayerBuilder,
+    forward_backward,
+    kernel_knobs,
+    plan_for,
+    simulate,
+)
 
 # H = 2048, I = 768: every GEMM dimension a multiple of the 128 x 256 tile, so equal FLOPs are
 # equal tile time; 64 tokens x 8 experts over 128 experts fit one round of 32768 rows

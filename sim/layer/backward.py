@@ -45,12 +45,16 @@ from sim.config import SimConfig, Workload
 from sim.core.engine import Graph
 from sim.core.gemm import reduce_us
 from sim.core.gemm_waves import GemmSpec, gemm_spec, round_times
-from sim.layer.model import BACKWARD_ROLES, LayerBuilder, plan_for, simulate_many
 from sim.layer.plan import RoutingPlan
 from sim.layer.policies import DedupPullDispatch, PullDispatch, PushCombine
 from sim.layer.results import LayerResult
 
-__all__ = ["BackwardBuilder", "forward_backward", "backward_config"]
+__all__ = ["BackwardPass", "BACKWARD_ROLES", "backward_config"]
+
+# the phases whose comm rates a kernel profile sets in the backward (sim.layer.model.
+# kernel_knobs): the reverse combine (a pull, in the dispatch's place before the GEMMs) and the
+# reverse dispatch (a push, in the combine's)
+BACKWARD_ROLES = ("rev_combine", "rev_dispatch")
 
 
 def backward_config(cfg: SimConfig, recompute: bool | None = None) -> SimConfig:
@@ -59,8 +63,11 @@ def backward_config(cfg: SimConfig, recompute: bool | None = None) -> SimConfig:
     return cfg.replace(direction="backward", recompute=rc)
 
 
-class BackwardBuilder(LayerBuilder):
-    """Builds the backward task graph (module docstring) with the forward builder's helpers."""
+class BackwardPass:
+    """The backward's part of :class:`sim.layer.model.BackwardBuilder` (``BackwardPass`` before
+    the forward's ``LayerBuilder`` in its bases): builds the backward task graph (module
+    docstring) with the forward builder's helpers. A mixin, so that this module does not import
+    the layer model (which picks the builder by the config's direction)."""
 
     roles = BACKWARD_ROLES
 
@@ -235,17 +242,3 @@ class BackwardBuilder(LayerBuilder):
         result.wgrad_us = float(np.mean(spans)) if spans else 0.0
         result.wgrad_tail_us = max(tails, default=0.0)
         return result
-
-
-def forward_backward(
-    wl: Workload, cfg: SimConfig | None = None, plan: RoutingPlan | None = None
-) -> tuple[LayerResult, LayerResult]:
-    """(forward, backward) of ``cfg`` (its direction and ``recompute`` say nothing about the
-    forward; the backward keeps ``cfg.recompute``): a training step's two passes of the layer,
-    each simulated alone (other layers run between them)."""
-    cfg = cfg or SimConfig()
-    fwd = cfg.replace(direction="forward", recompute=False)
-    bwd = backward_config(cfg)
-    plan = plan or plan_for(wl, cfg.row_tile)
-    f, b = simulate_many(wl, [fwd, bwd], plan)
-    return f, b

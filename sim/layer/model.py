@@ -26,9 +26,10 @@ loops, so their per-SM efficiency carries over; the standalone kernels' per-call
 fill/drain, host floor, handshakes) do not, since the megakernel is one launch whose signalling
 the layer already models.
 
-The backward (``SimConfig.direction="backward"``, opt-in) is :class:`sim.layer.backward.
-BackwardBuilder`, a subclass with its own rounds (reverse-combine pull, dgrad GEMMs,
-reverse-dispatch push, weight gradients at the end) built with the same helpers;
+The backward (``SimConfig.direction="backward"``, opt-in) is :class:`BackwardBuilder`, this
+builder with the backward's part (:class:`sim.layer.backward.BackwardPass`): its own rounds
+(reverse-combine pull, dgrad GEMMs, reverse-dispatch push, weight gradients at the end) built
+with the same helpers;
 :func:`simulate` and :func:`simulate_many` pick the builder by the config's direction.
 :data:`PASSES` lists the passes.
 """
@@ -50,6 +51,7 @@ from sim.core.engine import DELAY, Graph, run_graph
 from sim.core.gemm import reduce_us
 from sim.core.gemm_waves import GemmWaves, gemm_spec, load_kernel_waves, round_times
 from sim.core.transfer import Rates, TransferBuilder
+from sim.layer.backward import BACKWARD_ROLES, BackwardPass, backward_config
 from sim.layer.plan import RoutingPlan
 from sim.layer.policies import get_combine, get_dispatch
 from sim.layer.results import LayerResult
@@ -66,6 +68,8 @@ __all__ = [
     "ROLES",
     "BACKWARD_ROLES",
     "builder_class",
+    "BackwardBuilder",
+    "forward_backward",
 ]
 
 PASSES = DIRECTIONS
@@ -74,9 +78,6 @@ PASSES = DIRECTIONS
 # -- measured kernel efficiency (opt-in) --------------------------------------------------------
 # The transfers of the layer, by the ``phase`` the policies pass to LayerBuilder.transfer.
 ROLES = ("dispatch", "combine")
-# the same for the backward's transfers (sim.layer.backward): the reverse combine (a pull, in
-# the dispatch's place before the GEMMs) and the reverse dispatch (a push, in the combine's)
-BACKWARD_ROLES = ("rev_combine", "rev_dispatch")
 # SimConfig.mechanism -> engine label of the kernel profile's knobs (and back to probe curves)
 _ENGINE_OF_MECH = {"tma": "tma", "st": "vector"}
 
@@ -488,14 +489,27 @@ def simulate(
     return next(simulate_many(wl, [cfg or SimConfig()], plan, record_links))
 
 
-def builder_class(cfg: SimConfig) -> type[LayerBuilder]:
-    """The builder of ``cfg``'s pass: :class:`LayerBuilder` for the forward, :class:`sim.layer.
-    backward.BackwardBuilder` for the backward."""
-    if cfg.direction == "backward":
-        from sim.layer.backward import BackwardBuilder  # its module builds on this one
+class BackwardBuilder(BackwardPass, LayerBuilder):
+    """Builds the backward task graph (:mod:`sim.layer.backward`) with this module's helpers."""
 
-        return BackwardBuilder
-    return LayerBuilder
+
+def builder_class(cfg: SimConfig) -> type[LayerBuilder]:
+    """The builder of ``cfg``'s pass: :class:`LayerBuilder` for the forward,
+    :class:`BackwardBuilder` for the backward."""
+    return BackwardBuilder if cfg.direction == "backward" else LayerBuilder
+
+
+def forward_backward(
+    wl: Workload, cfg: SimConfig | None = None, plan: RoutingPlan | None = None
+) -> tuple[LayerResult, LayerResult]:
+    """(forward, backward) of ``cfg`` (its direction and ``recompute`` say nothing about the
+    forward; the backward keeps ``cfg.recompute``): a training step's two passes of the layer,
+    each simulated alone (other layers run between them)."""
+    cfg = cfg or SimConfig()
+    fwd = cfg.replace(direction="forward", recompute=False)
+    plan = plan or plan_for(wl, cfg.row_tile)
+    f, b = simulate_many(wl, [fwd, backward_config(cfg)], plan)
+    return f, b
 
 
 def _structure_key(cfg: SimConfig) -> SimConfig:
