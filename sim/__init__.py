@@ -30,7 +30,8 @@ tests/test_sim_imports.py checks it):
 * :mod:`sim.layer`: the layer: MoK's receive layout (expert regions padded to the row tile,
   sources interleaved round-robin) reduced to rows per (destination, round, source)
   (:mod:`sim.layer.plan`), push / pull / dedup-pull dispatch and push / pull combine
-  (:mod:`sim.layer.policies`), the layer's task graph (:mod:`sim.layer.model`), records, CSV and
+  (:mod:`sim.layer.policies`), the layer's task graph (:mod:`sim.layer.model`; the backward's:
+  :mod:`sim.layer.backward`), records, CSV and
   breakdown (:mod:`sim.layer.results`), grids, sweeps, comparison and tuner
   (:mod:`sim.layer.sweep`);
 * :mod:`sim.fused`: the fused layer kernel against measurements (``mok-sim validate`` on layer
@@ -75,8 +76,11 @@ efficiency fitted on NV18 holds for NVSwitch ports and NVLink5; per-SM comm rate
 inter-domain bytes at no comm-SM cost over a non-blocking fabric; a transfer of a minibatch is
 one flow whose bytes split over the peers in proportion to their rows (``flow_granularity=
 "round"``; ``"peer"`` gives one flow per peer: slower, used to check the aggregate); dedup
-combine folds rank-local rows into an fp32 partial (``dedup_accumulate_bytes_per_elem``); only
-the forward pass is modelled (:data:`sim.layer.model.PASSES`).
+combine folds rank-local rows into an fp32 partial (``dedup_accumulate_bytes_per_elem``). The
+forward is the default pass; ``SimConfig(direction="backward")`` builds the backward instead
+(:mod:`sim.layer.backward`: pull reverse combine, dgrad rounds, push reverse dispatch, weight
+gradients at the end; :data:`sim.layer.model.PASSES`), at the forward's rates: no backward is
+measured yet.
 """
 
 from importlib import import_module

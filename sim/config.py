@@ -13,11 +13,14 @@ from mok.spec.config import DISPATCH_MODES as KERNEL_DISPATCH_MODES
 from mok.spec.workload import ModelShape, RoutingTrace, Skew, get_shape, make_routing
 from sim.core.topology import Topology, get_topology
 
-__all__ = ["Workload", "SimConfig", "DISPATCH_MODES", "COMBINE_MODES"]
+__all__ = ["Workload", "SimConfig", "DISPATCH_MODES", "COMBINE_MODES", "DIRECTIONS"]
 
 # the kernel's dispatch modes (mok.spec.config) in the order the simulator's sweeps, tables and
 # --help list them: the all-push baseline first
 DISPATCH_MODES = ("push", *(m for m in KERNEL_DISPATCH_MODES if m != "push"))
+# the passes of the layer the simulator builds a task graph for (SimConfig.direction); forward +
+# backward is the two results together (sim.layer.backward.forward_backward)
+DIRECTIONS = ("forward", "backward")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,16 @@ class SimConfig:
     # run at that kernel's k-loop efficiency, per-tile fixed cost and operand ceiling
     # (sim.fused.profile.FusedProfile.gemm_waves); read where it is used, not here
     gemm_profile: str | None = None
+    # the pass to simulate: "forward" (default) or "backward" (opt-in, sim.layer.backward: pull
+    # reverse combine of dY rows, dgrad GEMMs, push reverse dispatch of dX rows, weight gradients
+    # at the end; dispatch_mode / combine_mode keep naming the forward's policies, and only
+    # dedup_pull changes the backward: one dY row per (token, rank) plus local fan-out)
+    direction: str = "forward"
+    # backward only: recompute the forward's gate/up GEMM in every round (activations not saved)
+    recompute: bool = False
+    # backward only: the SwiGLU backward in the down dgrad's epilogue, HBM bytes per element of
+    # the intermediate (read the saved g, u in bf16: 4; write dG, dU in bf16: 4)
+    swiglu_bwd_bytes_per_elem: float = 8.0
 
     def __post_init__(self) -> None:
         if self.dispatch_mode not in DISPATCH_MODES:
@@ -139,6 +152,18 @@ class SimConfig:
             raise ValueError(
                 f"flow_granularity must be 'round' or 'peer' (found {self.flow_granularity!r})"
             )
+        if self.direction not in DIRECTIONS:
+            raise ValueError(
+                f"unknown direction {self.direction!r}; supported: {', '.join(DIRECTIONS)}"
+            )
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"recompute must be True or False (found {self.recompute!r})")
+        if self.recompute and self.direction != "backward":
+            raise ValueError("recompute=True applies to direction='backward' only")
+        if self.swiglu_bwd_bytes_per_elem < 0:
+            raise ValueError(
+                f"swiglu_bwd_bytes_per_elem must be >= 0 (found {self.swiglu_bwd_bytes_per_elem})"
+            )
 
     @property
     def ring_slots(self) -> int:
@@ -150,6 +175,8 @@ class SimConfig:
 
     def label(self) -> str:
         kp = f" kernels={self.kernel_profile}" if self.kernel_profile is not None else ""
+        if self.direction != "forward":
+            kp += f" {self.direction}{' recompute' if self.recompute else ''}"
         return (
             f"{self.dispatch_mode}/{self.combine_mode} sms={self.num_comm_sms} "
             f"mb={self.minibatch_size} ring={self.ring_slots}{kp}"
@@ -167,7 +194,8 @@ class SimConfig:
             dispatch_mode=self.dispatch_mode,
             combine_mode=self.combine_mode,
             num_comm_sms=self.num_comm_sms,
-            # NOTE: backward is not modelled yet; it reuses the forward split.
+            # one comm SM count for both passes: the simulator's backward (direction="backward")
+            # runs on the same split as the forward
             num_comm_sms_bwd=self.num_comm_sms,
             minibatch_size=self.minibatch_size,
             macrobatch_size=self.macrobatch_size,

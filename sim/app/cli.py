@@ -83,6 +83,21 @@ def _add_config(p: argparse.ArgumentParser, single: bool = True) -> None:
         g.add_argument("--sms", type=int_arg(1), default=24, help="communication SMs")
         g.add_argument("--minibatch", type=int_arg(1), default=4096, help="rows per rank per round")
         g.add_argument("--ring-slots", type=int_arg(1), default=4, help="macrobatch / minibatch")
+    g.add_argument(
+        "--pass",
+        dest="pass_",
+        default="fwd",
+        choices=("fwd", "bwd", "both") if single else ("fwd", "bwd"),
+        help="the layer pass to simulate: forward (default), backward (SimConfig.direction="
+        "'backward', sim.layer.backward)"
+        + (", or both (two tables and their sum)" if single else ""),
+    )
+    g.add_argument("--backward", action="store_true", help="same as --pass bwd")
+    g.add_argument(
+        "--recompute",
+        action="store_true",
+        help="backward: recompute the forward's gate/up GEMM per round (default: saved)",
+    )
     g.add_argument("--row-tile", type=int_arg(1), default=128)
     g.add_argument("--mechanism", default="tma", choices=("tma", "st"))
     g.add_argument("--dtype", default="bf16", choices=("bf16", "mxfp8"))
@@ -109,6 +124,16 @@ def _workload(a) -> Workload:
     return Workload(a.shape, a.tokens, a.ep, a.topology, a.skew, a.seed)
 
 
+def _passes(a) -> tuple[str, ...]:
+    """The passes the command line asks for: ("fwd",), ("bwd",) or ("fwd", "bwd")."""
+    p = "bwd" if getattr(a, "backward", False) else getattr(a, "pass_", "fwd")
+    if getattr(a, "backward", False) and getattr(a, "pass_", "fwd") not in ("fwd", "bwd"):
+        raise ValueError(f"--backward contradicts --pass {a.pass_}")
+    if getattr(a, "recompute", False) and p == "fwd":
+        raise ValueError("--recompute applies to the backward: add --pass bwd (or both)")
+    return ("fwd", "bwd") if p == "both" else (p,)
+
+
 def _base_config(a, single: bool = True) -> SimConfig:
     kw = {
         "row_tile": a.row_tile,
@@ -117,6 +142,8 @@ def _base_config(a, single: bool = True) -> SimConfig:
         "flow_granularity": a.granularity,
         "kernel_profile": a.kernel_profile,
         "gemm_profile": a.gemm_profile,
+        "direction": "backward" if _passes(a) == ("bwd",) else "forward",
+        "recompute": bool(a.recompute) and _passes(a) == ("bwd",),
     }
     if single:
         kw.update(
@@ -155,6 +182,24 @@ def format_table(results, title: str = "") -> str:
             f"{b['exposed_comm_us']:>9.1f}{b['signalling_us']:>8.1f}{sig:>9.1f}"
             f"{100 * r.compute_idle_frac:>6.1f}%{util:>10}"
             f"{r.payload_bytes['nvlink'] / r.workload.ep / 1e6:>12.1f}"
+        )
+    return "\n".join(lines)
+
+
+def format_sum_table(fwd, bwd, title: str = "") -> str:
+    """Forward, backward and their sum per policy (``fwd`` / ``bwd``: LayerResults in the same
+    policy order), with the exposed communication of each (:mod:`sim.layer.results`)."""
+    head = (
+        f"{'dispatch/combine':<18}{'fwd us':>10}{'bwd us':>10}{'sum us':>10}{'fwd exp':>9}"
+        f"{'bwd exp':>9}{'sum exp':>9}{'wgrad tail':>11}"
+    )
+    lines = [title, head, "-" * len(head)] if title else [head, "-" * len(head)]
+    for f, b in zip(fwd, bwd, strict=True):
+        ef, eb = f.breakdown["exposed_comm_us"], b.breakdown["exposed_comm_us"]
+        lines.append(
+            f"{f.config.dispatch_mode + '/' + f.config.combine_mode:<18}{f.layer_us:>10.1f}"
+            f"{b.layer_us:>10.1f}{f.layer_us + b.layer_us:>10.1f}{ef:>9.1f}{eb:>9.1f}"
+            f"{ef + eb:>9.1f}{b.wgrad_tail_us:>11.1f}"
         )
     return "\n".join(lines)
 
@@ -229,8 +274,20 @@ def _cmd_compare(a) -> int:
     from sim.layer.sweep import compare
 
     wl, base = _workload(a), _base_config(a)
-    res = compare(wl, base)
-    print(format_table(res, f"{wl.label()}  ({base.label().split(' ', 1)[1]})"))
+    if _passes(a) == ("fwd", "bwd"):
+        from sim.layer.backward import backward_config
+        from sim.layer.model import plan_for
+
+        plan = plan_for(wl, base.row_tile)
+        fwd = compare(wl, base, plan=plan)
+        bwd = compare(wl, backward_config(base, a.recompute), plan=plan)
+        for res, cfg in ((fwd, base), (bwd, bwd[0].config)):
+            print(format_table(res, f"{wl.label()}  ({cfg.label().split(' ', 1)[1]})") + "\n")
+        print(format_sum_table(fwd, bwd, "forward + backward"))
+        res = fwd + bwd
+    else:
+        res = compare(wl, base)
+        print(format_table(res, f"{wl.label()}  ({base.label().split(' ', 1)[1]})"))
     if a.csv:
         write_csv([r.summary() for r in res], a.csv)
         print(f"wrote {a.csv}")
@@ -368,6 +425,8 @@ def _cmd_trace(a) -> int:
     from sim.layer.model import simulate
     from sim.layer.results import write_csv
 
+    if _passes(a) == ("fwd", "bwd"):
+        raise ValueError("trace takes one pass: --pass fwd or --pass bwd")
     wl, cfg = _workload(a), _base_config(a)
     res = simulate(wl, cfg, record_links=True)
     p = write_chrome_trace(res, a.out)

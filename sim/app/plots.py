@@ -54,8 +54,18 @@ PHASE_COLORS = {
     "combine": "#2ca02c",
     "signal": "#d62728",
     "credit": "#e377c2",
+    "wgrad": "#aec7e8",
+    "rev_combine": "#ffbb78",
+    "rev_dispatch": "#98df8a",
 }
-_LANE = {"dispatch": 1, "combine": 2, "signal": 3, "credit": 3}
+_LANE = {
+    "dispatch": 1,
+    "combine": 2,
+    "signal": 3,
+    "credit": 3,
+    "rev_combine": 1,
+    "rev_dispatch": 2,
+}
 BREAKDOWN_COLORS = {
     "gemm_us": "#1f77b4",
     "exposed_comm_us": "#ff7f0e",

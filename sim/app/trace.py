@@ -26,6 +26,10 @@ LANES = {
     "combine": 2,
     "signal": 3,
     "credit": 3,
+    # the backward (sim.layer.backward): its transfers in the lanes of the forward's roles
+    "wgrad": 0,
+    "rev_combine": 1,
+    "rev_dispatch": 2,
 }
 LANE_NAMES = ("compute SMs", "dispatch (comm SMs)", "combine (comm SMs)", "flags / fences")
 

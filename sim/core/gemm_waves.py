@@ -164,10 +164,13 @@ def gemm_spec(
     dtype: str = "bf16",
     row_tile: int = 128,
     n_tile: int | None = None,
+    weight_elems: float | None = None,
 ) -> GemmSpec:
     """Tiles and tile time of a grouped GEMM of ``row_tiles`` row tiles over ``experts``
     experts' weights ([N, K] each), output width ``n``, depth ``k``; tiles of ``row_tile`` x
-    ``n_tile`` (default: the GPU's ``gemm_n_tile``)."""
+    ``n_tile`` (default: the GPU's ``gemm_n_tile``). ``weight_elems``: the elements streamed
+    once per GEMM in place of ``experts x N x K`` (a weight-gradient GEMM, whose depth is the
+    token axis, writes its ``[N_out, K_out]`` gradient per expert once instead)."""
     if compute_sms <= 0:
         raise ValueError(f"no compute SMs left (compute_sms={compute_sms})")
     if row_tiles <= 0 or n <= 0 or k <= 0:
@@ -186,7 +189,10 @@ def gemm_spec(
         own = math.hypot(own, max(shared, 0.0))
     t_c = p.tile_fixed_us + own
     bw = p.weight_gbps * gpu.hbm_gbps / p.reference_hbm_gbps
-    t_w = max(1, experts) * n * k * weight_bytes_per_elem(dtype) / (bw * 1e3)
+    if weight_elems is None:
+        t_w = max(1, experts) * n * k * weight_bytes_per_elem(dtype) / (bw * 1e3)
+    else:
+        t_w = weight_elems * weight_bytes_per_elem(dtype) / (bw * 1e3)
     t = max(t_c, t_w / max(1.0, tiles / compute_sms))
     return GemmSpec(tiles, t, t_c, t_w)
 

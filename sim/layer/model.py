@@ -26,9 +26,12 @@ loops, so their per-SM efficiency carries over; the standalone kernels' per-call
 fill/drain, host floor, handshakes) do not, since the megakernel is one launch whose signalling
 the layer already models.
 
-Backward is not modelled yet: :data:`PASSES` lists the passes, and a backward builder would add
-its own rounds (reverse-combine pull, dgrad GEMMs, reverse-dispatch push, wgrad at the end) with
-the same builder helpers.
+The backward (``SimConfig.direction="backward"``, opt-in) is :class:`BackwardBuilder`, this
+builder with the backward's part (:class:`sim.layer.backward.BackwardPass`): its own rounds
+(reverse-combine pull, dgrad GEMMs, reverse-dispatch push, weight gradients at the end) built
+with the same helpers;
+:func:`simulate` and :func:`simulate_many` pick the builder by the config's direction.
+:data:`PASSES` lists the passes.
 """
 
 from __future__ import annotations
@@ -43,11 +46,12 @@ import numpy as np
 
 from sim.comm.profile import KernelProfile, load_kernel_profile
 from sim.comm.rates import kernel_rates
-from sim.config import SimConfig, Workload
+from sim.config import DIRECTIONS, SimConfig, Workload
 from sim.core.engine import DELAY, Graph, run_graph
 from sim.core.gemm import reduce_us
 from sim.core.gemm_waves import GemmWaves, gemm_spec, load_kernel_waves, round_times
 from sim.core.transfer import Rates, TransferBuilder
+from sim.layer.backward import BACKWARD_ROLES, BackwardPass, backward_config
 from sim.layer.plan import RoutingPlan
 from sim.layer.policies import get_combine, get_dispatch
 from sim.layer.results import LayerResult
@@ -62,9 +66,13 @@ __all__ = [
     "check_kernel_profile",
     "layer_kernel_profile",
     "ROLES",
+    "BACKWARD_ROLES",
+    "builder_class",
+    "BackwardBuilder",
+    "forward_backward",
 ]
 
-PASSES = ("forward",)
+PASSES = DIRECTIONS
 
 
 # -- measured kernel efficiency (opt-in) --------------------------------------------------------
@@ -116,6 +124,15 @@ def _role_candidates(cfg: SimConfig) -> dict[str, tuple[str, ...]]:
         "dedup_pull": "dispatch.dedup_pull+fanout",
         "push": "dispatch.push",
     }[cfg.dispatch_mode]
+    if cfg.direction == "backward":
+        # MoK's backward: a pull reverse combine (dedup pull with local fan-out after a dedup
+        # forward) and a push reverse dispatch into per-(token, k) slots, whatever the forward's
+        # combine mode
+        rev = "dispatch.dedup_pull+fanout" if cfg.dedup else "dispatch.pull"
+        return {
+            "rev_combine": (f"{rev}.{eng}", f"{rev}.{other}"),
+            "rev_dispatch": (f"combine.push.{eng}", f"combine.push.{other}"),
+        }
     comb = "combine.dedup_push" if cfg.dedup else f"combine.{cfg.combine_mode}"
     return {
         "dispatch": (f"{disp}.{eng}", f"{disp}.{other}"),
@@ -124,8 +141,9 @@ def _role_candidates(cfg: SimConfig) -> dict[str, tuple[str, ...]]:
 
 
 def kernel_knobs(cfg: SimConfig) -> dict[str, str]:
-    """Role ("dispatch" / "combine") -> the kernel profile knob whose fitted efficiency sets
-    that role's comm rates under ``cfg`` (see :func:`_role_candidates`); {} without a profile."""
+    """Role ("dispatch" / "combine"; backward: :data:`BACKWARD_ROLES`) -> the kernel profile
+    knob whose fitted efficiency sets that role's comm rates under ``cfg`` (see
+    :func:`_role_candidates`); {} without a profile."""
     if cfg.kernel_profile is None:
         return {}
     prof = layer_kernel_profile(cfg.kernel_profile)
@@ -216,7 +234,7 @@ class LayerBuilder(TransferBuilder):
         self.kernel_knobs = kernel_knobs(cfg)
         if self.kernel_knobs:
             self._roles = {r: self._kernel_rates(k) for r, k in self.kernel_knobs.items()}
-            self.rates = self._roles["dispatch"]
+            self.rates = self._roles[self.roles[0]]
 
     def _kernel_rates(self, knob: str) -> Rates:
         """Comm-engine rates (bytes/us) of ``num_comm_sms`` SMs running the copy loop of the
@@ -390,10 +408,10 @@ class LayerBuilder(TransferBuilder):
         return b, 0.0
 
     # -- the layer ----------------------------------------------------------------------------
-    def build(self) -> Graph:
-        g, cfg, rc, shape, gpu = self.g, self.cfg, self.rc, self.shape, self.gpu
-        nr = self.num_ranks
-        rows_per_rank = self.wl.tokens_per_rank * shape.num_topk
+    def add_schedule(self) -> None:
+        """The schedule task (:attr:`sched`) and one ``slot_free`` join per (rank, round)."""
+        g, cfg, rc = self.g, self.cfg, self.rc
+        rows_per_rank = self.wl.tokens_per_rank * self.shape.num_topk
         self.sched = g.delay(
             cfg.schedule_base_us
             + 2 * self.flag_remote
@@ -402,9 +420,18 @@ class LayerBuilder(TransferBuilder):
             -1,
             "schedule",
         )
-        for d in range(nr):
+        for d in range(self.num_ranks):
             for m in range(int(rc.num_rounds[d])):
                 self.slot_free[(d, m)] = g.join([], d, "slot_free", m)
+
+    def finish(self, result: LayerResult) -> LayerResult:
+        """What a pass adds to its result from the run (the forward: nothing)."""
+        return result
+
+    def build(self) -> Graph:
+        g, cfg, rc, shape, gpu = self.g, self.cfg, self.rc, self.shape, self.gpu
+        nr = self.num_ranks
+        self.add_schedule()
         ready = get_dispatch(cfg.dispatch_mode).build(self)
         shared_tiles = -(-self.wl.tokens_per_rank // cfg.row_tile)
         gemm_done = {}
@@ -457,8 +484,32 @@ def simulate(
     plan: RoutingPlan | None = None,
     record_links: bool = False,
 ) -> LayerResult:
-    """Simulate one forward layer. Pass ``plan`` to reuse the routing across configs."""
+    """Simulate one layer pass (``cfg.direction``: the forward by default, or the backward).
+    Pass ``plan`` to reuse the routing across configs."""
     return next(simulate_many(wl, [cfg or SimConfig()], plan, record_links))
+
+
+class BackwardBuilder(BackwardPass, LayerBuilder):
+    """Builds the backward task graph (:mod:`sim.layer.backward`) with this module's helpers."""
+
+
+def builder_class(cfg: SimConfig) -> type[LayerBuilder]:
+    """The builder of ``cfg``'s pass: :class:`LayerBuilder` for the forward,
+    :class:`BackwardBuilder` for the backward."""
+    return BackwardBuilder if cfg.direction == "backward" else LayerBuilder
+
+
+def forward_backward(
+    wl: Workload, cfg: SimConfig | None = None, plan: RoutingPlan | None = None
+) -> tuple[LayerResult, LayerResult]:
+    """(forward, backward) of ``cfg`` (its direction and ``recompute`` say nothing about the
+    forward; the backward keeps ``cfg.recompute``): a training step's two passes of the layer,
+    each simulated alone (other layers run between them)."""
+    cfg = cfg or SimConfig()
+    fwd = cfg.replace(direction="forward", recompute=False)
+    plan = plan or plan_for(wl, cfg.row_tile)
+    f, b = simulate_many(wl, [fwd, backward_config(cfg)], plan)
+    return f, b
 
 
 def _structure_key(cfg: SimConfig) -> SimConfig:
@@ -493,7 +544,7 @@ def simulate_many(
         if last is not None and last.plan is plan and last.can_share_with(cfg0):
             b = last.for_ring(cfg0)
         else:
-            b = last = LayerBuilder(wl, cfg0, plan)
+            b = last = builder_class(cfg0)(wl, cfg0, plan)
             b.build()
         graph = b.g
         caps = b.topo.capacities(b.gpu)
@@ -503,15 +554,17 @@ def simulate_many(
             cfg = b.retime(configs[i].num_comm_sms) if n else cfg0
             run = run_graph(graph, caps, record_series=record_links)
             t2 = time.perf_counter()
-            out[i] = LayerResult.from_run(
-                wl,
-                cfg,
-                graph,
-                run,
-                b.topo,
-                payload_bytes=b.payload_bytes,
-                build_s=build_s if n == 0 else 0.0,
-                run_s=t2 - t1,
+            out[i] = b.finish(
+                LayerResult.from_run(
+                    wl,
+                    cfg,
+                    graph,
+                    run,
+                    b.topo,
+                    payload_bytes=b.payload_bytes,
+                    build_s=build_s if n == 0 else 0.0,
+                    run_s=t2 - t1,
+                )
             )
         while nxt in out:
             yield out.pop(nxt)

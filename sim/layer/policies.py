@@ -29,6 +29,12 @@ final weighted sum, and frees ring slots (``b.slot_free``).
 * with dedup_pull dispatch, the (push) combine first folds the rank-local rows of a token into
   one fp32 partial sum and moves one row per (token, rank); dedup_pull pairs only with push
   combine (as in ``mok.MoKConfig``).
+
+The backward (:mod:`sim.layer.backward`) reuses two of them with its own phase names: the pull
+(or dedup pull) dispatch as the reverse combine (``phase="rev_combine"``, no ring: the owner
+keeps every round's dY rows for the weight gradients) and the push combine as the reverse
+dispatch (``phase="rev_dispatch"``). The transfers' phase names select their kernel-profile
+rates (``roles``) and their breakdown category (:data:`sim.layer.results.PHASE_CATEGORY`).
 """
 
 from __future__ import annotations
@@ -129,6 +135,11 @@ class PullDispatch:
     name = "pull"
     dedup = False
 
+    def __init__(self, phase: str = "dispatch", ring: bool = True) -> None:
+        # phase: the transfers' phase name; ring: whether round m waits for ring slot
+        # m - ring_slots to be free (False: the rows land in a buffer of every round)
+        self.phase, self.ring = phase, ring
+
     def build(self, b: Builder) -> dict:
         rc = b.rc
         ready = {}
@@ -137,9 +148,9 @@ class PullDispatch:
             prev = None
             for m in range(int(rc.num_rounds[d])):
                 peer, local = self.parts(b, d, m)
-                slot = b.slot_free.get((d, m - b.cfg.ring_slots))
+                slot = b.slot_free.get((d, m - b.cfg.ring_slots)) if self.ring else None
                 deps = [b.sched, prev, slot]
-                t = b.transfer(d, "pull", True, peer, local, deps, d, "dispatch", m)
+                t = b.transfer(d, "pull", True, peer, local, deps, d, self.phase, m)
                 b.ring_deps.append((t, b.sched, prev, d, m))
                 ready[(d, m)] = b.g.delay(b.flag_local, [t], d, "signal", m)
                 prev = t
@@ -217,6 +228,9 @@ class PushDispatch:
 class PushCombine:
     name = "push"
 
+    def __init__(self, phase: str = "combine") -> None:
+        self.phase = phase
+
     def build(self, b: Builder, gemm_done: dict) -> dict[int, list[int]]:
         rc = b.rc
         nr = b.num_ranks
@@ -233,7 +247,7 @@ class PushCombine:
                 deps = [gemm_done[(d, m)], prev]
                 w = writers[:, m]
                 t = b.transfer(
-                    d, "push", False, peer, local * fold, deps, d, "combine", m, writers=w
+                    d, "push", False, peer, local * fold, deps, d, self.phase, m, writers=w
                 )
                 b.g.add_dep(b.slot_free[(d, m)], t)
                 prev = t

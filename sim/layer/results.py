@@ -49,11 +49,16 @@ PHASE_CATEGORY = {
     "reduce": "gemm",
     "dispatch": "exposed_comm",
     "combine": "exposed_comm",
+    # the backward (sim.layer.backward): weight gradients, reverse combine / dispatch
+    "wgrad": "gemm",
+    "wgrad_tail": "gemm",
+    "rev_combine": "exposed_comm",
+    "rev_dispatch": "exposed_comm",
     "signal": "signalling",
     "credit": "signalling",
     "slot_free": "signalling",
 }
-COMPUTE_PHASES = ("shared_expert", "gemm", "reduce")
+COMPUTE_PHASES = ("shared_expert", "gemm", "reduce", "wgrad")
 CATEGORIES = ("gemm", "exposed_comm", "signalling", "schedule")
 
 
@@ -91,6 +96,11 @@ class LayerResult:
     build_s: float
     run_s: float
     path_comm_us: float = 0.0  # transfer time on the critical path of the real run
+    # backward only (sim.layer.backward): the weight-gradient GEMMs per rank (mean, us), and
+    # their tail: how long the slowest rank's dX sum waits for its wgrad after its last reverse
+    # dispatch row arrived (max over ranks, us; 0 when the wgrad hides under the transfers)
+    wgrad_us: float = 0.0
+    wgrad_tail_us: float = 0.0
     graph: Graph | None = field(default=None, repr=False)
     run: RunResult | None = field(default=None, repr=False)
     _breakdown: dict[str, float] | None = field(default=None, repr=False)
@@ -228,10 +238,16 @@ class LayerResult:
                 )
             }
         )
+        if self.config.direction != "forward":  # forward rows keep their columns
+            row["direction"] = self.config.direction
+            row["recompute"] = self.config.recompute
         row["layer_us"] = round(self.layer_us, 3)
         row["mean_rank_us"] = round(float(self.rank_done_us.mean()), 3)
         row.update({k: round(v, 3) for k, v in self.breakdown.items()})
         row["path_comm_us"] = round(self.path_comm_us, 3)
+        if self.config.direction != "forward":
+            row["wgrad_us"] = round(self.wgrad_us, 3)
+            row["wgrad_tail_us"] = round(self.wgrad_tail_us, 3)
         row["compute_idle_frac"] = round(self.compute_idle_frac, 4)
         row["nvlink_payload_mb"] = round(self.payload_bytes["nvlink"] / 1e6, 3)
         row["nic_payload_mb"] = round(self.payload_bytes["nic"] / 1e6, 3)

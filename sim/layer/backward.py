@@ -1,0 +1,244 @@
+"""The layer's backward as a task graph (opt-in: ``SimConfig.direction="backward"``).
+
+MoK's backward design (docs/backward.md), per rank, in the forward's round structure with the
+roles reversed:
+
+* ``schedule``: the forward's schedule task (the backward builds it again from the saved routing);
+* comm SMs, before the GEMMs of round m: the **reverse combine**, a *pull* by the expert owner of
+  the dY rows of the tokens routed to its experts in round m, from their home ranks (bf16 rows;
+  the forward combine's rows, direction reversed). After a dedup forward it pulls one row per
+  (token, rank) and fans the others out locally, as the dedup dispatch does. The rows land in a
+  buffer of every round, not in the forward's ring, since the weight gradients read them again
+  (no back-pressure);
+* compute SMs, in order: the shared expert's backward (dgrad and wgrad, overlapping the first
+  reverse combine) -> the dgrads of round 0 -> round 1 -> ... -> the weight gradients of the local
+  experts -> the home rank's sum. A round is, as one persistent tile queue
+  (:func:`sim.core.gemm_waves.round_times`): [the recomputed gate/up GEMM, ``recompute=True``
+  only] -> dgrad of down (``[rows, H] x [H, I]``: the forward down's FLOPs), with the SwiGLU
+  backward and the router-weight gradient in its epilogue (``swiglu_bwd_bytes_per_elem`` HBM bytes
+  per intermediate element, added to each tile) -> dgrad of gate/up (``[rows, 2I] x [2I, H]``:
+  the forward gate/up's FLOPs);
+* comm SMs, after the dgrads of round m: the **reverse dispatch**, a *push* of the dX rows into the
+  home rank's per-(token, k) slots (the forward dispatch's rows in bf16, direction reversed: no
+  dedup), with the forward push combine's fence, jitter, flags and polls; the home rank sums each
+  token's k rows and its shared expert's dX in fixed k order (the forward's final sum);
+* the weight gradients: per local expert ``dW_down = dY^T H`` and ``dW_gate/up = [dG dU]^T X``
+  over its whole token axis (the forward GEMMs' FLOPs again, so the backward's GEMM FLOPs are
+  2x the forward's, plus one forward gate/up with ``recompute``), as two GEMMs on all
+  compute SMs after the last dgrad round, overlapping the last reverse dispatches. Their
+  ``[N_out, K_out]`` tiles have the expert's padded rows as depth; the model gives every local
+  expert the mean depth (the FLOPs are exact; an uneven split over the experts is not seen).
+
+MoK's choice, modelled whatever the forward's policies: pull reverse combine, push reverse
+dispatch (``dispatch_mode`` / ``combine_mode`` keep naming the forward; only ``dedup_pull``
+changes the backward's bytes). The GEMMs run at the forward's rates and ``dtype``; nothing of it
+is measured yet (``python -m mok.bench train`` will measure the layer's backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from sim.config import SimConfig, Workload
+from sim.core.engine import Graph
+from sim.core.gemm import reduce_us
+from sim.core.gemm_waves import GemmSpec, gemm_spec, round_times
+from sim.layer.plan import RoutingPlan
+from sim.layer.policies import DedupPullDispatch, PullDispatch, PushCombine
+from sim.layer.results import LayerResult
+
+__all__ = ["BackwardPass", "BACKWARD_ROLES", "backward_config"]
+
+# the phases whose comm rates a kernel profile sets in the backward (sim.layer.model.
+# kernel_knobs): the reverse combine (a pull, in the dispatch's place before the GEMMs) and the
+# reverse dispatch (a push, in the combine's)
+BACKWARD_ROLES = ("rev_combine", "rev_dispatch")
+
+
+def backward_config(cfg: SimConfig, recompute: bool | None = None) -> SimConfig:
+    """``cfg`` for the backward pass (``recompute`` as given, else as in ``cfg``)."""
+    rc = cfg.recompute if recompute is None else recompute
+    return cfg.replace(direction="backward", recompute=rc)
+
+
+class BackwardPass:
+    """The backward's part of :class:`sim.layer.model.BackwardBuilder` (``BackwardPass`` before
+    the forward's ``LayerBuilder`` in its bases): builds the backward task graph (module
+    docstring) with the forward builder's helpers. A mixin, so that this module does not import
+    the layer model (which picks the builder by the config's direction)."""
+
+    roles = BACKWARD_ROLES
+
+    def __init__(self, wl: Workload, cfg: SimConfig, plan: RoutingPlan) -> None:
+        if cfg.direction != "backward":
+            raise ValueError(
+                f"BackwardBuilder needs direction='backward' (found {cfg.direction!r})"
+            )
+        super().__init__(wl, cfg, plan)
+        bf16_row = float(self.shape.hidden * 2)
+        # the policies' row sizes: the reverse combine (the dispatch role) pulls dY rows, the
+        # reverse dispatch (the combine role) pushes dX rows, both bf16
+        self.dispatch_row_bytes = bf16_row
+        self.combine_row_bytes = bf16_row
+        self.combine_rows = self.rc.rows  # one dX row per (token, k) slot: no dedup on the way home
+        self._set_sms()  # the kernel-profile rates scale with the row size
+        # (busy task, tail task, key of _bwd_us) of every compute task, for retime
+        self._bwd: list[tuple[int, int, tuple]] = []
+        self._bwd_cache: dict[tuple, tuple[float, float]] = {}
+        self.wgrad_tasks: dict[int, tuple[int, int]] = {}
+        self.arrivals: dict[int, list[int]] = {}
+
+    def combine_bytes(self, d: int, m: int) -> tuple[np.ndarray, float]:
+        """(peer bytes [R_home], local bytes) of owner d's reverse dispatch of round m."""
+        return self.combine_rows[d, m].astype(np.float64) * self.combine_row_bytes, 0.0
+
+    # -- GEMMs ----------------------------------------------------------------------------------
+    def _spec(self, row_tiles, n, k, experts, weight_elems=None) -> GemmSpec:
+        cfg = self.cfg
+        return gemm_spec(
+            self.gpu,
+            self.waves,
+            row_tiles,
+            n,
+            k,
+            experts,
+            self.compute_sms,
+            cfg.dtype,
+            cfg.row_tile,
+            weight_elems=weight_elems,
+        )
+
+    def dgrad_specs(self, row_tiles: int, intermediate: int, experts: int) -> list[GemmSpec]:
+        """The GEMMs of one backward round: [recompute gate/up], dgrad of down with the SwiGLU
+        backward in its epilogue, dgrad of gate/up."""
+        h = self.shape.hidden
+        specs = []
+        if self.cfg.recompute:
+            specs.append(self._spec(row_tiles, 2 * intermediate, h, experts))
+        dn = self._spec(row_tiles, intermediate, h, experts)
+        specs.append(self._with_swiglu(dn))
+        specs.append(self._spec(row_tiles, h, 2 * intermediate, experts))
+        return specs
+
+    def _with_swiglu(self, dn: GemmSpec) -> GemmSpec:
+        """The down dgrad's tiles with the SwiGLU backward in their epilogue: each tile of
+        ``row_tile x n_tile`` intermediate elements moves ``swiglu_bwd_bytes_per_elem`` HBM
+        bytes per element at its SM's share of the copy rate (read + write, as the final sum)."""
+        if dn.tiles == 0 or self.cfg.swiglu_bwd_bytes_per_elem == 0:
+            return dn
+        gpu, cfg = self.gpu, self.cfg
+        nbytes = cfg.row_tile * gpu.gemm_n_tile * cfg.swiglu_bwd_bytes_per_elem
+        extra = nbytes * self.compute_sms / (2.0 * gpu.hbm_copy_gbps * 1e3)
+        return dataclasses.replace(
+            dn, tile_us=dn.tile_us + extra, compute_tile_us=dn.compute_tile_us + extra
+        )
+
+    def wgrad_specs(self, experts: int, rows: float, intermediate: int) -> list[GemmSpec]:
+        """The weight gradients of ``experts`` experts with ``rows`` (padded) rows in all:
+        ``dW_down [H, I]`` and ``dW_gate/up [2I, H]`` per expert, depth = the mean rows per
+        expert; each writes its gradient once (the weight-streaming term)."""
+        if experts <= 0 or rows <= 0:
+            return []
+        h, rt = self.shape.hidden, self.cfg.row_tile
+        depth = rows / experts
+        dn = self._spec(
+            experts * -(-h // rt), intermediate, depth, experts, experts * h * intermediate
+        )
+        gu_rows = experts * -(-2 * intermediate // rt)
+        gu = self._spec(gu_rows, h, depth, experts, experts * 2 * intermediate * h)
+        return [dn, gu]
+
+    def _bwd_us(self, key: tuple) -> tuple[float, float]:
+        """(busy, tail) of a backward compute task: ``("dgrad", row tiles, intermediate,
+        experts)``, ``("wgrad", experts, rows, intermediate)`` or ``("shared", row tiles,
+        intermediate)`` (the shared expert's dgrads and weight gradients in one queue)."""
+        ck = (key, self.compute_sms)
+        out = self._bwd_cache.get(ck)
+        if out is not None:
+            return out
+        kind = key[0]
+        if kind == "dgrad":
+            specs, handoff = self.dgrad_specs(*key[1:]), self.gpu.flag_latency_local_us
+        elif kind == "wgrad":
+            specs, handoff = self.wgrad_specs(*key[1:]), 0.0
+        else:
+            tiles, inter = key[1:]
+            specs = self.dgrad_specs(tiles, inter, 1) if tiles > 0 else []
+            specs += self.wgrad_specs(1, tiles * self.cfg.row_tile, inter)
+            handoff = self.gpu.flag_latency_local_us
+        if not specs or all(s.tiles == 0 for s in specs):
+            out = (0.0, 0.0)
+        else:
+            busy, done = round_times(specs, self.compute_sms, self.waves.layer_fill_us, handoff)
+            out = (busy, done - busy)
+        self._bwd_cache[ck] = out
+        return out
+
+    def _task(self, key, deps, r, phase, m=-1, tail_phase="gemm_tail") -> tuple[int, int]:
+        busy, tail = self._bwd_us(key)
+        t = self.g.delay(busy, deps, r, phase, m)
+        done = self.g.delay(tail, [t], r, tail_phase, m)
+        self._bwd.append((t, done, key))
+        return t, done
+
+    def retime(self, num_comm_sms: int) -> SimConfig:
+        cfg = super().retime(num_comm_sms)
+        dur = self.g.duration
+        for t, tail, key in self._bwd:
+            dur[t], dur[tail] = self._bwd_us(key)
+        return cfg
+
+    def can_share_with(self, cfg: SimConfig) -> bool:
+        return False  # no ring variants: the backward has no ring
+
+    # -- the layer ------------------------------------------------------------------------------
+    def build(self) -> Graph:
+        g, cfg, rc, shape, gpu = self.g, self.cfg, self.rc, self.shape, self.gpu
+        nr = self.num_ranks
+        self.add_schedule()
+        rev_combine = DedupPullDispatch if cfg.dedup else PullDispatch
+        ready = rev_combine(phase="rev_combine", ring=False).build(self)
+        self.ring_deps = None  # nothing ring-dependent to copy (can_share_with: False)
+        experts = self.experts_per_round()
+        plan = self.plan
+        padded = -(-plan.expert_counts.sum(axis=1) // plan.row_tile) * plan.row_tile
+        padded = padded.reshape(plan.num_ranks, plan.num_local_experts)
+        sh_tiles = -(-self.wl.tokens_per_rank // cfg.row_tile) if shape.shared_intermediate else 0
+        gemm_done, chain, finals = {}, {}, {}
+        for r in range(nr):
+            prev, sh_done = self._task(
+                ("shared", sh_tiles, shape.shared_intermediate), [], r, "shared_expert"
+            )
+            last = sh_done
+            for m in range(int(rc.num_rounds[r])):
+                key = ("dgrad", int(rc.row_tiles[r, m]), shape.intermediate, int(experts[r, m]))
+                prev, last = self._task(key, [ready[(r, m)], prev], r, "gemm", m)
+                gemm_done[(r, m)] = g.delay(self.flag_local, [last], r, "signal", m)
+            n_exp = int((padded[r] > 0).sum())
+            key = ("wgrad", n_exp, float(padded[r].sum()), shape.intermediate)
+            w, w_done = self._task(key, [prev, last], r, "wgrad", tail_phase="wgrad_tail")
+            self.wgrad_tasks[r] = (w, w_done)
+            chain[r] = w
+            finals[r] = [sh_done, w_done]
+        self.arrivals = PushCombine(phase="rev_dispatch").build(self, gemm_done)
+        rows_in = self.combine_rows.sum(axis=(0, 1))  # [R_home]
+        for s in range(nr):
+            dur = reduce_us(gpu, int(rows_in[s]), self.wl.tokens_per_rank, shape.hidden)
+            g.delay(dur, [chain[s], *finals[s], *self.arrivals[s]], s, "reduce")
+        return g
+
+    def finish(self, result: LayerResult) -> LayerResult:
+        """Adds the weight gradients' time and tail (:class:`LayerResult` ``wgrad_us``,
+        ``wgrad_tail_us``) from the run."""
+        end, start = result.run.end_us, result.run.start_us
+        spans, tails = [], []
+        for s, (w, w_done) in self.wgrad_tasks.items():
+            spans.append(float(end[w_done] - start[w]))
+            arr = self.arrivals.get(s) or []
+            last_in = max((float(end[t]) for t in arr), default=0.0)
+            tails.append(max(0.0, float(end[w_done]) - last_in))
+        result.wgrad_us = float(np.mean(spans)) if spans else 0.0
+        result.wgrad_tail_us = max(tails, default=0.0)
+        return result
