@@ -27,8 +27,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from mok.comm import combine, dispatch
 from mok.errors import MoKUnsupportedError
 from mok.experts import _halves_of_one
+from mok.layer import _received_rows_bound, as_config, moe_forward, unfused_config
+from mok.schedule import build_schedule
+from mok.workspace import get_workspace
 
 if TYPE_CHECKING:
     from mok.spec.config import MoKConfig
@@ -55,8 +59,6 @@ def moe(
     gives gradients for x (bf16), topk_weights (its dtype) and every weight tensor of
     ``weights`` (their dtype). The backward runs at one rank (MoKUnsupportedError at more).
     """
-    from mok.layer import moe_forward
-
     shared = [getattr(weights, n, None) for n in _SHARED]
     tensors = [x, topk_weights, *(getattr(weights, n) for n in _ROUTED), *shared]
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
@@ -67,8 +69,6 @@ def moe(
 class _MoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, topk_idx, weights, num_experts, config, group, fused, *tensors):
-        from mok.layer import moe_forward
-
         out = moe_forward(
             tensors[0], topk_idx, tensors[1], weights, num_experts, config, group, fused
         )
@@ -115,11 +115,6 @@ def expert_backward(recv, wg, wu, wd, offs, dy):
 
 
 def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group):
-    from mok.comm import combine, dispatch
-    from mok.layer import _received_rows_bound, as_config, unfused_config
-    from mok.schedule import build_schedule
-    from mok.workspace import get_workspace
-
     wg, wu, wd = routed
     num_tokens, hidden = x.shape
     cfg = unfused_config(

@@ -111,6 +111,8 @@ class MoE(nn.Module):
                 f"down must be [L={local}, H={hidden}, I={two_i // 2}] for gate_up "
                 f"{tuple(gate_up.shape)} (found {tuple(down.shape)})"
             )
+        if num_experts % local:
+            raise MoKInputError(f"{local} local experts do not divide num_experts={num_experts}")
         if (shared_gate_up is None) != (shared_down is None):
             raise MoKInputError("give both shared-expert weights or neither")
         si = 0 if shared_gate_up is None else shared_gate_up.shape[0] // 2
@@ -133,8 +135,6 @@ class MoE(nn.Module):
             m.shared_down = nn.Parameter(shared_down)
         else:
             m.shared_gate_up = m.shared_down = None
-        if num_experts % local:
-            raise MoKInputError(f"{local} local experts do not divide num_experts={num_experts}")
         return m
 
     def reset_parameters(self) -> None:

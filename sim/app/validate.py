@@ -141,11 +141,11 @@ BASELINES = {
 }
 
 
-def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:
-    """One flat record per layer row, as :func:`validate_rows`: ``mok-fused`` rows predicted by
-    :func:`sim.fused.model.fused_layer` (with its terms as ``*_us`` columns; role ``fit`` for the
-    rows ``prof`` was fitted on, :func:`sim.fused.fit.is_profile_fit_row`), other impls as status
-    ``baseline`` with the reason (:data:`BASELINES`)."""
+def _layer_records(rows: Iterable[dict], predict) -> list[dict]:
+    """One record per layer row: ``mok-fused`` rows filled in by ``predict(row, rec)`` (status
+    ``unsupported`` where it raises ValueError: an unknown model / mode, an EP that does not
+    divide the experts, ...), other impls status ``baseline`` with the reason
+    (:data:`BASELINES`)."""
     out = []
     for i, row in enumerate(rows):
         rec = _record(i, row, what="layer", scope="", engine="-", row_tile=str(row_tile_of(row)))
@@ -153,19 +153,29 @@ def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:
         if impl != "mok-fused":
             rec["status"] = "baseline"
             rec["reason"] = f"{impl}: " + BASELINES.get(impl, "not a mok fused-layer row")
-            out.append(rec)
-            continue
-        try:
-            res = fused_row(row, prof)
-        except ValueError as e:  # unknown model / mode, EP that does not divide the experts
-            rec["status"], rec["reason"] = "unsupported", str(e)
         else:
-            rec.update(predicted_us=res.layer_us, device_us=res.device_us)
-            rec.update(host_bound=bool(res.layer_us > res.device_us), kernel=f"fused.{row['mode']}")
-            rec.update(err=res.layer_us / rec["measured_us"] - 1, **res.terms)
-            rec["role"] = "fit" if is_profile_fit_row(row, prof) else "validation"
+            try:
+                predict(row, rec)
+            except ValueError as e:
+                rec["status"], rec["reason"] = "unsupported", str(e)
         out.append(rec)
     return out
+
+
+def validate_layer_rows(rows: Iterable[dict], prof: FusedProfile) -> list[dict]:
+    """One flat record per layer row, as :func:`validate_rows`: ``mok-fused`` rows predicted by
+    :func:`sim.fused.model.fused_layer` (with its terms as ``*_us`` columns; role ``fit`` for the
+    rows ``prof`` was fitted on, :func:`sim.fused.fit.is_profile_fit_row`), other impls as status
+    ``baseline`` with the reason (:data:`BASELINES`)."""
+
+    def predict(row: dict, rec: dict) -> None:
+        res = fused_row(row, prof)
+        rec.update(predicted_us=res.layer_us, device_us=res.device_us)
+        rec.update(host_bound=bool(res.layer_us > res.device_us), kernel=f"fused.{row['mode']}")
+        rec.update(err=res.layer_us / rec["measured_us"] - 1, **res.terms)
+        rec["role"] = "fit" if is_profile_fit_row(row, prof) else "validation"
+
+    return _layer_records(rows, predict)
 
 
 # the receive ring of a mok.bench layer run: the whole receive buffer (capacity_factor 2)
@@ -209,26 +219,13 @@ def validate_layer_model_rows(rows: Iterable[dict], gemm_profile: str | None = N
     :attr:`sim.config.SimConfig.gemm_profile`."""
     from sim.layer.model import simulate
 
-    out = []
-    for i, row in enumerate(rows):
-        rec = _record(i, row, what="layer", scope="", engine="-", row_tile=str(row_tile_of(row)))
-        impl = row.get("impl", "")
-        if impl != "mok-fused":
-            rec["status"] = "baseline"
-            rec["reason"] = f"{impl}: " + BASELINES.get(impl, "not a mok fused-layer row")
-            out.append(rec)
-            continue
-        try:
-            res = simulate(*layer_model_config(row, gemm_profile))
-        except ValueError as e:
-            rec["status"], rec["reason"] = "unsupported", str(e)
-        else:
-            us = res.layer_us
-            rec.update(predicted_us=us, device_us=us, kernel=f"layer.{row['mode']}")
-            rec.update(err=us / rec["measured_us"] - 1, role="validation")
-            rec.update({f"{k}": v for k, v in res.breakdown.items()})
-        out.append(rec)
-    return out
+    def predict(row: dict, rec: dict) -> None:
+        res = simulate(*layer_model_config(row, gemm_profile))
+        us = res.layer_us
+        rec.update(predicted_us=us, device_us=us, kernel=f"layer.{row['mode']}")
+        rec.update(err=us / rec["measured_us"] - 1, role="validation", **res.breakdown)
+
+    return _layer_records(rows, predict)
 
 
 def _ranks(x: Sequence[float]) -> np.ndarray:

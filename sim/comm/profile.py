@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sim.core.hardware import profiles_dir
+from sim.core.hardware import profile_path
 
 __all__ = ["KernelProfile", "load_kernel_profile", "KERNEL_PROFILE_FORMAT"]
 
@@ -157,7 +157,4 @@ DEFAULT_KERNEL_PROFILE = "mok-comm-h200x2"
 
 
 def load_kernel_profile(name_or_path: str | Path = DEFAULT_KERNEL_PROFILE) -> KernelProfile:
-    p = Path(str(name_or_path))
-    if not p.suffix:
-        p = profiles_dir() / f"{name_or_path}.json"
-    return KernelProfile.from_dict(json.loads(p.read_text()))
+    return KernelProfile.from_dict(json.loads(profile_path(name_or_path).read_text()))

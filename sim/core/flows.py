@@ -171,6 +171,15 @@ _SCREEN_SLACK = 1e-12
 _GUESSES = 16
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _take_row(rows, ra, best, nc, used, demand):  # pragma: no cover - numba
+    """A frozen flow of route rows[ra] at rate ``best``: its share added to ``used`` and its
+    coefficients taken out of ``demand``, column by column."""
+    for q in range(nc):
+        used[q] += best * rows[ra, q]
+        demand[q] -= rows[ra, q]
+
+
 @njit(cache=True, error_model="numpy")
 def maxmin_dense(
     row, slot, nf, rows, hit, cap, total, rates, used, demand, share, left, work, mask
@@ -329,10 +338,7 @@ def maxmin_dense(
                     frozen[a] = 1
                     todo -= 1
                     rates[a] = best
-                    ra = row[a]
-                    for q in range(nc):
-                        used[q] += best * rows[ra, q]
-                        demand[q] -= rows[ra, q]
+                    _take_row(rows, row[a], best, nc, used, demand)
             else:
                 k = 0
                 for i2 in range(nleft):  # the unfrozen flows, in order
@@ -343,10 +349,7 @@ def maxmin_dense(
                         frozen[a] = 1
                         todo -= 1
                         rates[a] = best
-                        ra = row[a]
-                        for q in range(nc):
-                            used[q] += best * rows[ra, q]
-                            demand[q] -= rows[ra, q]
+                        _take_row(rows, row[a], best, nc, used, demand)
                     else:
                         left[k] = a
                         k += 1

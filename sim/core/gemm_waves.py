@@ -59,11 +59,10 @@ import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
-from sim.core.hardware import FUSED_PROFILE_FORMAT, GemmWaves, GpuProfile, profiles_dir
+from sim.core.hardware import FUSED_PROFILE_FORMAT, GemmWaves, GpuProfile, profile_path
 
 __all__ = [
     "GemmWaves",
@@ -135,11 +134,8 @@ def load_kernel_waves(gpu: GpuProfile, profile: str) -> GemmWaves:
     """:func:`kernel_waves` with the terms of a fused profile (``sim/profiles/<name>.json`` or a
     path, format ``mok-fused-profile/1``: ``gemm_efficiency``, ``tile_fixed_us``,
     ``operand_tbps``; :class:`sim.fused.profile.FusedProfile`)."""
-    p = Path(profile)
-    if not p.suffix:
-        p = profiles_dir() / f"{profile}.json"
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(profile_path(profile).read_text())
     except OSError as e:
         raise ValueError(f"gemm_profile {profile!r} not found ({e.strerror})") from None
     if d.get("format") != FUSED_PROFILE_FORMAT:

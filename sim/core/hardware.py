@@ -355,6 +355,13 @@ def profiles_dir() -> Path:
     return Path(str(resources.files("sim") / "profiles"))
 
 
+def profile_path(name_or_path: str | Path) -> Path:
+    """A profile's JSON: ``sim/profiles/<name>.json`` for a name (no file extension), else the
+    path as given."""
+    p = Path(str(name_or_path))
+    return profiles_dir() / f"{name_or_path}.json" if not p.suffix else p
+
+
 def list_gpus() -> list[str]:
     return sorted(
         p.stem
@@ -372,11 +379,9 @@ def load_gpu(name_or_path: str | Path) -> GpuProfile:
     key = str(name_or_path)
     if key in _CACHE:
         return _CACHE[key]
-    p = Path(key)
-    if not p.suffix:
-        p = profiles_dir() / f"{key}.json"
-        if not p.exists():
-            raise ValueError(f"unknown GPU profile {key!r}; presets are {', '.join(list_gpus())}")
+    p = profile_path(key)
+    if not Path(key).suffix and not p.exists():
+        raise ValueError(f"unknown GPU profile {key!r}; presets are {', '.join(list_gpus())}")
     prof = GpuProfile.from_dict(json.loads(p.read_text()))
     _CACHE[key] = prof
     return prof

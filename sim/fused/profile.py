@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sim.core.gemm_waves import kernel_waves
-from sim.core.hardware import FUSED_PROFILE_FORMAT, GemmWaves, GpuProfile, profiles_dir
+from sim.core.hardware import FUSED_PROFILE_FORMAT, GemmWaves, GpuProfile, profile_path
 
 __all__ = ["FusedProfile", "FUSED_PROFILE_FORMAT", "DEFAULT_FUSED_PROFILE", "load_fused_profile"]
 
@@ -112,11 +112,8 @@ class FusedProfile:
 
 def load_fused_profile(name_or_path: str | Path = DEFAULT_FUSED_PROFILE) -> FusedProfile:
     """A fused profile by name (``sim/profiles/<name>.json``) or path."""
-    p = Path(str(name_or_path))
-    if not p.suffix:
-        p = profiles_dir() / f"{name_or_path}.json"
     try:
-        return FusedProfile.from_dict(json.loads(p.read_text()))
+        return FusedProfile.from_dict(json.loads(profile_path(name_or_path).read_text()))
     except OSError as e:
         raise ValueError(
             f"fused profile {str(name_or_path)!r} not found ({e.strerror}); give a name under "
