@@ -21,6 +21,27 @@ int launch_layer(const Params& params, const LayerArgs& args, int grid, void* st
 int layer_smem_bytes();
 int layer_counters(const Params& params);
 
+// The experts' backward: the down dgrad and the gate/up recompute with the SwiGLU backward
+// (layer/sm90_bwd.cuh): raw device pointers of bf16 a [rows, H], dy [rows, H], w_gate_up
+// [L, 2I, H], w_down [L, H, I], h [rows, I], dgu [rows, 2I], int32 group ends [L], fp32 row_w
+// [rows] and part [I / 128, rows] (both may be null).
+struct SwigluBwdLaunch {
+  const void* a;
+  const void* dy;
+  const void* w_gate_up;
+  const void* w_down;
+  const int32_t* ends;
+  const float* row_w;
+  void* h;
+  void* dgu;
+  float* part;
+  int64_t rows, hidden, inter, num_experts;
+};
+
+// Launches it with `grid` blocks on `stream`. Returns a cudaError_t value
+// (cudaErrorInvalidValue for a shape it does not support or a TMA descriptor it cannot build).
+int launch_swiglu_bwd(const SwigluBwdLaunch& args, int grid, void* stream);
+
 // Device address of host-pinned memory (for the error record).
 uint64_t host_device_pointer(void* host_ptr, int* err);
 

@@ -36,6 +36,7 @@ SOURCES = (
     "torch/bindings.cpp",
     "comm/launch.cu",
     "layer/launch_sm90.cu",
+    "layer/launch_sm90_bwd.cu",
     "probe/probe.cu",
 )
 

@@ -5,15 +5,17 @@ Forward: :func:`mok.functional.moe_forward` as it is (fused or not); nothing but
 saved. Backward (:class:`_MoE`), through mok's communication kernels and torch grouped GEMMs,
 recomputing the forward activations:
 
-* the schedule is built again from the saved routing (the workspace's table may belong to a
-  later call by then; the build is deterministic, so it is the forward's);
+* the schedule is built again from the saved routing, with unit weights (the workspace's table
+  may belong to a later call by then; the build is deterministic, so the rows are the forward's);
 * reverse combine: ``dispatch(grad_out)`` brings each token's output gradient to its receive
-  rows, scaled there by the row's routing weight (rows that hold no token are zero);
-* the experts: x dispatched again, gate, up, SwiGLU and down recomputed with
-  ``torch._grouped_mm`` and differentiated by torch (dgrad and wgrad per expert group); the
-  router-weight gradient is ``<grad_out[t], y[t, k]>`` of the recomputed expert outputs;
+  rows (rows that hold no token are zero);
+* the experts (:func:`mok.experts.swiglu_backward`): x dispatched again, gate / up recomputed
+  by one fp32-output grouped GEMM, SwiGLU, the down projection's dgrad in fp32 with the routing
+  weight applied after it, the router-weight gradient ``<h, dY @ W_down>``, the gate / up dgrad
+  and the weight gradients per expert group (``torch._grouped_mm`` over the token axis, one
+  fp32 accumulation each, no atomics);
 * reverse dispatch: the combine kernel with unit weights sums each token's k row gradients in
-  fixed k order onto the shared expert's input gradient (fp32, rounded to bf16 once).
+  fixed k order onto the shared expert's fp32 input gradient (rounded to bf16 once).
 
 So far at one rank (the workspace's group of size 1); the router-weight gradient at more ranks
 needs the expert outputs of the token's owners, which this path does not move yet.
@@ -25,11 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from mok.comm import combine, dispatch
 from mok.errors import MoKUnsupportedError
-from mok.experts import _halves_of_one
+from mok.experts import gate_up_weight, swiglu_backward
 from mok.layer import _received_rows_bound, as_config, moe_forward, unfused_config
 from mok.schedule import build_schedule
 from mok.workspace import get_workspace
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from mok.spec.config import MoKConfig
     from reference.weights import MoEWeights
 
-__all__ = ["moe", "expert_backward"]
+__all__ = ["moe"]
 
 _ROUTED = ("w_gate", "w_up", "w_down")
 _SHARED = ("shared_w_gate", "shared_w_up", "shared_w_down")
@@ -85,35 +86,6 @@ class _MoE(torch.autograd.Function):
         return (None,) * 6 + grads
 
 
-def expert_backward(recv, wg, wu, wd, offs, dy):
-    """The routed experts recomputed and differentiated: ``recv`` [R, H] rows grouped by expert
-    (``offs``: [L] group ends), weights w_gate / w_up [L, I, H], w_down [L, H, I], ``dy`` [R, H]
-    the gradient of the expert outputs. Returns (y, d_recv, d_w_gate, d_w_up, d_w_down); rows
-    past ``offs[-1]`` of y and d_recv are unspecified. Gate and up run as one GEMM where they are
-    the halves of one [L, 2I, H] tensor (mok.MoE's layout; their gradients are then views of
-    one [L, 2I, H] gradient), else one each."""
-    inter = wg.shape[1]
-    base = _halves_of_one(wg, wu)
-    gate_up = (wg, wu) if base is None else (base,)
-    leaves = [t.detach().requires_grad_() for t in (recv, *gate_up, wd)]
-    with torch.enable_grad():
-        a, ld = leaves[0], leaves[-1]
-        if base is None:
-            g = torch._grouped_mm(a, leaves[1].transpose(1, 2), offs=offs)
-            u = torch._grouped_mm(a, leaves[2].transpose(1, 2), offs=offs)
-        else:
-            gu = torch._grouped_mm(a, leaves[1].transpose(1, 2), offs=offs)
-            g, u = gu[:, :inter], gu[:, inter:]
-        h = (F.silu(g.float()) * u.float()).to(a.dtype)
-        y = torch._grouped_mm(h, ld.transpose(1, 2), offs=offs)
-        d_recv, *d_gate_up, d_wd = torch.autograd.grad(y, leaves, dy)
-    if base is None:
-        d_wg, d_wu = d_gate_up
-    else:
-        d_wg, d_wu = d_gate_up[0][:, :inter], d_gate_up[0][:, inter:]
-    return y.detach(), d_recv, d_wg, d_wu, d_wd
-
-
 def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group):
     wg, wu, wd = routed
     num_tokens, hidden = x.shape
@@ -128,40 +100,42 @@ def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, 
             f"mok's backward runs at one rank so far (this group has {ws.num_ranks}); the "
             "reference layer (reference.ep) differentiates the expert-parallel layer"
         )
-    sched = build_schedule(topk_idx, topk_weights, ws)
+    if num_tokens == 0:  # no rows: zero weight gradients, empty input gradients
+        zeros = [None if t is None else torch.zeros_like(t) for t in (*routed, *shared)]
+        return (torch.zeros_like(x), torch.zeros_like(topk_weights), *zeros)
+    # NOTE: one schedule, of unit weights: the reverse dispatch's combine must sum the row
+    # gradients unweighted (the dedup combine reads the weights the schedule was built with);
+    # dispatches only move rows, and the routing, hence every row index, is the forward's.
+    sched = build_schedule(topk_idx, torch.ones_like(topk_weights), ws)
     rows = _received_rows_bound(ws, num_tokens)
     src_index = sched.src_index[:rows].long()
     valid = (sched.src_rank[:rows] >= 0) & (
         torch.arange(rows, device=x.device) < sched.num_rows.to(torch.int64)
     )
-    at = src_index.clamp(min=0)
-    # reverse combine: dY of each receive row = its routing weight x the token's output grad
+    row_w = torch.where(valid, topk_weights.reshape(-1).float()[src_index.clamp(min=0)], 0.0)
+    # reverse combine: each receive row gets its token's output gradient (a copy; the routing
+    # weight is applied inside the experts' backward, after the down projection's dgrad)
     g_out = grad_out.to(torch.bfloat16).contiguous()
-    row_w = torch.where(valid, topk_weights.reshape(-1).float()[at], 0.0)
-    dy = dispatch(g_out, sched)[:rows].float() * row_w[:, None]
-    dy = torch.where(valid[:, None], dy, 0.0).to(torch.bfloat16)
-    # the experts, recomputed from x dispatched again, differentiated by torch
+    dy = torch.where(valid[:, None], dispatch(g_out, sched)[:rows], 0)
+    # the experts, recomputed from x dispatched again; rows that hold no token are zero
     recv = torch.where(valid[:, None], dispatch(x, sched)[:rows], 0)
-    offs = sched.group_ends.clone()
-    y, d_recv, d_wg, d_wu, d_wd = expert_backward(recv, wg, wu, wd, offs, dy)
-    # router weights: <dY_out[t], y[t, k]> of the token's receive row (one rank: all local)
-    dst = sched.dst_index.long()
-    d_topk = (g_out.float()[:, None, :] * y[dst].float()).sum(-1)
-    d_topk = d_topk.to(topk_weights.dtype)
-    # the shared expert
+    inter = wd.shape[-1]
+    d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
+        recv, gate_up_weight(wg, wu), wd, dy, row_w, sched.group_ends.clone()
+    )
+    # router weights: each (token, k) has its own receive row at one rank
+    d_topk = d_row_w[sched.dst_index.long()].to(topk_weights.dtype)
+    # the shared expert, its input gradient kept fp32 for the reverse dispatch's sum
     dx_shared, d_shared = None, (None, None, None)
     if shared[0] is not None:
-        sl = [t.detach().requires_grad_() for t in (x, *shared)]
-        with torch.enable_grad():
-            xs, sg, su, sd = sl
-            hs = (F.silu((xs @ sg.T).float()) * (xs @ su.T).float()).to(torch.bfloat16)
-            ys = hs @ sd.T
-            dx_shared, *d_shared = torch.autograd.grad(ys, sl, g_out)
+        swg, swu, swd = shared
+        dx_shared, _, d_swgu, d_swd = swiglu_backward(
+            x, gate_up_weight(swg, swu), swd, g_out, d_a_dtype=torch.float32
+        )
+        si = swd.shape[-1]
+        d_shared = (d_swgu[:si], d_swgu[si:], d_swd)
     # reverse dispatch: dx = dx_shared + sum_k dRecv[t, k], fixed k order, fp32, bf16 once
     full = torch.empty(ws.capacity, hidden, dtype=torch.bfloat16, device=x.device)
     full[:rows] = torch.where(valid[:, None], d_recv, 0)
-    # NOTE: a schedule of unit weights (the dedup combine reads the routing weights the schedule
-    # was built with, not only the ones passed to the combine); the routing is the same
-    ones = build_schedule(topk_idx, torch.ones_like(topk_weights), ws)
-    dx = combine(full, ones, shared_y=None if dx_shared is None else dx_shared.float())
-    return (dx.to(x.dtype), d_topk, d_wg, d_wu, d_wd, *d_shared)
+    dx = combine(full, sched, shared_y=dx_shared)
+    return (dx.to(x.dtype), d_topk, d_wgu[:, :inter], d_wgu[:, inter:], d_wd, *d_shared)

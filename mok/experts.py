@@ -24,8 +24,18 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-__all__ = ["gate_up_weight", "grouped_swiglu", "dense_swiglu", "clear_cache"]
+from mok import ops
 
+__all__ = [
+    "gate_up_weight",
+    "grouped_swiglu",
+    "dense_swiglu",
+    "swiglu_backward",
+    "clear_cache",
+]
+
+# Expert groups the Hopper backward kernel takes in one launch (csrc/layer/sm90_bwd.cuh).
+KERNEL_MAX_EXPERTS = 1024
 _CACHE_SIZE = 8  # weight pairs kept (one per layer of a model under test is typical)
 _cache: OrderedDict[tuple, tuple] = OrderedDict()
 _FP32_OUT: dict[str, bool] = {}
@@ -85,20 +95,6 @@ def clear_cache() -> None:
     _cache.clear()
 
 
-def _fp32_out(name: str, fn, *args):
-    """``fn(*args, out_dtype=torch.float32)`` where torch supports it on this device type, else
-    ``fn(*args)`` in bf16 promoted to fp32 (one extra rounding)."""
-    key = f"{name}:{args[0].device.type}"
-    if _FP32_OUT.get(key, True):
-        try:
-            out = fn(*args, out_dtype=torch.float32)
-            _FP32_OUT[key] = True
-            return out
-        except (RuntimeError, TypeError, NotImplementedError):
-            _FP32_OUT[key] = False
-    return fn(*args).float()
-
-
 def _swiglu(gu: torch.Tensor, inter: int, rows: int | None = None) -> torch.Tensor:
     """h = bf16(silu(g) * u) of gu = [R, 2I] (g | u) as a new contiguous [R, I] tensor, of
     which only the first ``rows`` rows (None: all) are computed; the rest is left unwritten.
@@ -131,10 +127,7 @@ def grouped_swiglu(
     if w_gate_up is None:
         w_gate_up = gate_up_weight(w_gate, w_up)
     wgu = w_gate_up.transpose(1, 2)  # [L, H, 2I], column-major
-    if exact:
-        gu = _fp32_out("grouped_mm", torch._grouped_mm, a, wgu, offs)
-    else:
-        gu = torch._grouped_mm(a, wgu, offs=offs)
+    gu = _mm32(a, wgu, offs) if exact else _mm(a, wgu, offs)
     h = _swiglu(gu, inter, rows)
     return torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
 
@@ -151,5 +144,138 @@ def dense_swiglu(
     bf16, gate and up as one GEMM (``w_gate_up``: as in :func:`grouped_swiglu`)."""
     inter = w_gate.shape[0]
     wgu = gate_up_weight(w_gate, w_up) if w_gate_up is None else w_gate_up  # [2Is, H]
-    gu = _fp32_out("mm", torch.mm, x, wgu.T) if exact else x @ wgu.T
+    gu = _mm32(x, wgu.T, None) if exact else x @ wgu.T
     return _swiglu(gu, inter) @ w_down.T
+
+
+# ---- the backward ------------------------------------------------------------------------------
+def _mm32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b`` (per group of ``offs`` when given) with an fp32 result of bf16 operands: the
+    GEMM's own fp32 output where torch has one on this device, on a CPU the product of the
+    operands promoted to fp32 (the same values: bf16 products are exact in fp32), elsewhere the
+    bf16 result promoted (one extra rounding)."""
+    if offs is None:
+        fn, args = torch.mm, (a, b)
+    else:
+        fn, args = torch._grouped_mm, (a, b, offs)
+    key = f"{fn.__name__}:{a.device.type}"
+    if _FP32_OUT.get(key, True):
+        try:
+            out = fn(*args, out_dtype=torch.float32)
+            _FP32_OUT[key] = True
+            return out
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT[key] = False
+    if a.device.type == "cpu":
+        return _mm(a.float(), b.float(), offs)
+    return _mm(a, b, offs).float()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(a, b) if offs is None else torch._grouped_mm(a, b, offs=offs)
+
+
+def swiglu_backward(
+    a: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    dy: torch.Tensor,
+    row_weight: torch.Tensor | None = None,
+    offs: torch.Tensor | None = None,
+    d_a_dtype: torch.dtype | None = None,
+    kernel: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The backward of SwiGLU experts, recomputing their activations, with explicit GEMMs.
+
+    Forward (per group of rows when ``offs`` is given, else one dense expert):
+    ``y = row_weight * (h @ w_down.T)``, ``h = bf16(silu(g) * u)``, ``[g | u] = a @ w_gate_up.T``.
+
+    Args:
+        a: [R, H] bf16 input rows, grouped by expert (``offs``: [L] int32 group ends); rows
+            past ``offs[-1]`` reach no gradient (their d_a rows are unspecified). Rows that hold
+            no token must be zero (with a zero ``dy`` or routing weight).
+        w_gate_up: [L, 2I, H] (gate rows, then up rows), or [2I, H] without ``offs``.
+        w_down: [L, H, I], or [H, I].
+        dy: [R, H] bf16 gradient of the token's output (before the routing weight).
+        row_weight: [R] fp32 routing weight of each row, or None (weight 1, the shared expert).
+        d_a_dtype: dtype of d_a (default a's; fp32 keeps the GEMM's accumulator).
+        kernel: run gate / up and the SwiGLU backward in mok's Hopper kernel (True), in torch
+            (False), or the kernel where it takes the operands (None: a Hopper GPU, bf16,
+            contiguous, H a multiple of 64, I of 128, at most KERNEL_MAX_EXPERTS groups).
+
+    Returns:
+        (d_a [R, H], d_row_weight [R] fp32 or None, d_w_gate_up like ``w_gate_up``, d_w_down
+        like ``w_down``).
+
+    Numerics (the reference's bf16 backward): g, u and the down projection's input gradient
+    ``dy @ w_down`` stay fp32; the routing weight is applied to that fp32 gradient; the SwiGLU
+    gradients [dg | du] and the weighted ``row_weight * dy`` are rounded to bf16 once as the
+    GEMM inputs they are. The router-weight gradient is ``<h, dy @ w_down>`` (= <y / w, dy>,
+    without the down GEMM of the forward).
+    """
+    if kernel is None:
+        kernel = _kernel_fits(a, w_gate_up, w_down, dy)
+    if kernel:
+        h, dgu, d_w = _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs)
+    else:
+        h, dgu, d_w = _swiglu_backward_torch(a, w_gate_up, w_down, dy, row_weight, offs)
+    d_a = _mm32(dgu, w_gate_up, offs) if d_a_dtype == torch.float32 else _mm(dgu, w_gate_up, offs)
+    if d_a_dtype is not None:
+        d_a = d_a.to(d_a_dtype)
+    dyw = dy if row_weight is None else (dy.float() * row_weight[:, None]).to(dy.dtype)
+    d_wgu = _mm(dgu.T, a, offs)
+    d_wd = _mm(dyw.T, h, offs)
+    return d_a, d_w, d_wgu, d_wd
+
+
+def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:
+    """Whether the Hopper kernel (:func:`mok.ops.swiglu_backward_sm90`) takes these operands."""
+    if not a.is_cuda or torch.cuda.get_device_capability(a.device) != (9, 0):
+        return False
+    hidden, inter = a.shape[1], w_down.shape[-1]
+    experts = w_gate_up.shape[0] if w_gate_up.dim() == 3 else 1
+    return (
+        all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (a, w_gate_up, w_down, dy))
+        and hidden % 64 == 0
+        and inter % 128 == 0
+        and experts <= KERNEL_MAX_EXPERTS
+    )
+
+
+def _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs):
+    """(h, dgu, d_row_weight) by the Hopper kernel: the down dgrad ``dy @ w_down`` and gate / up
+    recomputed with fp32 accumulators, the SwiGLU backward in the epilogue."""
+    rows, inter = a.shape[0], w_down.shape[-1]
+    h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
+    dgu = torch.empty(rows, 2 * inter, dtype=a.dtype, device=a.device)
+    part = None
+    if row_weight is not None:
+        part = torch.empty(inter // 128, rows, dtype=torch.float32, device=a.device)
+        row_weight = row_weight.float().contiguous()
+    if offs is None:
+        ends = torch.full((1,), rows, dtype=torch.int32, device=a.device)
+        wgu, wd = w_gate_up[None], w_down[None]
+    else:
+        ends, wgu, wd = offs, w_gate_up, w_down
+    ops.swiglu_backward_sm90(a, dy, wgu, wd, ends, row_weight, h, dgu, part)
+    return h, dgu, None if part is None else part.sum(0)
+
+
+def _swiglu_backward_torch(a, w_gate_up, w_down, dy, row_weight, offs):
+    """(h, dgu, d_row_weight) by torch GEMMs and elementwise ops."""
+    inter = w_down.shape[-1]
+    gu = _mm32(a, w_gate_up.transpose(-2, -1), offs)  # [R, 2I] fp32
+    g, u = gu[:, :inter], gu[:, inter:]
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    h = (silu * u).to(a.dtype)
+    dh = _mm32(dy, w_down, offs)  # [R, I] fp32, unweighted
+    d_w = None
+    if row_weight is not None:
+        d_w = torch.linalg.vecdot(h.float(), dh)
+        dh.mul_(row_weight[:, None])
+    dgu = torch.empty_like(gu, dtype=a.dtype)
+    # d silu(g) / dg = sig * (1 + g * (1 - sig))
+    torch.mul(dh * u, sig * (1.0 + g * (1.0 - sig)), out=dgu[:, :inter])
+    torch.mul(dh, silu, out=dgu[:, inter:])
+    return h, dgu, d_w

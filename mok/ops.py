@@ -26,6 +26,7 @@ __all__ = [
     "dedup_partials",
     "dedup_sum",
     "layer_forward",
+    "swiglu_backward_sm90",
 ]
 
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
@@ -350,4 +351,54 @@ def _(
     handle,
     trace,
 ) -> None:
+    return None
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@_mok_op("mok::swiglu_backward_sm90", ("h", "dgu", "part"))
+def swiglu_backward_sm90(
+    a: torch.Tensor,  # [R, H] bf16, rows grouped by expert
+    dy: torch.Tensor,  # [R, H] bf16: the gradient of each row's output, before its weight
+    w_gate_up: torch.Tensor,  # [L, 2I, H] bf16, contiguous
+    w_down: torch.Tensor,  # [L, H, I] bf16, contiguous
+    group_ends: torch.Tensor,  # [L] int32
+    row_w: torch.Tensor | None,  # [R] fp32 routing weights (None: 1)
+    h: torch.Tensor,  # [R, I] bf16 out
+    dgu: torch.Tensor,  # [R, 2I] bf16 out
+    # [I / 128, R] fp32 out (router-weight partials), or None. NOTE: no default (layer_forward)
+    part: torch.Tensor | None,
+) -> None:
+    """The experts' backward kernel (csrc/layer/sm90_bwd.cuh): per expert group the down
+    projection's dgrad and the gate / up GEMM recomputed, with the SwiGLU backward in the
+    epilogue, over every SM of the GPU. Rows past the last group end are left unwritten."""
+    rows = a.shape[0]
+    if rows == 0:
+        return
+    L, two_i, hidden = w_gate_up.shape
+    dev = a.device
+    _ext.load().launch_swiglu_bwd(
+        a.data_ptr(),
+        dy.data_ptr(),
+        w_gate_up.data_ptr(),
+        w_down.data_ptr(),
+        group_ends.data_ptr(),
+        0 if row_w is None else row_w.data_ptr(),
+        h.data_ptr(),
+        dgu.data_ptr(),
+        0 if part is None else part.data_ptr(),
+        rows,
+        hidden,
+        two_i // 2,
+        L,
+        _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()),
+        torch.cuda.current_stream(dev).cuda_stream,
+    )
+
+
+@swiglu_backward_sm90.register_fake
+def _(a, dy, w_gate_up, w_down, group_ends, row_w, h, dgu, part) -> None:
     return None

@@ -29,6 +29,7 @@
 # %%
 # %matplotlib inline
 import math
+import os
 import time
 
 import matplotlib.pyplot as plt
@@ -43,8 +44,13 @@ import mok
 VOCAB, HIDDEN, EXPERTS, TOPK, INTER, SHARED, BLOCKS = 64, 64, 8, 2, 64, 64, 2
 # data and training: sequences per step x tokens per sequence, steps, learning rate, seed
 BATCH, SEQ, STEPS, LR, SEED = 8, 32, 150, 3e-3, 0
-# "cuda" runs mok's kernels (bf16 on Hopper, one GPU); "cpu" the reference layer in fp32. For a
-# realistic size use e.g. HIDDEN = 2048, EXPERTS = 64, INTER = 768, BATCH x SEQ = 4096 on a GPU.
+# MOK_DEMO_SIZE=gpu: a size worth a GPU (4096 tokens a step through 64 experts of width 2048,
+# 300 steps); MOK_DEMO_FIGURE=path also saves the loss-curve figure there.
+if os.environ.get("MOK_DEMO_SIZE") == "gpu":
+    VOCAB, HIDDEN, EXPERTS, TOPK, INTER, SHARED, BLOCKS = 512, 2048, 64, 4, 768, 768, 2
+    BATCH, SEQ, STEPS, LR = 16, 257, 300, 1e-3
+FIGURE = os.environ.get("MOK_DEMO_FIGURE")
+# "cuda" runs mok's kernels (bf16 on Hopper, one GPU); "cpu" the reference layer in fp32.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 if DEVICE == "cpu":
@@ -182,8 +188,13 @@ for (kind, ls), style in zip(curves.items(), ("-", "--"), strict=True):
 ax.axhline(FLOOR, color="grey", ls=":", label="loss floor")
 ax.set_xlabel("step")
 ax.set_ylabel("cross-entropy (nats)")
-ax.set_title(f"Tiny MoE LM on {DEVICE}: mok.MoE vs a torch MoE layer, same seed")
+ax.set_title(
+    f"MoE LM (hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}) on {DEVICE}: "
+    "mok.MoE vs torch, same seed"
+)
 ax.legend()
+if FIGURE:
+    fig.savefig(FIGURE, dpi=120)
 plt.show()
 
 # %%

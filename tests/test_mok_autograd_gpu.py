@@ -36,7 +36,7 @@ def _inputs(shape: ModelShape, n: int, skew: str, seed: int = 0):
     return x, idx, tw, w, grad_out
 
 
-def _mok_grads(shape, x, idx, tw, w, grad_out, fused=False):
+def _mok_grads(shape, x, idx, tw, w, grad_out, fused=False, config=None):
     import mok
     from mok import functional as mf
 
@@ -47,7 +47,7 @@ def _mok_grads(shape, x, idx, tw, w, grad_out, fused=False):
         if v is not None:
             v.requires_grad_(True)
     xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
-    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+    cfg = config or mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
     out = mf.moe(xs, idx, tws, w, shape.num_experts, cfg, fused=fused)
     out.backward(grad_out)
     got = {"dx": xs.grad, "d_topk_weights": tws.grad}
@@ -70,7 +70,7 @@ def _grads_and_oracle(shape, n, skew):
 def _report(got, oracle, ref16, names) -> str:
     return "; ".join(
         f"{n}: {tol.max_abs_err(got[n].cpu(), getattr(oracle, n)):.3e} vs bf16 reference "
-        f"{tol.max_abs_err(getattr(ref16, n), getattr(oracle, n)):.3e}"
+        f"{tol.max_abs_err(tol.stored_like(getattr(ref16, n), got[n]), getattr(oracle, n)):.3e}"
         for n in names
     )
 
@@ -79,17 +79,19 @@ def _report(got, oracle, ref16, names) -> str:
 @pytest.mark.sm90
 @pytest.mark.parametrize(("shape", "n", "skew"), CASES, ids=[c[0].name for c in CASES])
 def test_gradients_against_the_reference(shape, n, skew):
-    """dx and the router-weight gradient under the bf16 rule; the weight gradients within
-    BF16_REF_REL_ERR of their scale (the bf16 rule for them: the next test); every gradient
-    bitwise equal in a second run (fixed-order sums, no atomics)."""
+    """Every gradient (x, routing weights, routed and shared weights) under the bf16 rule
+    against the fp64 oracle, and bitwise equal in a second run (fixed-order sums, no
+    atomics)."""
     got, oracle, ref16, names = _grads_and_oracle(shape, n, skew)
+    failed = []
     for name in names:
         assert got[name] is not None, f"{name}: no gradient"
-        want = getattr(oracle, name).double()
-        if name in ("dx", "d_topk_weights"):
-            tol.assert_bf16_rule(got[name].cpu().double(), getattr(ref16, name).double(), want)
-        else:
-            tol.assert_bf16_ref_bound(got[name].cpu().double(), want, name)
+        try:
+            ref = tol.stored_like(getattr(ref16, name), got[name])
+            tol.assert_bf16_rule(got[name].cpu().double(), ref, getattr(oracle, name))
+        except AssertionError:
+            failed.append(name)
+    assert not failed, f"{failed} break the bf16 rule; " + _report(got, oracle, ref16, names)
     x, idx, tw, w, grad_out = _inputs(shape, n, skew)
     _, again = _mok_grads(shape, x, idx, tw, w, grad_out)
     for name in names:
@@ -98,24 +100,52 @@ def test_gradients_against_the_reference(shape, n, skew):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.xfail(
-    strict=True,
-    reason="the recomputed expert backward rounds g, u, h and the gradients dh, dg, du to bf16 "
-    "before the weight-gradient GEMMs (torch autograd of bf16 grouped GEMMs); measured 1.5-3.5x "
-    "the bf16 reference's error on dw_gate / dw_up and the shared expert's weights (rule: 2x)",
-)
-@pytest.mark.parametrize(("shape", "n", "skew"), CASES, ids=[c[0].name for c in CASES])
-def test_weight_gradients_bf16_rule(shape, n, skew):
-    got, oracle, ref16, names = _grads_and_oracle(shape, n, skew)
-    failed = []
-    for name in names:
-        try:
-            tol.assert_bf16_rule(
-                got[name].cpu().double(), getattr(ref16, name).double(), getattr(oracle, name)
-            )
-        except AssertionError:
-            failed.append(name)
-    assert not failed, f"{failed} break the bf16 rule; " + _report(got, oracle, ref16, names)
+def test_twenty_runs_bitwise_equal():
+    shape, n, skew = CASES[1]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=11)
+    _, first = _mok_grads(shape, x, idx, tw, w, grad_out)
+    for run in range(19):
+        _, again = _mok_grads(shape, x, idx, tw, w, grad_out)
+        for name, g in first.items():
+            assert torch.equal(g, again[name]), f"run {run + 2}: {name} differs from run 1"
+
+
+CONFIGS = [
+    dict(num_comm_sms=4, minibatch_size=256),
+    dict(num_comm_sms=32, minibatch_size=4096),
+    dict(num_comm_sms=8, minibatch_size=128, macrobatch_size=128, row_tile=64),  # rings wrap
+    dict(dispatch_mode="dedup_pull", combine_mode="push", num_comm_sms=16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("fused", [False, True])
+def test_configs_give_the_same_gradients(fused):
+    """Comm SMs, minibatch, ring size (a ring of one minibatch wraps many times) and dispatch
+    mode change nothing in any gradient, fused forward or not."""
+    import mok
+
+    shape, n, skew = CASES[0]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=13)
+    _, want = _mok_grads(shape, x, idx, tw, w, grad_out)
+    for over in CONFIGS:
+        cfg = mok.MoKConfig(**{"wait_timeout_ms": 10_000.0, **over})
+        _, got = _mok_grads(shape, x, idx, tw, w, grad_out, fused=fused, config=cfg)
+        for name, g in want.items():
+            assert torch.equal(g, got[name]), f"{over}: {name} differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_zero_tokens():
+    shape = CASES[0][0]
+    x, idx, tw, w, grad_out = _inputs(shape, 0, "uniform")
+    out, got = _mok_grads(shape, x, idx, tw, w, grad_out)
+    assert out.shape == (0, shape.hidden)
+    assert got["dx"].shape == (0, shape.hidden) and got["d_topk_weights"].shape == (0, 4)
+    for name in ("dw_gate", "dw_up", "dw_down", "d_shared_w_gate"):
+        assert got[name] is not None and not got[name].any(), name
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
-"""``mok.autograd.expert_backward`` (the routed experts' recompute + dgrad / wgrad of the
-backward) on CPU in fp32 against a per-expert fp64 autograd oracle: both weight layouts
-(separate gate / up, halves of one [L, 2I, H] tensor), padding rows inside a group, and rows past
-the last group that must not reach any gradient."""
+"""``mok.experts.swiglu_backward`` (the experts' recompute + dgrad / wgrad of the backward) on
+CPU: in fp32 against a per-expert fp64 autograd oracle (grouped, with an empty group, padding
+rows inside a group and rows past the last group that must reach no gradient; dense, without a
+routing weight, as the shared expert runs), and in bf16 against the reference's bf16 backward
+under the bf16 rule (the rounding points the GPU path shares)."""
 
 from __future__ import annotations
 
@@ -9,51 +10,80 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mok.autograd import expert_backward
+from mok.experts import swiglu_backward
+from reference.moe import expert_ffn, expert_ffn_backward
+from tests import tolerances as tol
 
 L, H, INTER = 3, 16, 8
 SIZES = [5, 0, 7]  # rows per expert (an empty one in the middle)
 
 
-def _oracle(recv, wg, wu, wd, sizes, dy):
-    leaves = [t.double().detach().requires_grad_() for t in (recv, wg, wu, wd)]
-    a, g_, u_, d_ = leaves
+def _oracle(a, wgu, wd, sizes, dy, row_w):
+    """Per-expert fp64 autograd of y = w * (silu(a Wg^T) * (a Wu^T)) Wd^T."""
+    leaves = [t.double().detach().requires_grad_() for t in (a, wgu, wd, row_w)]
+    a_, wgu_, wd_, w_ = leaves
     ys, r = [], 0
     for e, n in enumerate(sizes):
-        x = a[r : r + n]
-        h = F.silu(x @ g_[e].T) * (x @ u_[e].T)
-        ys.append(h @ d_[e].T)
+        gu = a_[r : r + n] @ wgu_[e].T
+        h = F.silu(gu[:, :INTER]) * gu[:, INTER:]
+        ys.append(w_[r : r + n, None] * (h @ wd_[e].T))
         r += n
     y = torch.cat(ys)
-    d_a, *grads = torch.autograd.grad(y, leaves, dy[: y.shape[0]].double())
-    return y.detach(), d_a[: y.shape[0]], *grads
+    return torch.autograd.grad(y, leaves, dy[: y.shape[0]].double())
 
 
-@pytest.mark.parametrize("fused_layout", [False, True])
-def test_against_per_expert_autograd(fused_layout):
+def test_grouped_against_per_expert_autograd():
     g = torch.Generator().manual_seed(0)
     rows = sum(SIZES) + 4  # 4 rows past the last group
-    recv = torch.randn(rows, H, generator=g)
-    recv[3] = 0.0  # a padding row inside expert 0 (zeros, as the backward passes them)
-    recv[-4:] = float("nan")  # past the last group: unspecified, never read into a gradient
+    a = torch.randn(rows, H, generator=g)
     dy = torch.randn(rows, H, generator=g)
-    dy[3] = 0.0
-    dy[-4:] = 0.0
-    if fused_layout:
-        gate_up = torch.randn(L, 2 * INTER, H, generator=g) / 4
-        wg, wu = gate_up[:, :INTER], gate_up[:, INTER:]
-    else:
-        wg, wu = (
-            torch.randn(L, INTER, H, generator=g) / 4,
-            torch.randn(L, INTER, H, generator=g) / 4,
-        )
+    row_w = torch.rand(rows, generator=g)
+    a[3], dy[3], row_w[3] = 0.0, 0.0, 0.0  # a padding row inside expert 0
+    a[-4:] = float("nan")  # past the last group: unspecified, never read into a gradient
+    dy[-4:], row_w[-4:] = 0.0, 0.0
+    wgu = torch.randn(L, 2 * INTER, H, generator=g) / 4
     wd = torch.randn(L, H, INTER, generator=g) / 3
     offs = torch.tensor(SIZES, dtype=torch.int32).cumsum(0).to(torch.int32)
-    y, d_recv, d_wg, d_wu, d_wd = expert_backward(recv, wg, wu, wd, offs, dy)
-    want = _oracle(recv, wg, wu, wd, SIZES, dy)
+    d_a, d_w, d_wgu, d_wd = swiglu_backward(a, wgu, wd, dy, row_w, offs)
+    want = _oracle(a, wgu, wd, SIZES, dy, row_w)
     n = sum(SIZES)
-    for got, ref in zip((y[:n], d_recv[:n], d_wg, d_wu, d_wd), want, strict=True):
+    want = (want[0][:n], want[1], want[2], want[3][:n])
+    for got, ref in zip((d_a[:n], d_wgu, d_wd, d_w[:n]), want, strict=True):
         assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
-    if fused_layout:  # gradients of the two halves are views of one [L, 2I, H] gradient
-        assert d_wu.data_ptr() == d_wg.data_ptr() + INTER * H * 4
+        torch.testing.assert_close(got.double(), ref, rtol=tol.FP32_RTOL, atol=tol.FP32_ATOL)
+
+
+def test_dense_without_routing_weight():
+    g = torch.Generator().manual_seed(1)
+    a, dy = torch.randn(9, H, generator=g), torch.randn(9, H, generator=g)
+    wgu, wd = torch.randn(2 * INTER, H, generator=g) / 4, torch.randn(H, INTER, generator=g) / 3
+    d_a, d_w, d_wgu, d_wd = swiglu_backward(a, wgu, wd, dy, d_a_dtype=torch.float32)
+    assert d_w is None and d_a.dtype == torch.float32
+    want = _oracle(a, wgu[None], wd[None], [9], dy, torch.ones(9))
+    for got, ref in zip((d_a, d_wgu, d_wd), (want[0], want[1][0], want[2][0]), strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=tol.FP32_RTOL, atol=tol.FP32_ATOL)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16_meets_the_rule_against_the_reference(seed):
+    """One expert of 300 rows in bf16: every gradient within the bf16 rule of the reference's
+    bf16 backward against its fp64 one."""
+    g = torch.Generator().manual_seed(seed)
+    n, hid, inter = 300, 256, 128
+    x = torch.randn(n, hid, generator=g).bfloat16()
+    dy = torch.randn(n, hid, generator=g).bfloat16()
+    w = torch.rand(n, generator=g)
+    wg = (torch.randn(inter, hid, generator=g) / hid**0.5).bfloat16()
+    wu = (torch.randn(inter, hid, generator=g) / hid**0.5).bfloat16()
+    wd = (torch.randn(hid, inter, generator=g) / inter**0.5).bfloat16()
+    offs = torch.tensor([n], dtype=torch.int32)
+    got = swiglu_backward(x, torch.cat([wg, wu])[None], wd[None], dy, w, offs)
+    d_a, d_w, d_wgu, d_wd = got
+    got = (d_a, d_w, d_wgu[0, :inter], d_wgu[0, inter:], d_wd[0])
+
+    def ref(mode):
+        _, saved = expert_ffn(x, wg, wu, wd, mode)
+        return expert_ffn_backward(dy, w, x, saved, wg, wu, wd, mode)
+
+    for mine, r16, r64 in zip(got, ref(torch.bfloat16), ref(torch.float64), strict=True):
+        tol.assert_bf16_rule(mine.double(), r16.double(), r64)

@@ -4,7 +4,9 @@ unfused paths against the reference under the BF16 rule.
 Each case is drawn from one seed (printed with the case on failure; ``MOK_FUZZ_SEED`` replays a
 run, ``MOK_FUZZ_CASES`` sets how many cases). Routings include zero tokens, one token, odd
 counts, hot experts, every token on the same experts, and ring wrap-around (rings smaller than
-the routed rows). Every case also runs twice and must be bitwise identical.
+the routed rows). Every case also runs twice and must be bitwise identical. The backward
+fuzz test (every fourth seed of the same draw) checks every gradient of ``mok.functional.moe``
+against the reference's backward the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ torch = pytest.importorskip("torch")
 import mok  # noqa: E402
 from mok import functional as mf  # noqa: E402
 from mok.spec.workload import ModelShape, make_routing  # noqa: E402
+from reference.moe import moe_backward as ref_moe_backward  # noqa: E402
 from reference.moe import moe_forward as ref_moe_forward  # noqa: E402
 from reference.weights import MoEWeights  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
@@ -154,4 +157,68 @@ def test_fuzz_layer_against_reference():
         finally:
             mok.clear_workspaces()
     print(f"fuzz: {len(seeds)} cases from seed {BASE_SEED}: {kinds}, {len(failures)} failed")
+    assert not failures, "\n".join(failures)
+
+
+GRADS = ("dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down")
+SHARED = ("shared_w_gate", "shared_w_up", "shared_w_down")
+
+
+def _grads(case: Case, x, idx, tw, w, grad_out) -> dict:
+    w = MoEWeights(**{k: None if t is None else t.detach().clone() for k, t in vars(w).items()})
+    leaves = {n: getattr(w, n) for n in ("w_gate", "w_up", "w_down", *SHARED)}
+    leaves = {n: t.requires_grad_(True) for n, t in leaves.items() if t is not None}
+    xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
+    out = mf.moe(xs, idx, tws, w, case.num_experts, case.config(), fused=case.fused)
+    out.backward(grad_out)
+    got = {"dx": xs.grad, "d_topk_weights": tws.grad}
+    got.update({f"d{n}" if n.startswith("w_") else f"d_{n}": t.grad for n, t in leaves.items()})
+    return got
+
+
+def run_backward_case(case: Case) -> None:
+    dev = torch.device("cuda")
+    shape = ModelShape(
+        "fuzz", case.num_experts, case.hidden, case.inter, case.num_topk, case.shared_inter
+    )
+    w = MoEWeights.random(shape, seed=case.seed, dtype=torch.float32, device=dev)
+    w = w.to(torch.bfloat16)
+    idx, tw = routing(case)
+    g = torch.Generator().manual_seed(case.seed + 2)
+    x = torch.randn(case.num_tokens, case.hidden, generator=g).to(torch.bfloat16).to(dev)
+    grad_out = torch.randn(case.num_tokens, case.hidden, generator=g).to(torch.bfloat16).to(dev)
+    idx, tw = idx.to(dev), tw.to(dev).float()
+    got = _grads(case, x, idx, tw, w, grad_out)
+    again = _grads(case, x, idx, tw, w, grad_out)
+    mok.check()
+    # the reference runs on the host
+    args = (grad_out.cpu(), x.cpu(), idx.cpu(), tw.cpu())
+    w = MoEWeights(**{k: None if t is None else t.cpu() for k, t in vars(w).items()})
+    oracle = ref_moe_backward(*args, w, torch.float64)
+    ref_b = ref_moe_backward(*args, w, torch.bfloat16)
+    names = GRADS + (tuple(f"d_{n}" for n in SHARED) if case.shared_inter else ())
+    for name in names:
+        assert torch.equal(got[name], again[name]), f"{name}: two runs differ"
+        want = getattr(oracle, name)
+        ref = tol.stored_like(getattr(ref_b, name), got[name])
+        try:
+            tol.assert_bf16_rule(got[name].cpu().double(), ref, want)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def test_fuzz_backward_against_reference():
+    failures = []
+    seeds = [BASE_SEED + i for i in range(0, NUM_CASES, 4)]
+    for seed in seeds:
+        case = draw(seed)
+        try:
+            run_backward_case(case)
+        except Exception as e:  # noqa: BLE001 - collected and reported with the seed
+            failures.append(
+                f"MOK_FUZZ_SEED={seed} MOK_FUZZ_CASES=1: {case}: {type(e).__name__}: {e}"
+            )
+        finally:
+            mok.clear_workspaces()
+    print(f"fuzz backward: {len(seeds)} cases from seed {BASE_SEED}, {len(failures)} failed")
     assert not failures, "\n".join(failures)

@@ -49,6 +49,15 @@ def assert_bf16_rule(got: torch.Tensor, ref_bf16: torch.Tensor, oracle: torch.Te
     )
 
 
+def stored_like(ref_bf16: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """The bf16 reference as the result under test stores it (fp64 values on the host): the
+    reference's backward keeps weight gradients in its fp32 carrier (reference.moe.MoEGrads),
+    while a gradient of a bf16 weight is itself bf16, one more rounding the same reference
+    computed in bf16 would make to store it. Rounding the reference to ``got``'s dtype compares
+    like with like (a no-op for fp32 results and for values the reference already rounded)."""
+    return ref_bf16.to(got.dtype).cpu().double()
+
+
 # The bf16 reference itself against the fp64 oracle, relative to max |oracle|: inputs, SwiGLU
 # output, expert outputs and the layer output are each rounded to bf16 (2^-9 relative), and the
 # roundings compound through two GEMMs and a k-term sum to about 1e-2 of the output scale.

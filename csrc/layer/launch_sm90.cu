@@ -3,12 +3,12 @@
 // torch (CI compile-checks it for sm_90a and sm_100a).
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
 #include <cstdint>
 
 #include "api.h"
 #include "common/launch.cuh"
+#include "common/tensor_map.h"
 #include "layer/sm90_fwd.cuh"
 #include "params.h"
 
@@ -16,33 +16,8 @@ namespace mok {
 
 namespace {
 
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  if (fn == nullptr) {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }
-  return fn;
-}
-
-// Row-major bf16 [rows, cols] read in boxes of box_rows x 64 columns, 128-byte swizzle.
 bool encode_map(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, int box_rows) {
-  const auto fn = encode_fn();
-  if (fn == nullptr || base == nullptr || rows <= 0) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * 2)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kTileK), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
-                        strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
+  return encode_bf16_map(map, base, rows, cols, box_rows, kTileK);
 }
 
 }  // namespace

@@ -49,6 +49,11 @@ struct OperandBf16 {
   __device__ static __forceinline__ void mma_n64(float* d, uint64_t a, uint64_t b, int acc) {
     wgmma_m64n64k16(d, a, b, acc);
   }
+  // B N-major (wgmma_desc_mn; a k step is kInstK rows of 128 bytes, in 16-byte units).
+  static constexpr int kDescStepMN = kInstK * kStageRowBytes / 16;  // 128
+  __device__ static __forceinline__ void mma_n128_nb(float* d, uint64_t a, uint64_t b, int acc) {
+    wgmma_m64n128k16_nb(d, a, b, acc);
+  }
 };
 // One consumer warpgroup's 64 x 128 bf16 output chunk: 256-byte rows whose 16-byte chunks are
 // permuted by row % 8 (the accumulator stores of 8 rows then hit 32 distinct banks).
@@ -138,18 +143,31 @@ __device__ __forceinline__ void copy_chunk(uint8_t* lo, uint8_t* hi, int col,
 //                step (acc0: columns 0..127, acc1: 128..255);
 //   kHalfGateUp: rows 64h.. (a 64-row sub-tile), warpgroup wg's 64 gate and 64 up columns: two
 //                m64n64 MMAs (acc0[0..31] gate, acc0[32..63] up);
-//   kHalfDown:   rows 64h.., warpgroup wg's 128 of the 256 columns: one m64n128 (acc0).
-enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown };
+//   kHalfDown:   rows 64h.., warpgroup wg's 128 of the 256 columns: one m64n128 (acc0);
+//   kFullNB:     rows wg * 64.., 128 columns of an N-major B (two 64-column boxes of
+//                kTileK rows after A): one m64n128 (acc0).
+// kNumStages: the pipeline's stages (the layer's kStages unless a kernel needs the memory).
+enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown, kFullNB };
+constexpr int kBoxNB = 64 * kStageRowBytes;  // one 64-column box of 64 k-rows, N-major
 
-template <class Op, int kMode>
+template <class Op, int kMode, int kNumStages = kStages>
 __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], uint8_t* stages,
                                           uint64_t* full, uint64_t* empty, int k_blocks, int h,
                                           int wg, int& stage, int& prev_stage, uint32_t& phase) {
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
     const uint8_t* sa = stages + stage * kStageBytes;
-    const uint64_t da = wgmma_desc(sa + (kMode == kFull ? wg : h) * 64 * 128);
-    if (kMode == kFull) {
+    const uint64_t da =
+        wgmma_desc(sa + ((kMode == kFull || kMode == kFullNB) ? wg : h) * 64 * 128);
+    if (kMode == kFullNB) {
+      const uint64_t db = wgmma_desc_mn(sa + kStageA, kBoxNB);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Op::kSteps; ++kk) {
+        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
+        Op::mma_n128_nb(acc0, da + Op::kDescStep * kk, db + Op::kDescStepMN * kk, accum);
+      }
+    } else if (kMode == kFull) {
       const uint64_t db0 = wgmma_desc(sa + kStageA);
       const uint64_t db1 = wgmma_desc(sa + kStageA + 128 * 128);
       wgmma_fence();
@@ -186,7 +204,7 @@ __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], 
     // would make ptxas serialise the wgmma instructions).
     if (kb > 0) mbar_arrive(&empty[prev_stage]);
     prev_stage = stage;
-    if (++stage == kStages) stage = 0, phase ^= 1;
+    if (++stage == kNumStages) stage = 0, phase ^= 1;
   }
   wgmma_wait<0>();
   if (k_blocks > 0) mbar_arrive(&empty[prev_stage]);

@@ -63,6 +63,29 @@ int64_t layer_counters(pybind11::bytes params_bytes) {
   return mok::layer_counters(unpack<mok::Params>(params_bytes, "Params"));
 }
 
+// The experts' backward kernel (api.h SwigluBwdLaunch): raw device pointers (0: none) and sizes.
+void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down, int64_t ends,
+                       int64_t row_w, int64_t h, int64_t dgu, int64_t part, int64_t rows,
+                       int64_t hidden, int64_t inter, int64_t num_experts, int64_t grid,
+                       int64_t stream) {
+  mok::SwigluBwdLaunch l{};
+  l.a = reinterpret_cast<const void*>(a);
+  l.dy = reinterpret_cast<const void*>(dy);
+  l.w_gate_up = reinterpret_cast<const void*>(w_gate_up);
+  l.w_down = reinterpret_cast<const void*>(w_down);
+  l.ends = reinterpret_cast<const int32_t*>(ends);
+  l.row_w = reinterpret_cast<const float*>(row_w);
+  l.h = reinterpret_cast<void*>(h);
+  l.dgu = reinterpret_cast<void*>(dgu);
+  l.part = reinterpret_cast<float*>(part);
+  l.rows = rows, l.hidden = hidden, l.inter = inter, l.num_experts = num_experts;
+  const int err =
+      mok::launch_swiglu_bwd(l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
+  TORCH_CHECK(err == 0, "mok: launching the experts' backward kernel (", rows, " rows, hidden ",
+              hidden, ", intermediate ", inter, ", ", num_experts,
+              " experts) failed: ", mok::error_string(err));
+}
+
 int64_t host_device_pointer(int64_t host_ptr) {
   int err = 0;
   const uint64_t dev = mok::host_device_pointer(reinterpret_cast<void*>(host_ptr), &err);
@@ -82,6 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch_layer", &launch_layer, "launch_layer(params, layer_args, grid, stream)");
   m.def("layer_smem_bytes", &mok::layer_smem_bytes);
   m.def("layer_counters", &layer_counters);
+  m.def("launch_swiglu_bwd", &launch_swiglu_bwd);
 
   // Probe microbenchmarks (probe/probe.cu, mok/bench/probe.py): addresses and streams as ints,
   // each returns a cudaError_t value.

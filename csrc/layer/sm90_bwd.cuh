@@ -1,0 +1,283 @@
+// The experts' backward on Hopper (sm_90a), first kernel on the GEMM core: the down
+// projection's dgrad and the gate/up GEMM recomputed per expert group, with the SwiGLU backward
+// in the epilogue.
+//
+// Per expert e (rows [start_e, end_e) of `a` and `dy`, grouped as the receive buffer holds
+// them):
+//   dh      = dy @ w_down[e]                     (fp32 accumulators, kept in shared memory)
+//   [g | u] = a @ w_gate_up[e]^T                 (fp32 accumulators, never stored)
+//   h       = bf16(silu(g) * u)                  -> h      (the down projection's wgrad input)
+//   dh_w    = row_w * dh
+//   dg      = bf16(dh_w * u * silu'(g))          -> dgu[:, :I]
+//   du      = bf16(dh_w * silu(g))               -> dgu[:, I:]
+//   part[n, r] = sum over the tile's 128 columns of h * dh (the router-weight gradient of row
+//                r is the fixed-order sum over n of these partials)
+// Tiles of 128 rows x 128 intermediate columns of one expert (a dh k-loop over H with w_down
+// N-major, then a gate/up k-loop over H of 128 gate + 128 up columns), in the order (expert, column
+// block, row block): the row blocks of one expert's column block run side by side, so its
+// weights come from HBM once. Each block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ...; a
+// tile's bits depend only on its inputs (no atomics, no split-K), so any grid gives the same
+// result. Rows of a tile past its expert's end are computed and dropped.
+//
+// Roles per block (384 threads): one producer thread (TMA loads of the stages), two consumer
+// warpgroups, each running wgmma on 64 of the tile's rows and writing its epilogue straight to
+// global memory. Waits are on this block's own pipeline barriers only (nothing waits for
+// another block), so none can stall unless the kernel itself is broken.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "common/rows.cuh"
+#include "layer/sm90_gemm.cuh"
+#include "ptx/tma.cuh"
+#include "ptx/wgmma_sm90.cuh"
+
+namespace mok {
+
+// Expert groups a launch supports (their tile counts live in shared memory).
+constexpr int kBwdMaxExperts = 1024;
+// Three stages, and the tile's fp32 dh (128 rows x 128 columns, one float per accumulator of
+// the two consumer warpgroups) where a fourth would be.
+constexpr int kBwdStages = 3;
+constexpr int kBwdDhBytes = kTileM * 128 * 4;
+constexpr int kBwdSmem = 1024 + kBwdStages * kStageBytes + kBwdDhBytes;
+
+struct SwigluBwdKernelArgs {
+  CUtensorMap map_a;   // a [rows, H], 128-row boxes
+  CUtensorMap map_dy;  // dy [rows, H], 128-row boxes
+  CUtensorMap map_w;   // w_gate_up [L * 2I, H], 128-row boxes
+  CUtensorMap map_wd;  // w_down [L * H, I], 64-row x 64-column boxes (N-major B)
+  const int32_t* ends;  // [L] group ends
+  const float* row_w;   // [rows], or null (weight 1)
+  uint16_t* h;          // [rows, I] bf16
+  uint16_t* dgu;        // [rows, 2I] bf16
+  float* part;          // [I / 128, rows], or null
+  int rows, hidden, inter, num_experts;
+};
+
+struct BwdShared {
+  uint64_t full[kBwdStages], empty[kBwdStages];
+  // The tile a stage's first k-block belongs to: first row, its expert's end row, column
+  // block; row0 < 0 marks the end of the work.
+  int stage_tile[kBwdStages][3];
+  // Row blocks of the experts before e (tiles_before[e] * column blocks = the first tile of
+  // expert e); tiles_before[L] is the total.
+  int tiles_before[kBwdMaxExperts + 1];
+};
+static __shared__ __align__(8) BwdShared bsh;
+extern __shared__ uint8_t bwd_smem[];
+
+__device__ __forceinline__ uint8_t* bwd_stages() {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bwd_smem) + 1023) &
+                                    ~static_cast<uintptr_t>(1023));
+}
+// The tile's dh, one float per accumulator: entry i of consumer thread t (0..255) at i * 256 + t
+// (consecutive threads, consecutive banks).
+__device__ __forceinline__ float* bwd_dh() {
+  return reinterpret_cast<float*>(bwd_stages() + kBwdStages * kStageBytes);
+}
+
+__device__ __forceinline__ int group_start(const SwigluBwdKernelArgs& k, int e) {
+  return e == 0 ? 0 : k.ends[e - 1];
+}
+
+// Warp 0: tiles_before[] of the groups (each lane sums a run of experts, then a warp scan).
+__device__ __forceinline__ void count_tiles(const SwigluBwdKernelArgs& k) {
+  const int lane = threadIdx.x % 32;
+  const int L = k.num_experts;
+  const int per = (L + 31) / 32;
+  const int e0 = lane * per, e1 = min(L, e0 + per);
+  int sum = 0;
+  for (int e = e0; e < e1; ++e) {
+    const int n = k.ends[e] - group_start(k, e);
+    sum += n > 0 ? (n + kTileM - 1) / kTileM : 0;
+  }
+  int incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int v = __shfl_up_sync(~0u, incl, d);
+    if (lane >= d) incl += v;
+  }
+  int run = incl - sum;
+  for (int e = e0; e < e1; ++e) {
+    bsh.tiles_before[e] = run;
+    const int n = k.ends[e] - group_start(k, e);
+    run += n > 0 ? (n + kTileM - 1) / kTileM : 0;
+  }
+  if (lane == 31) bsh.tiles_before[L] = incl;
+}
+
+// Tile i -> its expert, first row and column block.
+__device__ __forceinline__ void find_tile(const SwigluBwdKernelArgs& k, int i, int n_blocks,
+                                          int& e, int& row0, int& nb) {
+  int lo = 0, hi = k.num_experts - 1;
+  while (lo < hi) {  // the last expert whose first tile is at or before i
+    const int mid = (lo + hi + 1) / 2;
+    if (bsh.tiles_before[mid] * n_blocks <= i) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  e = lo;
+  const int m_tiles = bsh.tiles_before[e + 1] - bsh.tiles_before[e];
+  const int local = i - bsh.tiles_before[e] * n_blocks;
+  nb = local / m_tiles;
+  row0 = group_start(k, e) + (local % m_tiles) * kTileM;
+}
+
+__device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n_tiles,
+                                             int n_blocks) {
+  uint8_t* stages = bwd_stages();
+  const int k_blocks = k.hidden / OperandBf16::kTileK;  // per k-loop
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int i = blockIdx.x;; i += gridDim.x) {
+    if (i >= n_tiles) {
+      mbar_wait(&bsh.empty[stage], phase ^ 1);
+      vol(bsh.stage_tile[stage][0]) = -1;
+      mbar_arrive(&bsh.full[stage]);
+      return;
+    }
+    int e, row0, nb;
+    find_tile(k, i, n_blocks, e, row0, nb);
+    const int w_row = e * 2 * k.inter + nb * 128;
+    const int wd_row = e * k.hidden;
+    // dh's k-blocks (dy rows, w_down's 128 columns as two N-major boxes), then gate/up's.
+    for (int kb = 0; kb < 2 * k_blocks; ++kb) {
+      mbar_wait(&bsh.empty[stage], phase ^ 1);
+      if (kb == 0) {
+        vol(bsh.stage_tile[stage][0]) = row0;
+        vol(bsh.stage_tile[stage][1]) = k.ends[e];
+        vol(bsh.stage_tile[stage][2]) = nb;
+      }
+      uint8_t* sa = stages + stage * kStageBytes;
+      if (kb < k_blocks) {
+        const int kc = kb * OperandBf16::kTileK;
+        mbar_arrive_expect_tx(&bsh.full[stage], kStageA + 2 * kBoxNB);
+        tma_load_2d(sa, &k.map_dy, &bsh.full[stage], kc, row0);
+        tma_load_2d(sa + kStageA, &k.map_wd, &bsh.full[stage], nb * 128, wd_row + kc);
+        tma_load_2d(sa + kStageA + kBoxNB, &k.map_wd, &bsh.full[stage], nb * 128 + 64,
+                    wd_row + kc);
+      } else {
+        const int kc = (kb - k_blocks) * OperandBf16::kTileK;
+        mbar_arrive_expect_tx(&bsh.full[stage], kStageBytes);
+        tma_load_2d(sa, &k.map_a, &bsh.full[stage], kc, row0);
+        tma_load_2d(sa + kStageA, &k.map_w, &bsh.full[stage], kc, w_row);
+        tma_load_2d(sa + 2 * kStageA, &k.map_w, &bsh.full[stage], kc, w_row + k.inter);
+      }
+      if (++stage == kBwdStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+__device__ __forceinline__ float round_bf16(float v) {
+  return bf16_lo(pack_bf16x2(v, 0.0f));
+}
+
+// The SwiGLU backward of warpgroup wg's 64 rows of a tile (gate accumulators in acc0, up in
+// acc1, both in the m64n128 layout: thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8)
+// and columns 8j + 2 (lane % 4) (+ 1) for j = 0..15).
+__device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k,
+                                                    const float (&acc0)[64],
+                                                    const float (&acc1)[64], int row0, int end,
+                                                    int nb, int wg, int warp, int lane) {
+  const int I = k.inter;
+  const float* dh = bwd_dh() + wg * 128 + warp * 32 + lane;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hr;
+    const bool valid = row < end;
+    const int64_t at = static_cast<int64_t>(valid ? row : 0) * I + nb * 128 + 2 * (lane % 4);
+    const float w = k.row_w == nullptr ? 1.0f : k.row_w[valid ? row : 0];
+    float psum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      float hv[2], dg[2], du[2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float g = acc0[4 * j + 2 * hr + q], u = acc1[4 * j + 2 * hr + q];
+        const float d = dh[(4 * j + 2 * hr + q) * 256];
+        const float sig = __fdividef(1.0f, 1.0f + __expf(-g));
+        const float s = g * sig;
+        hv[q] = round_bf16(s * u);
+        psum += hv[q] * d;
+        const float dw = d * w;
+        dg[q] = dw * u * (sig * (1.0f + g * (1.0f - sig)));
+        du[q] = dw * s;
+      }
+      if (valid) {
+        *reinterpret_cast<uint32_t*>(k.h + at + 8 * j) = pack_bf16x2(hv[0], hv[1]);
+        const int64_t gat = at + static_cast<int64_t>(valid ? row : 0) * I + 8 * j;
+        *reinterpret_cast<uint32_t*>(k.dgu + gat) = pack_bf16x2(dg[0], dg[1]);
+        *reinterpret_cast<uint32_t*>(k.dgu + gat + I) = pack_bf16x2(du[0], du[1]);
+      }
+    }
+    psum += __shfl_xor_sync(~0u, psum, 1);
+    psum += __shfl_xor_sync(~0u, psum, 2);
+    if (valid && k.part != nullptr && lane % 4 == 0)
+      k.part[static_cast<int64_t>(nb) * k.rows + row] = psum;
+  }
+}
+
+__device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int k_blocks = k.hidden / OperandBf16::kTileK;
+  int stage = 0, prev_stage = 0;
+  uint32_t phase = 0;
+  float acc0[64], acc1[64];  // dh in acc0, then gate in acc0 and up in acc1
+  for (;;) {
+    mbar_wait(&bsh.full[stage], phase);
+    const int row0 = vol(bsh.stage_tile[stage][0]);
+    if (row0 < 0) break;
+    const int end = vol(bsh.stage_tile[stage][1]);
+    const int nb = vol(bsh.stage_tile[stage][2]);
+    mma_kloop<OperandBf16, kFullNB, kBwdStages>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
+                                                k_blocks, 0, wg, stage, prev_stage, phase);
+    // NOTE: only this thread reads its entries back (the same accumulator layout), so no
+    // barrier is needed between the store and the epilogue's loads.
+    float* dh = bwd_dh() + wg * 128 + tid;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) dh[i * 256] = acc0[i];
+    mma_kloop<OperandBf16, kFull, kBwdStages>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
+                                              k_blocks, 0, wg, stage, prev_stage, phase);
+    swiglu_bwd_epilogue(k, acc0, acc1, row0, end, nb, wg, warp, lane);
+  }
+}
+
+__global__ void __launch_bounds__(kLayerThreads, 1)
+    swiglu_bwd_kernel(const __grid_constant__ SwigluBwdKernelArgs k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const int n_blocks = k.inter / 128;
+  if (threadIdx.x < 32) count_tiles(k);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBwdStages; ++s) {
+      mbar_init(&bsh.full[s], 1);
+      mbar_init(&bsh.empty[s], 2 * 128);  // every thread of both consumer warpgroups
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int n_tiles = bsh.tiles_before[k.num_experts] * n_blocks;
+  if (static_cast<int>(blockIdx.x) >= n_tiles) return;
+  // Registers as in the forward's workers: few for the producer, 224 for the accumulators.
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<56>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_map(&k.map_a);
+      tma_prefetch_map(&k.map_dy);
+      tma_prefetch_map(&k.map_w);
+      tma_prefetch_map(&k.map_wd);
+      bwd_producer(k, n_tiles, n_blocks);
+    }
+  } else {
+    setmaxnreg_inc<224>();
+    bwd_consumer(k, wg - 1);
+  }
+#endif
+}
+
+}  // namespace mok

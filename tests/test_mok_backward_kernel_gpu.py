@@ -1,0 +1,110 @@
+"""The experts' backward kernel on one GPU (``mok.experts.swiglu_backward(..., kernel=True)``,
+csrc/layer/sm90_bwd.cuh): h, the SwiGLU gradients and the router-weight gradient against an fp64
+oracle of the same operands, under the bf16 rule with the torch path (which rounds g, u and the
+down dgrad to bf16 on the GPU) as the bf16 reference; the gradients it feeds (d_a, the weight
+gradients) likewise; and bitwise equal across runs. Groups of every size class: empty, shorter
+than a tile, straddling tiles, rows past the last group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mok.experts import _swiglu_backward_sm90, _swiglu_backward_torch, swiglu_backward
+from tests import tolerances as tol
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+
+# (hidden, intermediate, rows per group) - a trailing None adds 37 rows past the last group
+CASES = [
+    (256, 128, [5, 0, 130, 128, 1], True),
+    (1024, 384, [300, 77, 0, 0, 513], False),
+    (7168, 2048, [256, 200, 260], True),
+    (2048, 768, [40] * 40 + [0] * 10 + [129] * 5, True),
+]
+
+
+def _operands(hidden, inter, sizes, tail, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = sum(sizes) + (37 if tail else 0)
+    L = len(sizes)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
+
+    a = rnd(rows, hidden)
+    dy = rnd(rows, hidden)
+    wgu = rnd(L, 2 * inter, hidden, scale=hidden**-0.5)
+    wd = rnd(L, hidden, inter, scale=inter**-0.5)
+    row_w = torch.rand(rows, device="cuda", generator=g)
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    return a, wgu, wd, dy, row_w, offs
+
+
+def _oracle(a, wgu, wd, dy, row_w, sizes):
+    """fp64 h, dgu and <h, dy @ w_down> per row."""
+    inter = wd.shape[-1]
+    hs, dgus, dws, r = [], [], [], 0
+    for e, n in enumerate(sizes):
+        gu = a[r : r + n].double() @ wgu[e].double().T
+        gt, u = gu[:, :inter], gu[:, inter:]
+        sig = torch.sigmoid(gt)
+        h = F.silu(gt) * u
+        d = dy[r : r + n].double() @ wd[e].double()
+        dws.append((h * d).sum(1))
+        dw = d * row_w[r : r + n, None].double()
+        dgus.append(torch.cat([dw * u * sig * (1 + gt * (1 - sig)), dw * gt * sig], 1))
+        hs.append(h)
+        r += n
+    return torch.cat(hs), torch.cat(dgus), torch.cat(dws)
+
+
+@pytest.mark.parametrize(("hidden", "inter", "sizes", "tail"), CASES)
+def test_kernel_against_fp64(hidden, inter, sizes, tail):
+    a, wgu, wd, dy, row_w, offs = _operands(hidden, inter, sizes, tail)
+    n = sum(sizes)
+    h, dgu, d_w = _swiglu_backward_sm90(a, wgu, wd, dy, row_w, offs)
+    h_t, dgu_t, d_w_t = _swiglu_backward_torch(a, wgu, wd, dy, row_w, offs)
+    want = _oracle(a, wgu, wd, dy, row_w, sizes)
+    for name, got, ref, oracle in zip(
+        ("h", "dgu", "d_row_weight"), (h, dgu, d_w), (h_t, dgu_t, d_w_t), want, strict=True
+    ):
+        assert torch.isfinite(got[:n]).all(), name
+        tol.assert_bf16_rule(got[:n].double().cpu(), ref[:n].double().cpu(), oracle.cpu())
+    again = _swiglu_backward_sm90(a, wgu, wd, dy, row_w, offs)
+    for name, x, y in zip(("h", "dgu", "d_row_weight"), (h, dgu, d_w), again, strict=True):
+        assert torch.equal(x[:n], y[:n]), f"{name}: two runs differ"
+
+
+@pytest.mark.parametrize(("hidden", "inter", "sizes", "tail"), CASES[:2])
+def test_gradients_match_the_torch_path(hidden, inter, sizes, tail):
+    """Everything swiglu_backward returns, kernel vs torch path: within the bf16 rule of the
+    torch path against an fp64 autograd oracle."""
+    a, wgu, wd, dy, row_w, offs = _operands(hidden, inter, sizes, tail, seed=1)
+    n = sum(sizes)
+    got = swiglu_backward(a, wgu, wd, dy, row_w, offs, kernel=True)
+    ref = swiglu_backward(a, wgu, wd, dy, row_w, offs, kernel=False)
+    leaves = [t.double().requires_grad_() for t in (a[:n], wgu, wd, row_w[:n])]
+    ys, r = [], 0
+    for e, m in enumerate(sizes):
+        gu = leaves[0][r : r + m] @ leaves[1][e].T
+        hh = F.silu(gu[:, :inter]) * gu[:, inter:]
+        ys.append(leaves[3][r : r + m, None] * (hh @ leaves[2][e].T))
+        r += m
+    oracle = torch.autograd.grad(torch.cat(ys), leaves, dy[:n].double())
+    order = (0, 3, 1, 2)  # d_a, d_row_weight, d_wgu, d_wd
+    for i, (g, rf) in enumerate(zip(got, ref, strict=True)):
+        o = oracle[order[i]]
+        g, rf = (g[:n], rf[:n]) if i < 2 else (g, rf)
+        tol.assert_bf16_rule(g.double().cpu(), rf.double().cpu(), o.cpu())
+
+
+def test_dense_without_routing_weight():
+    """The shared expert's form: one group, no routing weight, fp32 d_a."""
+    a, wgu, wd, dy, _, _ = _operands(512, 256, [300], False, seed=2)
+    got = swiglu_backward(a, wgu[0], wd[0], dy, d_a_dtype=torch.float32, kernel=True)
+    ref = swiglu_backward(a, wgu[0], wd[0], dy, d_a_dtype=torch.float32, kernel=False)
+    assert got[1] is None and got[0].dtype == torch.float32
+    for g, r in zip((got[0], got[2], got[3]), (ref[0], ref[2], ref[3]), strict=True):
+        tol.assert_bf16_ref_bound(g.double().cpu(), r.double().cpu(), "dense")
