@@ -1,23 +1,26 @@
-"""``python -m mok.bench comm|layer|sweep|probe [...]`` (launch with torchrun, one process per
-GPU).
+"""``python -m mok.bench comm|layer|sweep|probe|train [...]`` (launch with torchrun, one process
+per GPU; ``train`` runs on one GPU).
 
 comm: dispatch/combine vs NCCL and DeepEP. layer: the whole layer forward, fused vs unfused vs
 NCCL. sweep: the fused layer over communication SMs x minibatch x mode. probe: the GPU
 microbenchmarks behind ``mok-sim calibrate`` (also runs on one GPU, without the peer parts).
+train: one training step (forward + backward) of the layer on one GPU, mok vs the best torch
+layer under autograd.
 """
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("comm", "layer", "sweep", "probe")
+COMMANDS = ("comm", "layer", "sweep", "probe", "train")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         print(
-            "usage: torchrun --nproc-per-node=N -m mok.bench {comm,layer,sweep,probe} [--help]",
+            "usage: torchrun --nproc-per-node=N -m mok.bench {comm,layer,sweep,probe} [--help]\n"
+            "       python -m mok.bench train [--help]",
             file=sys.stderr,
         )
         return 2
@@ -29,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from mok.bench import probe
 
         return probe.main(argv[1:])
+    if argv[0] == "train":
+        from mok.bench import train
+
+        return train.main(argv[1:])
     from mok.bench import comm
 
     return comm.main(argv[1:])

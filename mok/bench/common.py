@@ -13,6 +13,8 @@
   :data:`CEILING_GBPS`, provenance), printed as they come and written by rank 0.
 - :func:`draw_routing`: the routing a benchmark runs on, drawn with
   :func:`mok.spec.workload.make_routing` (seed :func:`mok.spec.rows.bench_routing_seed`).
+- :func:`compiled`: ``torch.compile`` of a baseline, once per function, or None where it does
+  not build.
 
 Importing this module touches neither CUDA nor the process group.
 """
@@ -40,6 +42,7 @@ __all__ = [
     "PROVENANCE",
     "Recorder",
     "Timing",
+    "compiled",
     "draw_routing",
     "driver_version",
     "init_dist",
@@ -234,3 +237,21 @@ def draw_routing(n: int, num_experts: int, topk: int, skew: str, seed: int | Non
     t = make_routing(n, num_experts, topk, dist.get_world_size(), skew, seed=seed)
     idx, w = t.rank_slice(dist.get_rank())
     return torch.from_numpy(idx).cuda(), torch.from_numpy(w).cuda(), t
+
+
+# ---- torch.compile -----------------------------------------------------------------------------
+_COMPILED: dict = {}
+
+
+def compiled(fn):
+    """``torch.compile(fn, dynamic=False)`` (one per function, so each shape compiles once per
+    process), or None (with the reason printed) where it does not build. A compile that fails
+    later, at the first call, is the caller's to catch."""
+    if fn not in _COMPILED:
+        try:
+            _COMPILED[fn] = torch.compile(fn, dynamic=False)
+        except Exception as e:  # noqa: BLE001 - any compile failure just drops the row
+            if is_rank0():
+                print(f"torch.compile unavailable ({type(e).__name__}: {e})", flush=True)
+            _COMPILED[fn] = None
+    return _COMPILED[fn]

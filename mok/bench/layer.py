@@ -40,13 +40,21 @@ mode and writes the CSV the simulator is validated against.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 
 import torch
 import torch.distributed as dist
 
-from mok.bench.common import Recorder, draw_routing, init_dist, provenance, time_cuda
+from mok.bench.common import (
+    Recorder,
+    compiled,
+    draw_routing,
+    init_dist,
+    provenance,
+    time_cuda,
+)
 from mok.experts import clear_cache, dense_swiglu, gate_up_weight, grouped_swiglu
 from mok.spec.rows import bench_routing_seed
 
@@ -248,20 +256,17 @@ def _trace_one(trace_dir, model, skew, cfg, x, idx, tw, w, num_experts) -> None:
         print(f"trace {tag}: " + ", ".join(f"{k}={v:.0f}us" for k, v in split.items()), flush=True)
 
 
-_COMPILED: dict = {}
-
-
-def _compiled(fn):
-    """``torch.compile(fn)`` (one per function, so each shape compiles once per process), or None
-    (with the reason printed) where it does not build."""
-    if fn not in _COMPILED:
-        try:
-            _COMPILED[fn] = torch.compile(fn, dynamic=False)
-        except Exception as e:  # noqa: BLE001 - any compile failure just drops the row
-            if dist.get_rank() == 0:
-                print(f"torch.compile unavailable ({type(e).__name__}: {e})", flush=True)
-            _COMPILED[fn] = None
-    return _COMPILED[fn]
+def emulated_shape(shape, world: int, emulate_ep: int):
+    """``shape`` with the experts of this world's ranks when they run the per-rank work of EP
+    ``emulate_ep`` (its experts / ``emulate_ep`` on each rank, so that each rank holds the
+    experts, and gets the rows per expert, of one rank of EP ``emulate_ep``); 0: ``shape``."""
+    if not emulate_ep:
+        return shape
+    if shape.num_experts % emulate_ep:
+        raise ValueError(
+            f"{shape.name}: {shape.num_experts} experts do not split over EP{emulate_ep}"
+        )
+    return dataclasses.replace(shape, num_experts=shape.num_experts * world // emulate_ep)
 
 
 def run_model(
@@ -277,21 +282,12 @@ def run_model(
     trace_dir=None,
     emulate_ep=0,
 ):
-    import dataclasses
-
     import mok
     from mok import functional as mf
     from mok.spec.workload import get_shape
 
-    shape = get_shape(model)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if emulate_ep:
-        # the per-rank work of EP emulate_ep on this world: the experts of one rank of it
-        if shape.num_experts % emulate_ep:
-            raise ValueError(
-                f"{model}: {shape.num_experts} experts do not split over EP{emulate_ep}"
-            )
-        shape = dataclasses.replace(shape, num_experts=shape.num_experts * world // emulate_ep)
+    shape = emulated_shape(get_shape(model), world, emulate_ep)
     E, H, inter, si, K = (
         shape.num_experts,
         shape.hidden,
@@ -336,7 +332,7 @@ def run_model(
             add("torch-ffn", "ffn", 0, 0, lambda: torch_experts(rows, w, offs, wgu), 0)
         if "torch-best" in impls:
             add("torch-best", "eager", 0, 0, lambda: torch_best_layer(x, idx, tw, w, *prep), 0)
-            best = _compiled(torch_best_layer)
+            best = compiled(torch_best_layer)
             try:  # torch.compile builds on the first call
                 best is not None and best(x, idx, tw, w, *prep)
             except Exception as e:  # noqa: BLE001 - a compile failure drops the row, says why

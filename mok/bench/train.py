@@ -1,0 +1,387 @@
+"""One training step of the MoE layer on one GPU: forward and backward, with gradients for x, the
+routing weights and every weight tensor, mok's layer against the best torch layer under autograd.
+
+Run with ``python -m mok.bench train`` (one GPU: mok's backward runs at one rank). ``--emulate-ep
+N`` runs the per-rank work of EP N as ``mok.bench layer`` does: the model's experts / N, all on
+this GPU, and the same tokens, so the same rows per expert as a rank of EP N gets. Implementations:
+
+- ``torch-best``: the ``torch-best`` layer of :mod:`mok.bench.layer` under autograd
+  (:func:`torch_best_train_layer`): a stable argsort of the (token, k) pairs by expert, one
+  ``index_select`` gather, gate and up as one ``torch._grouped_mm`` over the ``[L, 2I, H]``
+  weight, bf16 SwiGLU, the down projection as a second grouped GEMM, the inverse-permutation
+  gather and a ``bmm`` weighted k-sum, plus the bf16 shared expert with gate and up as one
+  ``mm``. Its leaves are the weights in that fused layout (``gate_up`` ``[L, 2I, H]``, ``down``
+  ``[L, H, I]``, ``shared_gate_up`` ``[2Is, H]``, ``shared_down`` ``[H, Is]``), so autograd
+  produces the fused weight's gradient directly, and SwiGLU is written without in-place or
+  ``out=`` ops (:func:`swiglu`; :mod:`mok.experts`'s forward helper has both). Autograd saves
+  the activations (no recompute). Timed eager (mode ``eager``) and ``torch.compile``d
+  (``compile``: the forward function, ``dynamic=False``; a compile that fails drops the row and
+  says why);
+- ``mok-unfused``: :func:`mok.functional.moe` (``fused=False``) on the weights of a
+  :class:`mok.MoE` (:meth:`mok.MoE.weights`: w_gate / w_up are the halves of its ``gate_up``
+  Parameter, so gate and up run as one GEMM forward and backward and both gradients land in
+  ``gate_up``), with the default config (run under :func:`mok.functional.unfused_config`; the
+  row records the SMs and mode that ran);
+- ``mok-fused``: :func:`mok.functional.moe` (``fused=True``) for each ``--sms`` (the
+  communication SMs; the rest of the config is :class:`mok.MoKConfig`'s defaults, which are
+  ``mok.bench layer``'s). The fused kernel takes w_gate / w_up as two contiguous tensors, so
+  its leaves are the two halves as separate tensors (the shared expert keeps the fused layout:
+  its halves are contiguous) and its backward runs gate and up as two grouped GEMMs.
+
+Both mok rows share the backward of :mod:`mok.autograd`: it saves only the inputs and recomputes
+the forward GEMMs, routed (the recomputed expert outputs give the routing-weight gradient) and
+shared (autograd of the recomputed shared expert).
+
+A step: every leaf's gradient set to None, the forward, ``out.backward(grad_out)`` with a fixed
+random ``grad_out``. ``step_us`` is the CUDA-event median of back-to-back steps after warm-up
+(:func:`mok.bench.common.time_cuda`; ``p20_us`` / ``p80_us`` are the step's), ``fwd_us`` that of
+the forward alone (grad mode on, the same call, its graph dropped), ``bwd_us`` their difference.
+FLOPs count the real rows (no padding), as ``layer``: ``flops_fwd`` = tokens x k x 6 H I + tokens
+x 6 H Is; a step does 3 x ``flops_fwd`` of useful work (the backward's dgrad and wgrad are 2 x the
+forward), so ``step_tflops`` = 3 ``flops_fwd`` / step time and ``bwd_tflops`` = 2 ``flops_fwd`` /
+backward time; ``flops_recompute`` is what the backward computes again on top (mok: the whole
+forward's GEMMs; torch-best: 0), counted in neither rate. Memory: one more step after the timed
+ones, after ``torch.cuda.reset_peak_memory_stats``: ``peak_mem_gib`` its
+``max_memory_allocated``, ``step_mem_gib`` that minus the memory allocated before the step (what
+the step adds: activations, temporaries and the gradients; the weights, inputs and mok's
+workspaces are already there). Each implementation holds only its own weights while it runs.
+
+The process group (a world of one), the timer, the CSV recorder with its provenance columns and
+the routing draw are the benchmarks' shared ones (:mod:`mok.bench.common`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mok.bench.common import (
+    Recorder,
+    compiled,
+    draw_routing,
+    init_dist,
+    is_rank0,
+    provenance,
+    time_cuda,
+)
+from mok.bench.layer import MODELS, emulated_shape, sort_by_expert
+from mok.experts import clear_cache
+from mok.spec.rows import bench_routing_seed
+from mok.spec.workload import ModelShape
+
+IMPLS = ("torch-best", "mok-unfused", "mok-fused")
+TIMES = ("fwd_us", "bwd_us", "step_us", "p20_us", "p80_us")
+GIB = float(2**30)
+
+
+class TrainRecorder(Recorder):
+    """The rows of the train CSV: times rounded to 0.1 us, then the run's provenance (no NVLink
+    columns: one GPU)."""
+
+    def add(self, **row) -> None:
+        for k in TIMES:
+            row[k] = round(row[k], 1)
+        self.rows.append({**row, **self.meta})
+        if is_rank0():
+            print(self.describe(row), flush=True)
+
+    def describe(self, row: dict) -> str:
+        return (
+            f"{row['model']:>14} N={row['tokens_per_rank']:>5} {row['skew']:>8} "
+            f"{row['impl']:>12} {row['mode']:>10} sms={row['sms']:>3} "
+            f"fwd {row['fwd_us']:>8.1f} bwd {row['bwd_us']:>8.1f} step {row['step_us']:>8.1f} us "
+            f"{row['step_tflops']:>6.1f} TFLOP/s (bwd {row['bwd_tflops']:>6.1f}) "
+            f"mem +{row['step_mem_gib']:.2f} of {row['peak_mem_gib']:.2f} GiB"
+        )
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` of ``gu`` = [R, 2I] (g | u) in its dtype, differentiable: no in-place or
+    ``out=`` op (:func:`torch.chunk`'s backward writes both halves' gradients into one
+    [R, 2I] tensor)."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def torch_best_train_layer(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    tw: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared_gate_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`mok.bench.layer.torch_best_layer` that autograd differentiates: x [n, H], idx
+    [n, K] (local expert ids), tw [n, K], the routed weights ``gate_up`` [L, 2I, H] (gate rows,
+    then up rows) / ``down`` [L, H, I] and optionally the shared expert's ``shared_gate_up``
+    [2Is, H] / ``shared_down`` [H, Is] -> [n, H] in x's dtype (bf16 on the GPU; fp32 runs too,
+    for the tests). Gradients flow to x, tw and every weight; the routing is data."""
+    n, k = idx.shape
+    order, offs = sort_by_expert(idx, gate_up.shape[0])
+    a = x.index_select(0, order // k)  # expert-sorted rows
+    h = swiglu(torch._grouped_mm(a, gate_up.transpose(1, 2), offs=offs))
+    y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    slots = y.index_select(0, inv).view(n, k, -1)  # (token, k) order
+    out = torch.bmm(tw.to(y.dtype).view(n, 1, k), slots).view(n, -1)
+    if shared_gate_up is None:
+        return out
+    return out + swiglu(x @ shared_gate_up.T) @ shared_down.T
+
+
+def step_flops(shape: ModelShape, tokens: int, recompute: bool) -> tuple[int, int]:
+    """(forward GEMM FLOPs, FLOPs the backward recomputes) of one step on ``tokens`` tokens at
+    one rank (every routed row local), real rows only: the forward is tokens x k x 6 H I (gate,
+    up and down of each routed row) + tokens x 6 H Is (the shared expert). ``recompute``: the
+    backward computes every forward GEMM again (mok: the routed experts' outputs for the
+    routing-weight gradient, the shared expert for its autograd), else nothing (torch-best
+    saves its activations)."""
+    H, inter, si = shape.hidden, shape.intermediate, shape.shared_intermediate
+    routed = tokens * shape.num_topk * 6 * H * inter
+    fwd = routed + tokens * 6 * H * si
+    return fwd, fwd if recompute else 0
+
+
+def train_weights(shape: ModelShape, device, split: bool = False, seed: int = 7) -> dict:
+    """This rank's bf16 weights (variance 1/fan_in, the same values for the same seed), the
+    routed ones in the fused layout ``gate_up`` [L, 2I, H] / ``down`` [L, H, I] and the shared
+    expert's ``shared_gate_up`` [2Is, H] / ``shared_down`` [H, Is] (absent without one).
+    ``split``: ``gate`` and ``up`` [L, I, H] as two contiguous tensors instead of ``gate_up``
+    (what the fused kernel takes). Plain tensors: the caller makes them leaves."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    L, H, inter, si = shape.num_experts, shape.hidden, shape.intermediate, shape.shared_intermediate
+
+    def rnd(*size):
+        t = torch.randn(*size, generator=g, device=device, dtype=torch.bfloat16)
+        return t.mul_(size[-1] ** -0.5)
+
+    w = {"gate_up": rnd(L, 2 * inter, H), "down": rnd(L, H, inter)}
+    if si:
+        w.update(shared_gate_up=rnd(2 * si, H), shared_down=rnd(H, si))
+    if split:
+        gu = w.pop("gate_up")
+        w = {"gate": gu[:, :inter].contiguous(), "up": gu[:, inter:].contiguous(), **w}
+    return w
+
+
+def step_memory(step: Callable[[], None], leaves: dict) -> tuple[float, float]:
+    """(peak GiB allocated during one ``step()``, GiB of that above what was allocated before
+    it), the leaves' gradients dropped first."""
+    for t in leaves.values():
+        t.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return peak / GIB, (peak - before) / GIB
+
+
+def _tflops(flops: int, us: float) -> float:
+    return round(flops / (us * 1e6), 1) if us > 0 else 0.0
+
+
+def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, device="cuda"):
+    """The rows of one (model, tokens, skew) case: every implementation of ``impls`` (mok-fused
+    once per comm-SM count of ``sms``) on the same routing, x, grad_out and weight values."""
+    import mok
+    from mok import functional as mf
+    from mok.spec.workload import get_shape
+    from reference.weights import MoEWeights
+
+    shape = emulated_shape(get_shape(model), 1, emulate_ep)  # one GPU: a world of one
+    E, H, inter, si, K = (
+        shape.num_experts,
+        shape.hidden,
+        shape.intermediate,
+        shape.shared_intermediate,
+        shape.num_topk,
+    )
+    seed = bench_routing_seed(n)  # recorded in every row
+    idx, tw, _ = draw_routing(n, E, K, skew, seed=seed)
+    g = torch.Generator(device=device).manual_seed(11)
+    x = torch.randn(n, H, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    grad_out = torch.randn(n, H, device=device, generator=g).to(torch.bfloat16)
+    tw = tw.float().requires_grad_()
+    flops_fwd, flops_again = step_flops(shape, n, recompute=True)
+    base = dict(model=model, hidden=H, intermediate=inter, num_experts=E, num_topk=K, skew=skew)
+    base.update(tokens_per_rank=n, routing_seed=seed, emulated_ep=emulate_ep or 1)
+    inputs = {"x": x, "topk_weights": tw}
+
+    def add(impl, mode, sms_count, build, recompute):
+        """Time and record one implementation; ``build()`` makes its weights and returns
+        (forward, {name: leaf}), or None to drop the row. Its weights are freed on return."""
+        made = build()
+        if made is None:
+            return
+        fwd, leaves = made
+
+        def step():
+            for t in leaves.values():
+                t.grad = None
+            fwd().backward(grad_out)
+
+        tf = time_cuda(fwd, iters, warmup)
+        ts = time_cuda(step, iters, warmup)
+        peak, added = step_memory(step, leaves)
+        missing = [name for name, t in leaves.items() if t.grad is None]
+        if missing:
+            raise RuntimeError(f"{impl} ({mode}): the step left no gradient for {missing}")
+        for t in leaves.values():
+            t.grad = None
+        bwd = ts.median_us - tf.median_us
+        rec.add(
+            **base,
+            impl=impl,
+            mode=mode,
+            sms=sms_count,
+            fwd_us=tf.median_us,
+            bwd_us=bwd,
+            step_us=ts.median_us,
+            p20_us=ts.p20_us,
+            p80_us=ts.p80_us,
+            flops_fwd=flops_fwd,
+            flops_recompute=flops_again if recompute else 0,
+            step_tflops=_tflops(3 * flops_fwd, ts.median_us),
+            bwd_tflops=_tflops(2 * flops_fwd, bwd),
+            peak_mem_gib=round(peak, 3),
+            step_mem_gib=round(added, 3),
+        )
+
+    def torch_best(mode):
+        def build():
+            fn = torch_best_train_layer if mode == "eager" else compiled(torch_best_train_layer)
+            if fn is None:
+                return None
+            w = {k: t.requires_grad_() for k, t in train_weights(shape, device).items()}
+            args = (w["gate_up"], w["down"], w.get("shared_gate_up"), w.get("shared_down"))
+
+            def fwd():
+                return fn(x, idx, tw, *args)
+
+            if mode == "compile":
+                # torch.compile builds the forward at the first call, the backward at the first
+                # backward: one step before the timed ones, and a failure drops the row
+                try:
+                    fwd().backward(grad_out)
+                except Exception as e:  # noqa: BLE001 - a compile failure drops the row, says why
+                    if is_rank0():
+                        print(f"torch.compile of torch-best failed ({type(e).__name__}: {e})")
+                    return None
+            return fwd, {**inputs, **w}
+
+        return build
+
+    def mok_unfused():
+        w = train_weights(shape, device)
+        m = mok.MoE.from_weights(
+            E, w["gate_up"], w["down"], w.get("shared_gate_up"), w.get("shared_down")
+        )
+
+        def fwd():  # what mok.MoE.forward calls on CUDA, with the default config
+            return mf.moe(x, idx, tw, m.weights(), E, None, fused=False)
+
+        return fwd, {**inputs, **dict(m.named_parameters())}
+
+    def mok_fused(cfg):
+        def build():
+            w = {k: t.requires_grad_() for k, t in train_weights(shape, device, True).items()}
+
+            def fwd():
+                sgu = w.get("shared_gate_up")
+                shared = {}
+                if sgu is not None:
+                    shared = dict(shared_w_gate=sgu[:si], shared_w_up=sgu[si:])
+                    shared.update(shared_w_down=w["shared_down"])
+                weights = MoEWeights(w["gate"], w["up"], w["down"], **shared)
+                return mf.moe(x, idx, tw, weights, E, cfg, fused=True)
+
+            return fwd, {**inputs, **w}
+
+        return build
+
+    if "torch-best" in impls:
+        add("torch-best", "eager", 0, torch_best("eager"), False)
+        add("torch-best", "compile", 0, torch_best("compile"), False)
+    if "mok-unfused" in impls:
+        # the row says what ran: the unfused path's own SMs and mode (unfused_config)
+        sms_count = torch.cuda.get_device_properties(device).multi_processor_count
+        ran = mf.unfused_config(mok.MoKConfig(), sms_count)
+        add("mok-unfused", ran.dispatch_mode, ran.num_comm_sms, mok_unfused, True)
+        mok.clear_workspaces()
+    if "mok-fused" in impls:
+        for s in sms:
+            cfg = mok.MoKConfig(num_comm_sms=s)
+            add("mok-fused", cfg.dispatch_mode, s, mok_fused(cfg), True)
+            mok.clear_workspaces()
+    clear_cache()  # the next model's weights replace these
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m mok.bench train")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default="4096")
+    ap.add_argument("--skews", default="uniform,hot:0.5")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    ap.add_argument(
+        "--emulate-ep",
+        type=int,
+        default=2,
+        help="run the per-rank work of this EP size on the one GPU (the model's experts / N, "
+        "same tokens; 0 or 1: all of the model's experts)",
+    )
+    ap.add_argument("--sms", default="8,16", help="mok-fused's communication SMs (comma list)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--csv", default="mok-bench-train.csv")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    from tqdm import tqdm
+
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    impls = tuple(args.impls.split(","))
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        ap.error(f"unknown --impls {', '.join(unknown)}; supported: {', '.join(IMPLS)}")
+    if args.emulate_ep < 0:
+        ap.error(f"--emulate-ep must be >= 0 (found {args.emulate_ep})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        ap.error(
+            f"runs on one GPU (mok's backward runs at one rank), not under a world of {world}; "
+            "--emulate-ep N runs the per-rank work of EP N"
+        )
+    dev = init_dist("mok.bench train")
+    rec = TrainRecorder(args.csv, provenance())
+    sms = tuple(int(v) for v in args.sms.split(","))
+    jobs = list(
+        itertools.product(
+            args.models.split(","), (int(v) for v in args.tokens.split(",")), args.skews.split(",")
+        )
+    )
+    for model, n, skew in tqdm(jobs, disable=not is_rank0(), desc="train"):
+        run_model(
+            rec, model, n, skew, impls, sms, args.iters, args.warmup, args.emulate_ep, device=dev
+        )
+        torch.cuda.empty_cache()
+        rec.write()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
