@@ -23,8 +23,8 @@ int layer_counters(const Params& params);
 
 // The experts' backward: the down dgrad and the gate/up recompute with the SwiGLU backward
 // (layer/sm90_bwd.cuh): raw device pointers of bf16 a [rows, H], dy [rows, H], w_gate_up
-// [L, 2I, H], w_down [L, H, I], h [rows, I], dgu [rows, 2I], int32 group ends [L], fp32 row_w
-// [rows] and part [I / 128, rows] (both may be null).
+// [L, 2I, H], w_down [L, H, I], hw [rows, I] (h x the row's weight), dgu [rows, 2I], int32
+// group ends [L], fp32 row_w [rows] and part [I / 128, rows] (both may be null).
 struct SwigluBwdLaunch {
   const void* a;
   const void* dy;
@@ -32,7 +32,7 @@ struct SwigluBwdLaunch {
   const void* w_down;
   const int32_t* ends;
   const float* row_w;
-  void* h;
+  void* hw;
   void* dgu;
   float* part;
   int64_t rows, hidden, inter, num_experts;

@@ -211,6 +211,9 @@ struct LayerArgs {
   // event count, then (globaltimer ns, packed event) pairs (layer/sm90_fwd.cuh: TraceEvent).
   uint64_t* trace;
   int64_t trace_entries;
+  // Rows of w_gate (and of w_up) from one expert's first row to the next expert's: I for two
+  // [L, I, H] tensors, 2I for the two halves of one [L, 2I, H] tensor (gate rows, then up rows).
+  int64_t gate_up_stride;
 };
 
 }  // namespace mok

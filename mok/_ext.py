@@ -215,6 +215,7 @@ class LayerArgs(ctypes.Structure):
         ("counters_len", _I64),
         ("trace", _U64),
         ("trace_entries", _I64),
+        ("gate_up_stride", _I64),
     ]
 
 

@@ -30,8 +30,8 @@ import torch
 
 from mok.comm import combine, dispatch
 from mok.errors import MoKUnsupportedError
-from mok.experts import gate_up_weight, swiglu_backward
-from mok.layer import _received_rows_bound, as_config, moe_forward, unfused_config
+from mok.experts import _halves_of_one, gate_up_weight, swiglu_backward
+from mok.layer import as_config, moe_forward, unfused_config
 from mok.schedule import build_schedule
 from mok.workspace import get_workspace
 
@@ -40,9 +40,6 @@ if TYPE_CHECKING:
     from reference.weights import MoEWeights
 
 __all__ = ["moe"]
-
-_ROUTED = ("w_gate", "w_up", "w_down")
-_SHARED = ("shared_w_gate", "shared_w_up", "shared_w_down")
 
 
 def moe(
@@ -59,12 +56,42 @@ def moe(
     autograd records (grad mode on and x, topk_weights or a weight requires grad), the backward
     gives gradients for x (bf16), topk_weights (its dtype) and every weight tensor of
     ``weights`` (their dtype). The backward runs at one rank (MoKUnsupportedError at more).
+
+    Where w_gate and w_up (or the shared expert's) are views of the two halves of one tensor
+    (``mok.MoE``'s ``gate_up``), that tensor is what autograd differentiates: its gradient is
+    the backward's one [L, 2I, H] weight gradient, not two half gradients scattered into it.
     """
-    shared = [getattr(weights, n, None) for n in _SHARED]
-    tensors = [x, topk_weights, *(getattr(weights, n) for n in _ROUTED), *shared]
+    routed = _leaves(weights.w_gate, weights.w_up) + [weights.w_down]
+    shared = [None, None, None]
+    if getattr(weights, "shared_w_gate", None) is not None:
+        shared = _leaves(weights.shared_w_gate, weights.shared_w_up) + [weights.shared_w_down]
+    tensors = [x, topk_weights, *routed, *shared]
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
         return moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused)
     return _MoE.apply(topk_idx, weights, num_experts, config, group, fused, *tensors)
+
+
+def _leaves(w_gate: torch.Tensor, w_up: torch.Tensor) -> list:
+    """[gate_up, None] where w_gate / w_up are views of the two halves of the tensor gate_up
+    (itself [..., 2I, H] and dense), else [w_gate, w_up]."""
+    base = w_gate._base
+    if base is None or w_up._base is not base or not base.is_contiguous():
+        return [w_gate, w_up]
+    two_d = w_gate.dim() == 2
+    whole = _halves_of_one(w_gate[None], w_up[None]) if two_d else _halves_of_one(w_gate, w_up)
+    if whole is None or base.data_ptr() != w_gate.data_ptr():
+        return [w_gate, w_up]
+    if tuple(base.shape) != tuple(whole.shape[1:] if two_d else whole.shape):
+        return [w_gate, w_up]
+    return [base, None]
+
+
+def _halves(gate_up: torch.Tensor | None, w_up: torch.Tensor | None, w_gate: torch.Tensor):
+    """(w_gate, w_up) from the leaves _leaves made."""
+    if w_up is not None or gate_up is None:
+        return w_gate, w_up
+    i = gate_up.shape[-2] // 2
+    return gate_up[..., :i, :], gate_up[..., i:, :]
 
 
 class _MoE(torch.autograd.Function):
@@ -79,15 +106,15 @@ class _MoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        topk_idx, x, topk_weights, wg, wu, wd, swg, swu, swd = ctx.saved_tensors
-        grads = _backward(
-            grad_out, x, topk_idx, topk_weights, (wg, wu, wd), (swg, swu, swd), *ctx.args
-        )
+        topk_idx, x, topk_weights, *leaves = ctx.saved_tensors
+        grads = _backward(grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], *ctx.args)
         return (None,) * 6 + grads
 
 
 def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group):
-    wg, wu, wd = routed
+    """Gradients for (x, topk_weights, *routed, *shared), the leaves of :func:`_leaves`: one
+    [L, 2I, H] gradient (and None) where gate and up came as one tensor."""
+    wd = routed[2]
     num_tokens, hidden = x.shape
     cfg = unfused_config(
         as_config(config), torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -107,35 +134,47 @@ def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, 
     # gradients unweighted (the dedup combine reads the weights the schedule was built with);
     # dispatches only move rows, and the routing, hence every row index, is the forward's.
     sched = build_schedule(topk_idx, torch.ones_like(topk_weights), ws)
-    rows = _received_rows_bound(ws, num_tokens)
-    src_index = sched.src_index[:rows].long()
-    valid = (sched.src_rank[:rows] >= 0) & (
-        torch.arange(rows, device=x.device) < sched.num_rows.to(torch.int64)
+    cap = ws.capacity
+    valid = (sched.src_rank[:cap] >= 0) & (
+        torch.arange(cap, device=x.device) < sched.num_rows.to(torch.int64)
     )
-    row_w = torch.where(valid, topk_weights.reshape(-1).float()[src_index.clamp(min=0)], 0.0)
+    at = sched.src_index[:cap].long().clamp(min=0)
+    row_w = torch.where(valid, topk_weights.reshape(-1).float()[at], 0.0)
     # reverse combine: each receive row gets its token's output gradient (a copy; the routing
-    # weight is applied inside the experts' backward, after the down projection's dgrad)
+    # weight is applied inside the experts' backward, after the down projection's dgrad). Into
+    # zeroed buffers of our own: padding rows stay zero (the GEMMs sum over them) and the
+    # second dispatch does not overwrite the first's rows.
+    mode = "pull" if cfg.dispatch_mode == "push" else None
     g_out = grad_out.to(torch.bfloat16).contiguous()
-    dy = torch.where(valid[:, None], dispatch(g_out, sched)[:rows], 0)
-    # the experts, recomputed from x dispatched again; rows that hold no token are zero
-    recv = torch.where(valid[:, None], dispatch(x, sched)[:rows], 0)
-    inter = wd.shape[-1]
+    dy = dispatch(g_out, sched, mode, out=torch.zeros(cap, hidden, dtype=x.dtype, device=x.device))
+    # the experts, recomputed from x dispatched again
+    recv = dispatch(x, sched, mode, out=torch.zeros_like(dy))
+    gu = gate_up_weight(*_halves(routed[0], routed[1], routed[0]))
     d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
-        recv, gate_up_weight(wg, wu), wd, dy, row_w, sched.group_ends.clone()
+        recv, gu, wd, dy, row_w, sched.group_ends.clone()
     )
+    del recv, dy
     # router weights: each (token, k) has its own receive row at one rank
     d_topk = d_row_w[sched.dst_index.long()].to(topk_weights.dtype)
+    d_routed = _split(d_wgu, routed) + (d_wd,)
     # the shared expert, its input gradient kept fp32 for the reverse dispatch's sum
     dx_shared, d_shared = None, (None, None, None)
-    if shared[0] is not None:
-        swg, swu, swd = shared
-        dx_shared, _, d_swgu, d_swd = swiglu_backward(
-            x, gate_up_weight(swg, swu), swd, g_out, d_a_dtype=torch.float32
+    if shared[2] is not None:
+        sgu = gate_up_weight(*_halves(shared[0], shared[1], shared[0]))
+        dx_shared, _, d_sgu, d_swd = swiglu_backward(
+            x, sgu, shared[2], g_out, d_a_dtype=torch.float32
         )
-        si = swd.shape[-1]
-        d_shared = (d_swgu[:si], d_swgu[si:], d_swd)
+        d_shared = _split(d_sgu, shared) + (d_swd,)
     # reverse dispatch: dx = dx_shared + sum_k dRecv[t, k], fixed k order, fp32, bf16 once
-    full = torch.empty(ws.capacity, hidden, dtype=torch.bfloat16, device=x.device)
-    full[:rows] = torch.where(valid[:, None], d_recv, 0)
-    dx = combine(full, sched, shared_y=dx_shared)
-    return (dx.to(x.dtype), d_topk, d_wgu[:, :inter], d_wgu[:, inter:], d_wd, *d_shared)
+    # (the combine reads only the rows that hold a token)
+    dx = combine(d_recv, sched, shared_y=dx_shared)
+    return (dx.to(x.dtype), d_topk, *d_routed, *d_shared)
+
+
+def _split(d_gate_up: torch.Tensor, leaves) -> tuple:
+    """The gradients of leaves[0:2]: (the [.., 2I, H] one, None) for one gate_up leaf, else its
+    two halves."""
+    if leaves[1] is None:
+        return (d_gate_up, None)
+    i = d_gate_up.shape[-2] // 2
+    return (d_gate_up[..., :i, :], d_gate_up[..., i:, :])

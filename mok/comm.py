@@ -45,6 +45,7 @@ def dispatch(
     fan_out: bool = True,
     engine: str = "auto",
     skip_local: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Move this rank's token rows to the expert owners.
 
@@ -67,6 +68,10 @@ def dispatch(
         skip_local: (with ``fan_out=False``) move only the rows of other ranks' tokens: the rows
             of this rank's own tokens stay unspecified in the dedup buffer and are read from
             ``ws.x_buffer`` by ``fanout(..., skip_local=True)`` (the data is already local).
+        out: a contiguous [capacity, hidden] tensor of the workspace dtype on its device to
+            receive into instead of the workspace's receive buffer (``fan_out=True``, pull
+            modes: the rows land locally); rows the dispatch does not write keep their values,
+            so a zeroed ``out`` gives zero padding rows.
 
     Returns:
         The receive buffer [capacity, hidden] in the workspace dtype (a workspace view, valid
@@ -101,7 +106,14 @@ def dispatch(
     n = schedule.num_tokens
     check_tensor("x", x, (n, ws.shapes.hidden), (ws.shapes.dtype,), ws.device)
     x = x.contiguous()
-    out = ws.recv_buffer if fan_out else ws.dedup_buffer
+    if out is None:
+        out = ws.recv_buffer if fan_out else ws.dedup_buffer
+    else:
+        if not fan_out or mode == "push":
+            raise MoKInputError("out= needs a pull mode with fan_out=True (rows land locally)")
+        check_tensor("out", out, (ws.capacity, ws.shapes.hidden), (ws.shapes.dtype,), ws.device)
+        if not out.is_contiguous():
+            raise MoKInputError("out must be contiguous")
     ops.dispatch(x, ws.sched, out, ws.id, mode, fan_out, engine, skip_local)
     return out
 

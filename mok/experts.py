@@ -209,22 +209,25 @@ def swiglu_backward(
 
     Numerics (the reference's bf16 backward): g, u and the down projection's input gradient
     ``dy @ w_down`` stay fp32; the routing weight is applied to that fp32 gradient; the SwiGLU
-    gradients [dg | du] and the weighted ``row_weight * dy`` are rounded to bf16 once as the
-    GEMM inputs they are. The router-weight gradient is ``<h, dy @ w_down>`` (= <y / w, dy>,
-    without the down GEMM of the forward).
+    gradients [dg | du] are rounded to bf16 once as the GEMM inputs they are. The router-weight
+    gradient is ``<bf16(h), dy @ w_down>`` (= <y / w, dy>, without the forward's down GEMM).
+    The down projection's weight gradient is ``dy^T bf16(w h)`` (the reference's is
+    ``bf16(w dy)^T bf16(h)``; scaling h, narrower than dy, needs no pass over dy and rounds
+    once). On the GPU torch's grouped GEMM has no fp32 output (torch 2.11): the kernel keeps g,
+    u and ``dy @ w_down`` in its fp32 accumulators, the torch path rounds them to bf16 there
+    (measured against the bf16 rule in docs/backward.md).
     """
     if kernel is None:
         kernel = _kernel_fits(a, w_gate_up, w_down, dy)
     if kernel:
-        h, dgu, d_w = _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs)
+        hw, dgu, d_w = _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs)
     else:
-        h, dgu, d_w = _swiglu_backward_torch(a, w_gate_up, w_down, dy, row_weight, offs)
+        hw, dgu, d_w = _swiglu_backward_torch(a, w_gate_up, w_down, dy, row_weight, offs)
     d_a = _mm32(dgu, w_gate_up, offs) if d_a_dtype == torch.float32 else _mm(dgu, w_gate_up, offs)
     if d_a_dtype is not None:
         d_a = d_a.to(d_a_dtype)
-    dyw = dy if row_weight is None else (dy.float() * row_weight[:, None]).to(dy.dtype)
     d_wgu = _mm(dgu.T, a, offs)
-    d_wd = _mm(dyw.T, h, offs)
+    d_wd = _mm(dy.T, hw, offs)  # sum over rows of dy (x) w h
     return d_a, d_w, d_wgu, d_wd
 
 
@@ -243,10 +246,10 @@ def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:
 
 
 def _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs):
-    """(h, dgu, d_row_weight) by the Hopper kernel: the down dgrad ``dy @ w_down`` and gate / up
+    """(hw, dgu, d_row_weight) by the Hopper kernel: the down dgrad ``dy @ w_down`` and gate / up
     recomputed with fp32 accumulators, the SwiGLU backward in the epilogue."""
     rows, inter = a.shape[0], w_down.shape[-1]
-    h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
+    hw = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
     dgu = torch.empty(rows, 2 * inter, dtype=a.dtype, device=a.device)
     part = None
     if row_weight is not None:
@@ -257,25 +260,26 @@ def _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs):
         wgu, wd = w_gate_up[None], w_down[None]
     else:
         ends, wgu, wd = offs, w_gate_up, w_down
-    ops.swiglu_backward_sm90(a, dy, wgu, wd, ends, row_weight, h, dgu, part)
-    return h, dgu, None if part is None else part.sum(0)
+    ops.swiglu_backward_sm90(a, dy, wgu, wd, ends, row_weight, hw, dgu, part)
+    return hw, dgu, None if part is None else part.sum(0)
 
 
 def _swiglu_backward_torch(a, w_gate_up, w_down, dy, row_weight, offs):
-    """(h, dgu, d_row_weight) by torch GEMMs and elementwise ops."""
+    """(hw, dgu, d_row_weight) by torch GEMMs and elementwise ops."""
     inter = w_down.shape[-1]
     gu = _mm32(a, w_gate_up.transpose(-2, -1), offs)  # [R, 2I] fp32
     g, u = gu[:, :inter], gu[:, inter:]
     sig = torch.sigmoid(g)
     silu = g * sig
-    h = (silu * u).to(a.dtype)
+    h = silu * u
     dh = _mm32(dy, w_down, offs)  # [R, I] fp32, unweighted
     d_w = None
     if row_weight is not None:
-        d_w = torch.linalg.vecdot(h.float(), dh)
+        d_w = torch.linalg.vecdot(h.to(a.dtype).float(), dh)
         dh.mul_(row_weight[:, None])
+        h.mul_(row_weight[:, None])
     dgu = torch.empty_like(gu, dtype=a.dtype)
     # d silu(g) / dg = sig * (1 + g * (1 - sig))
     torch.mul(dh * u, sig * (1.0 + g * (1.0 - sig)), out=dgu[:, :inter])
     torch.mul(dh, silu, out=dgu[:, inter:])
-    return h, dgu, d_w
+    return h.to(a.dtype), dgu, d_w

@@ -11,6 +11,7 @@ import torch
 from mok import _ext, ops
 from mok.checks import check_tensor
 from mok.errors import MoKInputError, MoKUnsupportedError
+from mok.experts import _halves_of_one
 from mok.spec.limits import why_unsupported
 from mok.workspace import Workspace
 
@@ -49,11 +50,16 @@ def _check_fused(ws: Workspace, weights: MoEWeights, x: torch.Tensor, num_tokens
             "shared_w_up": (shared_inter, H),
             "shared_w_down": (H, shared_inter),
         }
+    halves = _halves_of_one(weights.w_gate, weights.w_up) is not None
     for name, shape in want.items():
         t = getattr(weights, name)
         check_tensor(f"weights.{name}", t, shape, (torch.bfloat16,), ws.device)
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            raise MoKInputError(f"weights.{name} must be contiguous and 16-byte aligned")
+        dense = t.is_contiguous() or (halves and name in ("w_gate", "w_up"))
+        if not dense or t.data_ptr() % 16:
+            raise MoKInputError(
+                f"weights.{name} must be contiguous and 16-byte aligned (w_gate / w_up may also "
+                "be the two halves of one contiguous [L, 2I, H] tensor)"
+            )
     check_tensor("x", x, (num_tokens, H), (torch.bfloat16,), ws.device)
     if not x.is_contiguous() or x.data_ptr() % 16:
         raise MoKInputError("x must be contiguous and 16-byte aligned")
@@ -79,9 +85,10 @@ def forward(
             dedup_pull).
         weights: this rank's experts (:class:`reference.weights.MoEWeights` layout), all bf16,
             contiguous, 16-byte aligned, on the workspace's device: routed w_gate / w_up
-            [L, I, H] and w_down [L, H, I] (``L = ws.num_local_experts``), optional
-            shared_w_gate / shared_w_up [Is, H] and shared_w_down [H, Is]. H must be a multiple
-            of 256, I and Is multiples of 128.
+            [L, I, H] (or the two halves of one contiguous [L, 2I, H] tensor, as
+            :class:`mok.MoE` holds them) and w_down [L, H, I] (``L = ws.num_local_experts``),
+            optional shared_w_gate / shared_w_up [Is, H] and shared_w_down [H, Is]. H must be a
+            multiple of 256, I and Is multiples of 128.
         trace: a buffer from :func:`mok.layer_trace.new_trace` that the kernel fills with
             per-tile timestamps, or None.
 

@@ -318,6 +318,8 @@ def layer_forward(
     a.inter, a.shared_inter = inter, shared_inter
     a.num_comm_blocks, a.ring_rows = ws.config.num_comm_sms, ws.ring_rows
     a.w_gate, a.w_up, a.w_down = w_gate.data_ptr(), w_up.data_ptr(), w_down.data_ptr()
+    # gate rows of consecutive experts: I apart, or 2I in the halves of one [L, 2I, H] tensor
+    a.gate_up_stride = w_gate.stride(0) // w_gate.shape[2] if w_gate.shape[0] > 1 else inter
     if shared_inter:
         p.in2 = bufs["shared_y"].data_ptr()
         p.flags |= _ext.FLAG_HAS_SHARED
@@ -359,7 +361,7 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@_mok_op("mok::swiglu_backward_sm90", ("h", "dgu", "part"))
+@_mok_op("mok::swiglu_backward_sm90", ("hw", "dgu", "part"))
 def swiglu_backward_sm90(
     a: torch.Tensor,  # [R, H] bf16, rows grouped by expert
     dy: torch.Tensor,  # [R, H] bf16: the gradient of each row's output, before its weight
@@ -367,7 +369,7 @@ def swiglu_backward_sm90(
     w_down: torch.Tensor,  # [L, H, I] bf16, contiguous
     group_ends: torch.Tensor,  # [L] int32
     row_w: torch.Tensor | None,  # [R] fp32 routing weights (None: 1)
-    h: torch.Tensor,  # [R, I] bf16 out
+    hw: torch.Tensor,  # [R, I] bf16 out: SwiGLU's output x the row's routing weight
     dgu: torch.Tensor,  # [R, 2I] bf16 out
     # [I / 128, R] fp32 out (router-weight partials), or None. NOTE: no default (layer_forward)
     part: torch.Tensor | None,
@@ -387,7 +389,7 @@ def swiglu_backward_sm90(
         w_down.data_ptr(),
         group_ends.data_ptr(),
         0 if row_w is None else row_w.data_ptr(),
-        h.data_ptr(),
+        hw.data_ptr(),
         dgu.data_ptr(),
         0 if part is None else part.data_ptr(),
         rows,
@@ -400,5 +402,5 @@ def swiglu_backward_sm90(
 
 
 @swiglu_backward_sm90.register_fake
-def _(a, dy, w_gate_up, w_down, group_ends, row_w, h, dgu, part) -> None:
+def _(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part) -> None:
     return None

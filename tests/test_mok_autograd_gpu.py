@@ -202,3 +202,32 @@ def test_module_on_cuda_is_the_functional_layer():
     assert torch.equal(
         m.shared_gate_up.grad, torch.cat([want["d_shared_w_gate"], want["d_shared_w_up"]], 0)
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fused_forward_takes_the_halves_of_one_gate_up():
+    """The fused kernel reads w_gate / w_up as the halves of one [L, 2I, H] tensor (mok.MoE's
+    layout) exactly as two separate tensors, and mok.MoE(fused=True) trains: its gradients are
+    the unfused module's (the backward depends only on the inputs)."""
+    import mok
+    from mok import functional as mf
+
+    shape, n, skew = CASES[1]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=17)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+    inter = shape.intermediate
+    gu = torch.cat([w.w_gate, w.w_up], 1).contiguous()
+    halves = dataclasses.replace(w, w_gate=gu[:, :inter], w_up=gu[:, inter:])
+    want = mf.moe_forward(x, idx, tw, w, shape.num_experts, cfg, fused=True)
+    got = mf.moe_forward(x, idx, tw, halves, shape.num_experts, cfg, fused=True)
+    assert torch.equal(got, want)
+    grads = []
+    for fused in (False, True):
+        m = mok.MoE.from_weights(shape.num_experts, gu.clone(), w.w_down.clone(), config=cfg)
+        m.fused = fused
+        xs = x.clone().requires_grad_(True)
+        m(xs, idx, tw).backward(grad_out)
+        grads.append((xs.grad, m.gate_up.grad, m.down.grad))
+    for a, b in zip(*grads, strict=True):
+        assert a is not None and torch.equal(a, b)

@@ -1,5 +1,5 @@
 """The experts' backward kernel on one GPU (``mok.experts.swiglu_backward(..., kernel=True)``,
-csrc/layer/sm90_bwd.cuh): h, the SwiGLU gradients and the router-weight gradient against an fp64
+csrc/layer/sm90_bwd.cuh): w h, the SwiGLU gradients and the router-weight gradient against an fp64
 oracle of the same operands, under the bf16 rule with the torch path (which rounds g, u and the
 down dgrad to bf16 on the GPU) as the bf16 reference; the gradients it feeds (d_a, the weight
 gradients) likewise; and bitwise equal across runs. Groups of every size class: empty, shorter
@@ -43,7 +43,7 @@ def _operands(hidden, inter, sizes, tail, seed=0):
 
 
 def _oracle(a, wgu, wd, dy, row_w, sizes):
-    """fp64 h, dgu and <h, dy @ w_down> per row."""
+    """fp64 w h, dgu and <h, dy @ w_down> per row."""
     inter = wd.shape[-1]
     hs, dgus, dws, r = [], [], [], 0
     for e, n in enumerate(sizes):
@@ -55,7 +55,7 @@ def _oracle(a, wgu, wd, dy, row_w, sizes):
         dws.append((h * d).sum(1))
         dw = d * row_w[r : r + n, None].double()
         dgus.append(torch.cat([dw * u * sig * (1 + gt * (1 - sig)), dw * gt * sig], 1))
-        hs.append(h)
+        hs.append(h * row_w[r : r + n, None].double())
         r += n
     return torch.cat(hs), torch.cat(dgus), torch.cat(dws)
 
@@ -68,12 +68,12 @@ def test_kernel_against_fp64(hidden, inter, sizes, tail):
     h_t, dgu_t, d_w_t = _swiglu_backward_torch(a, wgu, wd, dy, row_w, offs)
     want = _oracle(a, wgu, wd, dy, row_w, sizes)
     for name, got, ref, oracle in zip(
-        ("h", "dgu", "d_row_weight"), (h, dgu, d_w), (h_t, dgu_t, d_w_t), want, strict=True
+        ("hw", "dgu", "d_row_weight"), (h, dgu, d_w), (h_t, dgu_t, d_w_t), want, strict=True
     ):
         assert torch.isfinite(got[:n]).all(), name
         tol.assert_bf16_rule(got[:n].double().cpu(), ref[:n].double().cpu(), oracle.cpu())
     again = _swiglu_backward_sm90(a, wgu, wd, dy, row_w, offs)
-    for name, x, y in zip(("h", "dgu", "d_row_weight"), (h, dgu, d_w), again, strict=True):
+    for name, x, y in zip(("hw", "dgu", "d_row_weight"), (h, dgu, d_w), again, strict=True):
         assert torch.equal(x[:n], y[:n]), f"{name}: two runs differ"
 
 

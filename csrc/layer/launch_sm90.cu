@@ -34,6 +34,9 @@ int launch_layer(const Params& p, const LayerArgs& a, int grid, void* stream_ptr
   const int64_t H = p.hidden, I = a.inter, Is = a.shared_inter;
   const int64_t L = p.num_local_experts;
   const int64_t recv_rows = a.ring_rows < p.capacity ? a.ring_rows : p.capacity;
+  if (a.gate_up_stride < I) return static_cast<int>(cudaErrorInvalidValue);
+  // The gate (up) rows of every expert as one map: the last expert's I rows end the span.
+  const int64_t gu_rows = (L - 1) * a.gate_up_stride + I;
   const uint8_t* sym = reinterpret_cast<const uint8_t*>(p.sym_base[p.rank]);
   // NOTE: a tensor map needs at least one row. Without tokens (or with more than the workspace
   // holds, when the kernel exits at once) the x map points at the symmetric x buffer, which
@@ -44,8 +47,8 @@ int launch_layer(const Params& p, const LayerArgs& a, int grid, void* stream_ptr
   bool ok = encode_map(&k.maps[kMapX], x, N, H, kTileM) &&
             encode_map(&k.maps[kMapRecv], sym + p.off_recv, recv_rows, H, kTileM) &&
             encode_map(&k.maps[kMapH], a.h, a.ring_rows, I, kTileM) &&
-            encode_map(&k.maps[kMapGate], a.w_gate, L * I, H, 128) &&
-            encode_map(&k.maps[kMapUp], a.w_up, L * I, H, 128) &&
+            encode_map(&k.maps[kMapGate], a.w_gate, gu_rows, H, 128) &&
+            encode_map(&k.maps[kMapUp], a.w_up, gu_rows, H, 128) &&
             encode_map(&k.maps[kMapDown], a.w_down, L * H, I, kTileN);
   if (ok && Is > 0) {
     ok = encode_map(&k.maps[kMapSharedH], a.shared_h, N, Is, kTileM) &&

@@ -27,7 +27,7 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
     return static_cast<int>(cudaErrorInvalidValue);
   k.ends = l.ends;
   k.row_w = l.row_w;
-  k.h = static_cast<uint16_t*>(l.h);
+  k.hw = static_cast<uint16_t*>(l.hw);
   k.dgu = static_cast<uint16_t*>(l.dgu);
   k.part = l.part;
   k.rows = static_cast<int>(l.rows);

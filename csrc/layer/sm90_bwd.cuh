@@ -6,12 +6,14 @@
 // them):
 //   dh      = dy @ w_down[e]                     (fp32 accumulators, kept in shared memory)
 //   [g | u] = a @ w_gate_up[e]^T                 (fp32 accumulators, never stored)
-//   h       = bf16(silu(g) * u)                  -> h      (the down projection's wgrad input)
+//   h       = silu(g) * u
+//   hw      = bf16(row_w * h)                    -> hw     (the down projection's wgrad input:
+//                                                           dW_down = dy^T hw)
 //   dh_w    = row_w * dh
 //   dg      = bf16(dh_w * u * silu'(g))          -> dgu[:, :I]
 //   du      = bf16(dh_w * silu(g))               -> dgu[:, I:]
-//   part[n, r] = sum over the tile's 128 columns of h * dh (the router-weight gradient of row
-//                r is the fixed-order sum over n of these partials)
+//   part[n, r] = sum over the tile's 128 columns of bf16(h) * dh (the router-weight gradient of
+//                row r is the fixed-order sum over n of these partials)
 // Tiles of 128 rows x 128 intermediate columns of one expert (a dh k-loop over H with w_down
 // N-major, then a gate/up k-loop over H of 128 gate + 128 up columns), in the order (expert, column
 // block, row block): the row blocks of one expert's column block run side by side, so its
@@ -51,7 +53,7 @@ struct SwigluBwdKernelArgs {
   CUtensorMap map_wd;  // w_down [L * H, I], 64-row x 64-column boxes (N-major B)
   const int32_t* ends;  // [L] group ends
   const float* row_w;   // [rows], or null (weight 1)
-  uint16_t* h;          // [rows, I] bf16
+  uint16_t* hw;         // [rows, I] bf16
   uint16_t* dgu;        // [rows, 2I] bf16
   float* part;          // [I / 128, rows], or null
   int rows, hidden, inter, num_experts;
@@ -195,21 +197,22 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
     float psum = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      float hv[2], dg[2], du[2];
+      float hw[2], dg[2], du[2];
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const float g = acc0[4 * j + 2 * hr + q], u = acc1[4 * j + 2 * hr + q];
         const float d = dh[(4 * j + 2 * hr + q) * 256];
         const float sig = __fdividef(1.0f, 1.0f + __expf(-g));
         const float s = g * sig;
-        hv[q] = round_bf16(s * u);
-        psum += hv[q] * d;
+        const float hv = s * u;
+        psum += round_bf16(hv) * d;
+        hw[q] = w * hv;
         const float dw = d * w;
         dg[q] = dw * u * (sig * (1.0f + g * (1.0f - sig)));
         du[q] = dw * s;
       }
       if (valid) {
-        *reinterpret_cast<uint32_t*>(k.h + at + 8 * j) = pack_bf16x2(hv[0], hv[1]);
+        *reinterpret_cast<uint32_t*>(k.hw + at + 8 * j) = pack_bf16x2(hw[0], hw[1]);
         const int64_t gat = at + static_cast<int64_t>(valid ? row : 0) * I + 8 * j;
         *reinterpret_cast<uint32_t*>(k.dgu + gat) = pack_bf16x2(dg[0], dg[1]);
         *reinterpret_cast<uint32_t*>(k.dgu + gat + I) = pack_bf16x2(du[0], du[1]);

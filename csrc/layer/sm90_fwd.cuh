@@ -70,8 +70,8 @@ enum LayerMap : int {
   kMapRecv,         // receive ring [ring rows, H]
   kMapH,            // h ring [ring rows, I]
   kMapSharedH,      // shared h [N, Is]
-  kMapGate,         // w_gate [L * I, H]
-  kMapUp,           // w_up [L * I, H]
+  kMapGate,         // w_gate: L experts of I rows, gate_up_stride rows apart, H columns
+  kMapUp,           // w_up: likewise
   kMapDown,         // w_down [L * H, I] (256-row boxes)
   kMapSharedGate,   // [Is, H]
   kMapSharedUp,     // [Is, H]
@@ -184,7 +184,8 @@ __device__ __forceinline__ TileGeom tile_geom(const LayerKernelArgs& k, const Ti
       const int row = t.rb * kTileM;
       const int e = expert_of_row(p, row + sub_row);
       g = TileGeom{&k.maps[kMapRecv], &k.maps[kMapGate], &k.maps[kMapUp], row % a.ring_rows,
-                   e * a.inter + t.nb * 128, tile_k_blocks(k, t.kind)};
+                   e * static_cast<int>(a.gate_up_stride) + t.nb * 128,
+                   tile_k_blocks(k, t.kind)};
       break;
     }
     default: {

@@ -65,7 +65,7 @@ int64_t layer_counters(pybind11::bytes params_bytes) {
 
 // The experts' backward kernel (api.h SwigluBwdLaunch): raw device pointers (0: none) and sizes.
 void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down, int64_t ends,
-                       int64_t row_w, int64_t h, int64_t dgu, int64_t part, int64_t rows,
+                       int64_t row_w, int64_t hw, int64_t dgu, int64_t part, int64_t rows,
                        int64_t hidden, int64_t inter, int64_t num_experts, int64_t grid,
                        int64_t stream) {
   mok::SwigluBwdLaunch l{};
@@ -75,7 +75,7 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
   l.w_down = reinterpret_cast<const void*>(w_down);
   l.ends = reinterpret_cast<const int32_t*>(ends);
   l.row_w = reinterpret_cast<const float*>(row_w);
-  l.h = reinterpret_cast<void*>(h);
+  l.hw = reinterpret_cast<void*>(hw);
   l.dgu = reinterpret_cast<void*>(dgu);
   l.part = reinterpret_cast<float*>(part);
   l.rows = rows, l.hidden = hidden, l.inter = inter, l.num_experts = num_experts;

@@ -17,20 +17,16 @@ this GPU, and the same tokens, so the same rows per expert as a rank of EP N get
   the activations (no recompute). Timed eager (mode ``eager``) and ``torch.compile``d
   (``compile``: the forward function, ``dynamic=False``; a compile that fails drops the row and
   says why);
-- ``mok-unfused``: :func:`mok.functional.moe` (``fused=False``) on the weights of a
-  :class:`mok.MoE` (:meth:`mok.MoE.weights`: w_gate / w_up are the halves of its ``gate_up``
-  Parameter, so gate and up run as one GEMM forward and backward and both gradients land in
-  ``gate_up``), with the default config (run under :func:`mok.functional.unfused_config`; the
-  row records the SMs and mode that ran);
-- ``mok-fused``: :func:`mok.functional.moe` (``fused=True``) for each ``--sms`` (the
-  communication SMs; the rest of the config is :class:`mok.MoKConfig`'s defaults, which are
-  ``mok.bench layer``'s). The fused kernel takes w_gate / w_up as two contiguous tensors, so
-  its leaves are the two halves as separate tensors (the shared expert keeps the fused layout:
-  its halves are contiguous) and its backward runs gate and up as two grouped GEMMs.
+- ``mok-unfused`` / ``mok-fused``: a :class:`mok.MoE` (what a model holds: its ``gate_up``
+  ``[L, 2I, H]``, ``down`` and shared-expert Parameters, so gate and up run as one GEMM forward
+  and backward and both gradients land in ``gate_up``) with ``fused=False`` (the default config,
+  run under :func:`mok.functional.unfused_config`; the row records the SMs and mode that ran)
+  or ``fused=True`` for each ``--sms`` (the communication SMs; the rest of the config is
+  :class:`mok.MoKConfig`'s defaults, which are ``mok.bench layer``'s).
 
-Both mok rows share the backward of :mod:`mok.autograd`: it saves only the inputs and recomputes
-the forward GEMMs, routed (the recomputed expert outputs give the routing-weight gradient) and
-shared (autograd of the recomputed shared expert).
+Both mok rows share the backward of :mod:`mok.autograd`: it saves only the inputs, recomputes the
+gate / up GEMMs (in the experts' backward kernel on Hopper, with the down dgrad and the SwiGLU
+backward; :func:`mok.experts.swiglu_backward`) and runs the dgrads and wgrads as grouped GEMMs.
 
 A step: every leaf's gradient set to None, the forward, ``out.backward(grad_out)`` with a fixed
 random ``grad_out``. ``step_us`` is the CUDA-event median of back-to-back steps after warm-up
@@ -39,8 +35,8 @@ the forward alone (grad mode on, the same call, its graph dropped), ``bwd_us`` t
 FLOPs count the real rows (no padding), as ``layer``: ``flops_fwd`` = tokens x k x 6 H I + tokens
 x 6 H Is; a step does 3 x ``flops_fwd`` of useful work (the backward's dgrad and wgrad are 2 x the
 forward), so ``step_tflops`` = 3 ``flops_fwd`` / step time and ``bwd_tflops`` = 2 ``flops_fwd`` /
-backward time; ``flops_recompute`` is what the backward computes again on top (mok: the whole
-forward's GEMMs; torch-best: 0), counted in neither rate. Memory: one more step after the timed
+backward time; ``flops_recompute`` is what the backward computes again on top (mok: the gate /
+up GEMMs; torch-best: 0), counted in neither rate. Memory: one more step after the timed
 ones, after ``torch.cuda.reset_peak_memory_stats``: ``peak_mem_gib`` its
 ``max_memory_allocated``, ``step_mem_gib`` that minus the memory allocated before the step (what
 the step adds: activations, temporaries and the gradients; the weights, inputs and mok's
@@ -142,13 +138,14 @@ def step_flops(shape: ModelShape, tokens: int, recompute: bool) -> tuple[int, in
     """(forward GEMM FLOPs, FLOPs the backward recomputes) of one step on ``tokens`` tokens at
     one rank (every routed row local), real rows only: the forward is tokens x k x 6 H I (gate,
     up and down of each routed row) + tokens x 6 H Is (the shared expert). ``recompute``: the
-    backward computes every forward GEMM again (mok: the routed experts' outputs for the
-    routing-weight gradient, the shared expert for its autograd), else nothing (torch-best
-    saves its activations)."""
+    backward computes the gate / up GEMMs again, routed and shared (tokens x (k x 4 H I + 4 H
+    Is); mok's backward saves only its inputs), else nothing (torch-best saves its
+    activations)."""
     H, inter, si = shape.hidden, shape.intermediate, shape.shared_intermediate
     routed = tokens * shape.num_topk * 6 * H * inter
     fwd = routed + tokens * 6 * H * si
-    return fwd, fwd if recompute else 0
+    again = tokens * shape.num_topk * 4 * H * inter + tokens * 4 * H * si
+    return fwd, again if recompute else 0
 
 
 def train_weights(shape: ModelShape, device, split: bool = False, seed: int = 7) -> dict:
@@ -197,16 +194,9 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
     import mok
     from mok import functional as mf
     from mok.spec.workload import get_shape
-    from reference.weights import MoEWeights
 
     shape = emulated_shape(get_shape(model), 1, emulate_ep)  # one GPU: a world of one
-    E, H, inter, si, K = (
-        shape.num_experts,
-        shape.hidden,
-        shape.intermediate,
-        shape.shared_intermediate,
-        shape.num_topk,
-    )
+    E, H, inter, K = shape.num_experts, shape.hidden, shape.intermediate, shape.num_topk
     seed = bench_routing_seed(n)  # recorded in every row
     idx, tw, _ = draw_routing(n, E, K, skew, seed=seed)
     g = torch.Generator(device=device).manual_seed(11)
@@ -282,31 +272,25 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
 
         return build
 
-    def mok_unfused():
-        w = train_weights(shape, device)
-        m = mok.MoE.from_weights(
-            E, w["gate_up"], w["down"], w.get("shared_gate_up"), w.get("shared_down")
-        )
+    def mok_layer(fused, cfg=None):
+        """What a model runs: :class:`mok.MoE` on its fused ``gate_up`` / ``down`` Parameters."""
 
-        def fwd():  # what mok.MoE.forward calls on CUDA, with the default config
-            return mf.moe(x, idx, tw, m.weights(), E, None, fused=False)
-
-        return fwd, {**inputs, **dict(m.named_parameters())}
-
-    def mok_fused(cfg):
         def build():
-            w = {k: t.requires_grad_() for k, t in train_weights(shape, device, True).items()}
+            w = train_weights(shape, device)
+            m = mok.MoE.from_weights(
+                E,
+                w["gate_up"],
+                w["down"],
+                w.get("shared_gate_up"),
+                w.get("shared_down"),
+                config=cfg,
+                fused=fused,
+            )
 
-            def fwd():
-                sgu = w.get("shared_gate_up")
-                shared = {}
-                if sgu is not None:
-                    shared = dict(shared_w_gate=sgu[:si], shared_w_up=sgu[si:])
-                    shared.update(shared_w_down=w["shared_down"])
-                weights = MoEWeights(w["gate"], w["up"], w["down"], **shared)
-                return mf.moe(x, idx, tw, weights, E, cfg, fused=True)
+            def fwd():  # what mok.MoE.forward calls on CUDA
+                return mf.moe(x, idx, tw, m.weights(), E, cfg, fused=fused)
 
-            return fwd, {**inputs, **w}
+            return fwd, {**inputs, **dict(m.named_parameters())}
 
         return build
 
@@ -317,12 +301,12 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
         # the row says what ran: the unfused path's own SMs and mode (unfused_config)
         sms_count = torch.cuda.get_device_properties(device).multi_processor_count
         ran = mf.unfused_config(mok.MoKConfig(), sms_count)
-        add("mok-unfused", ran.dispatch_mode, ran.num_comm_sms, mok_unfused, True)
+        add("mok-unfused", ran.dispatch_mode, ran.num_comm_sms, mok_layer(False), True)
         mok.clear_workspaces()
     if "mok-fused" in impls:
         for s in sms:
             cfg = mok.MoKConfig(num_comm_sms=s)
-            add("mok-fused", cfg.dispatch_mode, s, mok_fused(cfg), True)
+            add("mok-fused", cfg.dispatch_mode, s, mok_layer(True, cfg), True)
             mok.clear_workspaces()
     clear_cache()  # the next model's weights replace these
 
