@@ -188,9 +188,11 @@ for (kind, ls), style in zip(curves.items(), ("-", "--"), strict=True):
 ax.axhline(FLOOR, color="grey", ls=":", label="loss floor")
 ax.set_xlabel("step")
 ax.set_ylabel("cross-entropy (nats)")
+where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
 ax.set_title(
-    f"MoE LM (hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}) on {DEVICE}: "
-    "mok.MoE vs torch, same seed"
+    f"MoE LM: hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, {BATCH * SEQ} tokens/step ({where})\n"
+    "mok.MoE vs a torch MoE layer from the same seed",
+    fontsize=10,
 )
 ax.legend()
 if FIGURE:
