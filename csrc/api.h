@@ -42,6 +42,21 @@ struct SwigluBwdLaunch {
 // (cudaErrorInvalidValue for a shape it does not support or a TMA descriptor it cannot build).
 int launch_swiglu_bwd(const SwigluBwdLaunch& args, int grid, void* stream);
 
+// The experts' weight gradients C[e] = A[e]^T B[e] (layer/sm90_bwd.cuh wgrad_kernel): raw
+// device pointers of bf16 A [rows, m], B [rows, n], C [num_experts, m, n] and the int32 group
+// ends [num_experts] (multiples of 16); m a multiple of 128, n of 256.
+struct WgradLaunch {
+  const void* a;
+  const void* b;
+  const int32_t* ends;
+  void* c;
+  int64_t rows, m, n, num_experts;
+};
+
+// Launches it with at most `grid` blocks on `stream`. Returns a cudaError_t value
+// (cudaErrorInvalidValue for a shape it does not support or a TMA descriptor it cannot build).
+int launch_wgrad(const WgradLaunch& args, int grid, void* stream);
+
 // Device address of host-pinned memory (for the error record).
 uint64_t host_device_pointer(void* host_ptr, int* err);
 

@@ -151,7 +151,7 @@ def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, 
     recv = dispatch(x, sched, mode, out=torch.zeros_like(dy))
     gu = gate_up_weight(*_halves(routed[0], routed[1], routed[0]))
     d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
-        recv, gu, wd, dy, row_w, sched.group_ends.clone()
+        recv, gu, wd, dy, row_w, sched.group_ends.clone(), group_align=cfg.row_tile
     )
     del recv, dy
     # router weights: each (token, k) has its own receive row at one rank

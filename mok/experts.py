@@ -184,6 +184,8 @@ def swiglu_backward(
     offs: torch.Tensor | None = None,
     d_a_dtype: torch.dtype | None = None,
     kernel: bool | None = None,
+    wgrad_kernel: bool = False,
+    group_align: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The backward of SwiGLU experts, recomputing their activations, with explicit GEMMs.
 
@@ -202,6 +204,12 @@ def swiglu_backward(
         kernel: run gate / up and the SwiGLU backward in mok's Hopper kernel (True), in torch
             (False), or the kernel where it takes the operands (None: a Hopper GPU, bf16,
             contiguous, H a multiple of 64, I of 128, at most KERNEL_MAX_EXPERTS groups).
+        wgrad_kernel: the weight gradients in mok's Hopper kernel (:func:`mok.ops.wgrad_sm90`)
+            where ``kernel`` holds, every group end is a multiple of 16 (``group_align``) and
+            the output a multiple of 128 x 256; else (and by default: on the H200 it measured
+            no faster than torch's grouped GEMM, docs/perf-notes.md) torch's grouped GEMM.
+        group_align: every group end is a multiple of this (the schedule's row tile; rows
+            without a token must then be zero).
 
     Returns:
         (d_a [R, H], d_row_weight [R] fp32 or None, d_w_gate_up like ``w_gate_up``, d_w_down
@@ -226,9 +234,27 @@ def swiglu_backward(
     d_a = _mm32(dgu, w_gate_up, offs) if d_a_dtype == torch.float32 else _mm(dgu, w_gate_up, offs)
     if d_a_dtype is not None:
         d_a = d_a.to(d_a_dtype)
-    d_wgu = _mm(dgu.T, a, offs)
-    d_wd = _mm(dy.T, hw, offs)  # sum over rows of dy (x) w h
+    wk = kernel and wgrad_kernel
+    d_wgu = _wgrad(dgu, a, offs, wk, group_align)
+    d_wd = _wgrad(dy, hw, offs, wk, group_align)  # sum over rows of dy (x) w h
     return d_a, d_w, d_wgu, d_wd
+
+
+def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: int):
+    """``a[e]^T b[e]`` per group (one [M, N] without ``offs``): mok's Hopper kernel where the
+    shapes and the groups' alignment allow it, else torch's grouped GEMM."""
+    rows, m, n = a.shape[0], a.shape[1], b.shape[1]
+    aligned = group_align % 16 == 0 if offs is not None else rows % 16 == 0
+    if not (kernel and aligned and rows > 0 and m % 128 == 0 and n % 256 == 0):
+        return _mm(a.T, b, offs)
+    if offs is None:
+        ends = torch.full((1,), rows, dtype=torch.int32, device=a.device)
+        c = torch.empty(1, m, n, dtype=a.dtype, device=a.device)
+        ops.wgrad_sm90(a, b, ends, c)
+        return c[0]
+    c = torch.empty(offs.shape[0], m, n, dtype=a.dtype, device=a.device)
+    ops.wgrad_sm90(a, b, offs, c)
+    return c
 
 
 def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:

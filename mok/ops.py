@@ -27,6 +27,7 @@ __all__ = [
     "dedup_sum",
     "layer_forward",
     "swiglu_backward_sm90",
+    "wgrad_sm90",
 ]
 
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
@@ -403,4 +404,33 @@ def swiglu_backward_sm90(
 
 @swiglu_backward_sm90.register_fake
 def _(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part) -> None:
+    return None
+
+
+@_mok_op("mok::wgrad_sm90", ("c",))
+def wgrad_sm90(
+    a: torch.Tensor,  # [R, M] bf16, rows grouped by expert
+    b: torch.Tensor,  # [R, N] bf16
+    group_ends: torch.Tensor,  # [L] int32, multiples of 16
+    c: torch.Tensor,  # [L, M, N] bf16 out: c[e] = a[e]^T b[e] (zero for an empty group)
+) -> None:
+    """The experts' weight-gradient kernel (csrc/layer/sm90_bwd.cuh wgrad_kernel), over every
+    SM of the GPU."""
+    dev = a.device
+    _ext.load().launch_wgrad(
+        a.data_ptr(),
+        b.data_ptr(),
+        group_ends.data_ptr(),
+        c.data_ptr(),
+        a.shape[0],
+        a.shape[1],
+        b.shape[1],
+        c.shape[0],
+        _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()),
+        torch.cuda.current_stream(dev).cuda_stream,
+    )
+
+
+@wgrad_sm90.register_fake
+def _(a, b, group_ends, c) -> None:
     return None

@@ -41,4 +41,27 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   return finish_launch(cudaGetLastError());
 }
 
+int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
+  const int64_t M = l.m, N = l.n, L = l.num_experts;
+  if (l.rows <= 0 || M <= 0 || M % kTileM != 0 || N <= 0 || N % kTileN != 0 || L < 1 ||
+      grid < 1 || l.rows > INT32_MAX || L * (M / kTileM) * (N / kTileN) > INT32_MAX)
+    return static_cast<int>(cudaErrorInvalidValue);
+  WgradKernelArgs k{};
+  if (!encode_bf16_map(&k.map_a, l.a, l.rows, M, 64, 64) ||
+      !encode_bf16_map(&k.map_b, l.b, l.rows, N, 64, 64))
+    return static_cast<int>(cudaErrorInvalidValue);
+  k.ends = l.ends;
+  k.c = static_cast<uint16_t*>(l.c);
+  k.m = static_cast<int>(M);
+  k.n = static_cast<int>(N);
+  k.num_experts = static_cast<int>(L);
+  const int64_t tiles = L * (M / kTileM) * (N / kTileN);
+  if (tiles < grid) grid = static_cast<int>(tiles);
+  cudaError_t e = cudaFuncSetAttribute(wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kWgradSmem);
+  if (e != cudaSuccess) return finish_launch(e);
+  wgrad_kernel<<<grid, kLayerThreads, kWgradSmem, static_cast<cudaStream_t>(stream_ptr)>>>(k);
+  return finish_launch(cudaGetLastError());
+}
+
 }  // namespace mok

@@ -283,4 +283,167 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
 #endif
 }
 
+// ---- weight gradients ----------------------------------------------------------------------
+//
+// C[e] = A[e]^T B[e] for every expert group e: A [rows, M] and B [rows, N] row-major, rows
+// grouped by expert (group ends multiples of 16), C [L, M, N] bf16 (dW_gate_up = dgu^T a,
+// dW_down = dy^T hw). Tiles of 128 M x 256 N of one expert, each reducing over all of its
+// expert's rows in one fp32 accumulation (no split-K, no atomics: any grid gives the same
+// bits); an expert without rows gets a zero tile. The k axis is the rows: A and B are M- / N-
+// major operands (64-column TMA boxes of 64 rows), and a group's last k-block runs only its
+// 16-row steps that hold the group's rows. Tiles in the order (expert, M block, N block): the
+// blocks working at a time share their expert's A and B in L2. Roles as in the kernel above; each consumer warpgroup stages its 64 x 128 output chunks in
+// shared memory and writes them out as whole 256-byte rows.
+
+constexpr int kWgradStages = 3;
+constexpr int kWgradZeroBytes = 6 * 1024;  // zero_a (2 KiB), zero_b (4 KiB): one 16-row step
+constexpr int kWgradSmem = 1024 + kWgradStages * kStageBytes + 2 * kEpiBytes + kWgradZeroBytes;
+
+struct WgradKernelArgs {
+  CUtensorMap map_a;  // A [rows, M], 64-row x 64-column boxes
+  CUtensorMap map_b;  // B [rows, N], 64-row x 64-column boxes
+  const int32_t* ends;  // [L] group ends (multiples of 16)
+  uint16_t* c;          // [L, M, N] bf16
+  int m, n, num_experts;
+};
+
+struct WgradShared {
+  uint64_t full[kWgradStages], empty[kWgradStages];
+  // The tile a stage's first k-block belongs to: expert (-1: end of the work), M block,
+  // N block, k-blocks (0: an expert without rows; the stage carries no data), last steps.
+  int stage_tile[kWgradStages][5];
+};
+static __shared__ __align__(8) WgradShared gsh;
+
+__device__ __forceinline__ uint8_t* wgrad_epi(int wg) {
+  return bwd_stages() + kWgradStages * kStageBytes + wg * kEpiBytes;
+}
+__device__ __forceinline__ uint8_t* wgrad_zero() {
+  return bwd_stages() + kWgradStages * kStageBytes + 2 * kEpiBytes;
+}
+
+__device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_tiles) {
+  uint8_t* stages = bwd_stages();
+  const int m_blocks = k.m / kTileM, n_blocks = k.n / kTileN;
+  const int per_expert = m_blocks * n_blocks;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int i = blockIdx.x;; i += gridDim.x) {
+    mbar_wait(&gsh.empty[stage], phase ^ 1);
+    if (i >= n_tiles) {
+      vol(gsh.stage_tile[stage][0]) = -1;
+      mbar_arrive(&gsh.full[stage]);
+      return;
+    }
+    const int e = i / per_expert, mb = (i % per_expert) / n_blocks, nb = i % n_blocks;
+    const int start = e == 0 ? 0 : k.ends[e - 1];
+    const int rows = k.ends[e] - start;
+    const int k_blocks = rows > 0 ? (rows + 63) / 64 : 0;
+    const int last_steps = k_blocks > 0 ? (rows - (k_blocks - 1) * 64 + 15) / 16 : 0;
+    vol(gsh.stage_tile[stage][0]) = e;
+    vol(gsh.stage_tile[stage][1]) = mb;
+    vol(gsh.stage_tile[stage][2]) = nb;
+    vol(gsh.stage_tile[stage][3]) = k_blocks;
+    vol(gsh.stage_tile[stage][4]) = last_steps;
+    if (k_blocks == 0) {  // a zero tile: the stage says so and carries nothing
+      mbar_arrive(&gsh.full[stage]);
+      if (++stage == kWgradStages) stage = 0, phase ^= 1;
+      continue;
+    }
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      if (kb > 0) mbar_wait(&gsh.empty[stage], phase ^ 1);
+      uint8_t* sa = stages + stage * kStageBytes;
+      const int row = start + kb * 64;
+      mbar_arrive_expect_tx(&gsh.full[stage], kStageBytes);
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+        tma_load_2d(sa + q * kBoxNB, &k.map_a, &gsh.full[stage], mb * kTileM + 64 * q, row);
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_b, &gsh.full[stage],
+                    nb * kTileN + 64 * q, row);
+      if (++stage == kWgradStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// Warpgroup wg's 64 x 128 output chunk (columns col0..col0 + 127 of its rows) from `acc`,
+// through its shared-memory buffer, to C as whole 256-byte rows.
+__device__ __forceinline__ void wgrad_store(const WgradKernelArgs& k, const float (&acc)[64],
+                                            int e, int mb, int col0, int wg, int tid) {
+  uint8_t* epi = wgrad_epi(wg);
+  stage_chunk<false>(acc, acc, epi, tid / 32, tid % 32);
+  named_sync(1 + wg, 128);
+  const int ch = tid % 16;
+  uint16_t* base = k.c + (static_cast<int64_t>(e) * k.m + mb * kTileM + wg * 64) * k.n + col0;
+#pragma unroll
+  for (int it = 0; it < 8; ++it) {
+    const int r = it * 8 + tid / 16;
+    const uint4 v = *reinterpret_cast<const uint4*>(epi + r * kEpiStride + ((ch ^ (r % 8)) << 4));
+    *reinterpret_cast<uint4*>(base + static_cast<int64_t>(r) * k.n + ch * 8) = v;
+  }
+  named_sync(1 + wg, 128);  // the buffer is read: the next chunk may be staged
+}
+
+__device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg) {
+  const int tid = threadIdx.x % 128;
+  int stage = 0, prev_stage = 0;
+  uint32_t phase = 0;
+  float acc0[64], acc1[64];
+  const uint64_t zero_a = wgmma_desc_mn(wgrad_zero(), 2048);
+  const uint64_t zero_b = wgmma_desc_mn(wgrad_zero() + 2048, 2048);
+  for (;;) {
+    mbar_wait(&gsh.full[stage], phase);
+    const int e = vol(gsh.stage_tile[stage][0]);
+    if (e < 0) break;
+    const int mb = vol(gsh.stage_tile[stage][1]);
+    const int nb = vol(gsh.stage_tile[stage][2]);
+    const int k_blocks = vol(gsh.stage_tile[stage][3]);
+    const int last_steps = vol(gsh.stage_tile[stage][4]);
+    if (k_blocks == 0) {
+#pragma unroll
+      for (int j = 0; j < 64; ++j) acc0[j] = acc1[j] = 0.0f;
+      mbar_arrive(&gsh.empty[stage]);
+      if (++stage == kWgradStages) stage = 0, phase ^= 1;
+    } else {
+      mma_kloop_wgrad<OperandBf16, kWgradStages>(acc0, acc1, bwd_stages(), gsh.full, gsh.empty,
+                                                 k_blocks, last_steps, zero_a, zero_b, wg,
+                                                 stage, prev_stage, phase);
+    }
+    wgrad_store(k, acc0, e, mb, nb * kTileN, wg, tid);
+    wgrad_store(k, acc1, e, mb, nb * kTileN + 128, wg, tid);
+  }
+}
+
+__global__ void __launch_bounds__(kLayerThreads, 1)
+    wgrad_kernel(const __grid_constant__ WgradKernelArgs k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // The zero operand of the steps past a group's end, for the async proxy.
+  uint4* zero = reinterpret_cast<uint4*>(wgrad_zero());
+  for (int i = threadIdx.x; i < kWgradZeroBytes / 16; i += blockDim.x) zero[i] = uint4{0, 0, 0, 0};
+  fence_proxy_async_shared();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kWgradStages; ++s) {
+      mbar_init(&gsh.full[s], 1);
+      mbar_init(&gsh.empty[s], 2 * 128);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int n_tiles = k.num_experts * (k.m / kTileM) * (k.n / kTileN);
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<56>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_map(&k.map_a);
+      tma_prefetch_map(&k.map_b);
+      wgrad_producer(k, n_tiles);
+    }
+  } else {
+    setmaxnreg_inc<224>();
+    wgrad_consumer(k, wg - 1);
+  }
+#endif
+}
+
 }  // namespace mok

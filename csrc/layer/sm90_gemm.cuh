@@ -54,6 +54,11 @@ struct OperandBf16 {
   __device__ static __forceinline__ void mma_n128_nb(float* d, uint64_t a, uint64_t b, int acc) {
     wgmma_m64n128k16_nb(d, a, b, acc);
   }
+  // A M-major and B N-major (both wgmma_desc_mn): the weight gradients' operands.
+  __device__ static __forceinline__ void mma_n128_ma_nb(float* d, uint64_t a, uint64_t b,
+                                                        int acc) {
+    wgmma_m64n128k16_ma_nb(d, a, b, acc);
+  }
 };
 // One consumer warpgroup's 64 x 128 bf16 output chunk: 256-byte rows whose 16-byte chunks are
 // permuted by row % 8 (the accumulator stores of 8 rows then hit 32 distinct banks).
@@ -202,6 +207,43 @@ __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], 
     wgmma_wait<1>();
     // NOTE: every consumer thread arrives (no divergent branch while MMAs are in flight, which
     // would make ptxas serialise the wgmma instructions).
+    if (kb > 0) mbar_arrive(&empty[prev_stage]);
+    prev_stage = stage;
+    if (++stage == kNumStages) stage = 0, phase ^= 1;
+  }
+  wgmma_wait<0>();
+  if (k_blocks > 0) mbar_arrive(&empty[prev_stage]);
+}
+
+// One tile's k-loop of a weight gradient C = A^T B, the k axis along the rows of A and B: A
+// M-major (two 64-column boxes of kTileK rows per stage, warpgroup wg's 64 M rows in box wg), B
+// N-major (four 64-column boxes after A: acc0 gets columns 0..127, acc1 128..255). The last
+// k-block runs `last_steps` of its kSteps 16-row steps; the others multiply zeros (descriptors
+// zero_a / zero_b, selected without a branch), so rows past a group's end add nothing.
+template <class Op, int kNumStages>
+__device__ __forceinline__ void mma_kloop_wgrad(float (&acc0)[64], float (&acc1)[64],
+                                                uint8_t* stages, uint64_t* full, uint64_t* empty,
+                                                int k_blocks, int last_steps, uint64_t zero_a,
+                                                uint64_t zero_b, int wg, int& stage,
+                                                int& prev_stage, uint32_t& phase) {
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    mbar_wait(&full[stage], phase);
+    const uint8_t* sa = stages + stage * kStageBytes;
+    const uint64_t da = wgmma_desc_mn(sa + wg * kBoxNB, kBoxNB);
+    const uint64_t db0 = wgmma_desc_mn(sa + kStageA, kBoxNB);
+    const uint64_t db1 = wgmma_desc_mn(sa + kStageA + 2 * kBoxNB, kBoxNB);
+    const int steps = kb == k_blocks - 1 ? last_steps : Op::kSteps;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Op::kSteps; ++kk) {
+      const int accum = (kb > 0 || kk > 0) ? 1 : 0;
+      const bool live = kk < steps;
+      const uint64_t a = live ? da + Op::kDescStepMN * kk : zero_a;
+      Op::mma_n128_ma_nb(acc0, a, live ? db0 + Op::kDescStepMN * kk : zero_b, accum);
+      Op::mma_n128_ma_nb(acc1, a, live ? db1 + Op::kDescStepMN * kk : zero_b, accum);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
     if (kb > 0) mbar_arrive(&empty[prev_stage]);
     prev_stage = stage;
     if (++stage == kNumStages) stage = 0, phase ^= 1;

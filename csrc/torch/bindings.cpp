@@ -86,6 +86,20 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
               " experts) failed: ", mok::error_string(err));
 }
 
+// The experts' weight gradients (api.h WgradLaunch).
+void launch_wgrad(int64_t a, int64_t b, int64_t ends, int64_t c, int64_t rows, int64_t m,
+                  int64_t n, int64_t num_experts, int64_t grid, int64_t stream) {
+  mok::WgradLaunch l{};
+  l.a = reinterpret_cast<const void*>(a);
+  l.b = reinterpret_cast<const void*>(b);
+  l.ends = reinterpret_cast<const int32_t*>(ends);
+  l.c = reinterpret_cast<void*>(c);
+  l.rows = rows, l.m = m, l.n = n, l.num_experts = num_experts;
+  const int err = mok::launch_wgrad(l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
+  TORCH_CHECK(err == 0, "mok: launching the weight-gradient kernel (", rows, " rows, ", m, " x ",
+              n, ", ", num_experts, " experts) failed: ", mok::error_string(err));
+}
+
 int64_t host_device_pointer(int64_t host_ptr) {
   int err = 0;
   const uint64_t dev = mok::host_device_pointer(reinterpret_cast<void*>(host_ptr), &err);
@@ -106,6 +120,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_smem_bytes", &mok::layer_smem_bytes);
   m.def("layer_counters", &layer_counters);
   m.def("launch_swiglu_bwd", &launch_swiglu_bwd);
+  m.def("launch_wgrad", &launch_wgrad);
 
   // Probe microbenchmarks (probe/probe.cu, mok/bench/probe.py): addresses and streams as ints,
   // each returns a cudaError_t value.
