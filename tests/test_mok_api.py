@@ -116,6 +116,14 @@ def test_custom_ops_trace_with_fake_tensors():
         wg = torch.zeros(2, 128, h).bfloat16()
         wd = torch.zeros(2, h, 128).bfloat16()
         torch.ops.mok.layer_forward(x, sched, w, wg, wg, wd, None, None, None, out, 0, None)
+        # the experts' backward kernels (gate/up as one [L, 2I, H] tensor)
+        gu = torch.zeros(2, 256, h).bfloat16()
+        rows = recv.shape[0]
+        ends = torch.zeros(2, dtype=torch.int32)
+        hw, dgu = torch.zeros(rows, 128).bfloat16(), torch.zeros(rows, 256).bfloat16()
+        part = torch.zeros(1, rows)
+        torch.ops.mok.swiglu_backward_sm90(recv, recv, gu, wd, ends, None, hw, dgu, part)
+        torch.ops.mok.wgrad_sm90(dgu, recv, ends, gu.transpose(1, 2).contiguous())
         return out
 
     n, h, k = 8, 64, 2
@@ -132,7 +140,7 @@ def test_custom_ops_trace_with_fake_tensors():
     gm = make_fx(layer, tracing_mode="fake")(*args)
     called = {str(nd.target) for nd in gm.graph.nodes if nd.op == "call_function"}
     ops = ("build_schedule", "dispatch", "fanout", "combine", "dedup_partials", "dedup_sum")
-    for op in (*ops, "layer_forward"):
+    for op in (*ops, "layer_forward", "swiglu_backward_sm90", "wgrad_sm90"):
         assert any(f"mok.{op}" in c for c in called), (op, called)
 
 

@@ -23,6 +23,7 @@ GRADS = ("dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down")
 SHARED_GRADS = ("d_shared_w_gate", "d_shared_w_up", "d_shared_w_down")
 WEIGHTS = {"dw_gate": "w_gate", "dw_up": "w_up", "dw_down": "w_down"}
 WEIGHTS.update({f"d_{n}": n for n in ("shared_w_gate", "shared_w_up", "shared_w_down")})
+WEIGHT_GRAD = {n: g for g, n in WEIGHTS.items()}
 
 
 def _inputs(shape: ModelShape, n: int, skew: str, seed: int = 0):
@@ -231,3 +232,32 @@ def test_fused_forward_takes_the_halves_of_one_gate_up():
         grads.append((xs.grad, m.gate_up.grad, m.down.grad))
     for a, b in zip(*grads, strict=True):
         assert a is not None and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_torch_compile_gives_the_eager_gradients():
+    """torch.compile of a function calling mok.functional.moe (mok's ops traced through their
+    fake implementations, the autograd.Function's backward with them): output and every
+    gradient bitwise equal to eager."""
+    import mok
+    from mok import functional as mf
+
+    shape, n, skew = CASES[0]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=19)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+    out, want = _mok_grads(shape, x, idx, tw, w, grad_out, config=cfg)
+    names = [k for k, v in vars(w).items() if v is not None]
+
+    def layer(xs, tws, *ws):
+        weights = MoEWeights(**dict(zip(names, ws, strict=True)))
+        return mf.moe(xs, idx, tws, weights, shape.num_experts, cfg)
+
+    leaves = [getattr(w, k).detach().clone().requires_grad_(True) for k in names]
+    xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
+    got = torch.compile(layer)(xs, tws, *leaves)
+    got.backward(grad_out)
+    assert torch.equal(got.detach(), out)
+    assert torch.equal(xs.grad, want["dx"]) and torch.equal(tws.grad, want["d_topk_weights"])
+    for k, t in zip(names, leaves, strict=True):
+        assert torch.equal(t.grad, want[WEIGHT_GRAD[k]]), k
