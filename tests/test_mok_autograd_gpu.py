@@ -236,6 +236,11 @@ def test_fused_forward_takes_the_halves_of_one_gate_up():
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.11's inductor fails (BackendCompilerFailed in auto_functionalize_v2) on the "
+    "mok ops that mutate workspace buffers held outside the graph; measured on the H200",
+)
 def test_torch_compile_gives_the_eager_gradients():
     """torch.compile of a function calling mok.functional.moe (mok's ops traced through their
     fake implementations, the autograd.Function's backward with them): output and every
