@@ -117,7 +117,9 @@ def routing(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights)
 
 
-def run_case(case: Case) -> None:
+def case_inputs(case: Case, offset: int):
+    """(bf16 weights, topk_idx, topk_weights, x, the host generator x came from) of a case on
+    the GPU; ``offset``: the generator's seed past the case's."""
     dev = torch.device("cuda")
     shape = ModelShape(
         "fuzz", case.num_experts, case.hidden, case.inter, case.num_topk, case.shared_inter
@@ -125,9 +127,13 @@ def run_case(case: Case) -> None:
     w = MoEWeights.random(shape, seed=case.seed, dtype=torch.float32, device=dev)
     w = w.to(torch.bfloat16)
     idx, tw = routing(case)
-    g = torch.Generator().manual_seed(case.seed + 1)
+    g = torch.Generator().manual_seed(case.seed + offset)
     x = torch.randn(case.num_tokens, case.hidden, generator=g).to(torch.bfloat16).to(dev)
-    idx, tw = idx.to(dev), tw.to(dev)
+    return w, idx.to(dev), tw.to(dev), x, g
+
+
+def run_case(case: Case) -> None:
+    w, idx, tw, x, _ = case_inputs(case, 1)
     cfg = case.config()
     out = mf.moe_forward(x, idx, tw, w, case.num_experts, cfg, fused=case.fused)
     again = mf.moe_forward(x, idx, tw, w, case.num_experts, cfg, fused=case.fused)
@@ -177,17 +183,9 @@ def _grads(case: Case, x, idx, tw, w, grad_out) -> dict:
 
 
 def run_backward_case(case: Case) -> None:
-    dev = torch.device("cuda")
-    shape = ModelShape(
-        "fuzz", case.num_experts, case.hidden, case.inter, case.num_topk, case.shared_inter
-    )
-    w = MoEWeights.random(shape, seed=case.seed, dtype=torch.float32, device=dev)
-    w = w.to(torch.bfloat16)
-    idx, tw = routing(case)
-    g = torch.Generator().manual_seed(case.seed + 2)
-    x = torch.randn(case.num_tokens, case.hidden, generator=g).to(torch.bfloat16).to(dev)
-    grad_out = torch.randn(case.num_tokens, case.hidden, generator=g).to(torch.bfloat16).to(dev)
-    idx, tw = idx.to(dev), tw.to(dev).float()
+    w, idx, tw, x, g = case_inputs(case, 2)
+    grad_out = torch.randn(case.num_tokens, case.hidden, generator=g).to(torch.bfloat16)
+    grad_out, tw = grad_out.to(x.device), tw.float()
     got = _grads(case, x, idx, tw, w, grad_out)
     again = _grads(case, x, idx, tw, w, grad_out)
     mok.check()
