@@ -292,8 +292,9 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
 // bits); an expert without rows gets a zero tile. The k axis is the rows: A and B are M- / N-
 // major operands (64-column TMA boxes of 64 rows), and a group's last k-block runs only its
 // 16-row steps that hold the group's rows. Tiles in the order (expert, M block, N block): the
-// blocks working at a time share their expert's A and B in L2. Roles as in the kernel above; each consumer warpgroup stages its 64 x 128 output chunks in
-// shared memory and writes them out as whole 256-byte rows.
+// blocks working at a time share their expert's A and B in L2. Roles as in the kernel above;
+// each consumer warpgroup stages its 64 x 128 output chunks in shared memory and writes them
+// out as whole 256-byte rows.
 
 constexpr int kWgradStages = 3;
 constexpr int kWgradZeroBytes = 6 * 1024;  // zero_a (2 KiB), zero_b (4 KiB): one 16-row step
