@@ -172,7 +172,7 @@ class BackwardPass:
             out = (0.0, 0.0)
         else:
             busy, done = round_times(specs, self.compute_sms, self.waves.layer_fill_us, handoff)
-            out = (busy, done - busy)
+            out = (busy, max(0.0, done - busy))  # >= 0 but for rounding, as the forward's
         self._bwd_cache[ck] = out
         return out
 
