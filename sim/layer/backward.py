@@ -32,7 +32,9 @@ roles reversed:
 MoK's choice, modelled whatever the forward's policies: pull reverse combine, push reverse
 dispatch (``dispatch_mode`` / ``combine_mode`` keep naming the forward; only ``dedup_pull``
 changes the backward's bytes). The GEMMs run at the forward's rates and ``dtype``; nothing of it
-is measured yet (``python -m mok.bench train`` will measure the layer's backward).
+is fitted. ``mok-sim validate`` on the train CSV of ``python -m mok.bench train`` compares it with
+mok's backward as it runs today, which runs its pieces one after another instead
+(:func:`sim.app.validate.validate_train_rows`; docs/sim-validation.md).
 """
 
 from __future__ import annotations
