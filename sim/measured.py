@@ -7,10 +7,10 @@ came from) and :func:`measured_path` (one file there by name). ``sim/profiles`` 
 was fitted from them.
 
 Readers: :func:`read_rows` (rows of any CSVs, tagged with their file name) and
-:func:`read_measured` (one ``mok.bench comm`` or ``mok.bench layer`` / ``sweep`` CSV, checked:
-:data:`MEASURED_COLUMNS`, :class:`MeasuredCSVError`); :func:`is_layer_csv` tells the two kinds
-apart and :func:`row_tile_of` reads a layer row's ``row_tile`` (CSVs that predate the column ran
-128).
+:func:`read_measured` (one ``mok.bench comm``, ``mok.bench layer`` / ``sweep`` or ``mok.bench
+train`` CSV, checked: :data:`MEASURED_COLUMNS`, :class:`MeasuredCSVError`); :func:`is_layer_csv`
+and :func:`is_train_csv` tell the kinds apart by their columns and :func:`row_tile_of` reads a
+layer row's ``row_tile`` (CSVs that predate the column ran 128).
 
 Subsets (a row is a fit row or a validation row; the fits see only the fit rows):
 
@@ -46,6 +46,7 @@ __all__ = [
     "MEASURED_COLUMNS",
     "MEASURED_KINDS",
     "is_layer_csv",
+    "is_train_csv",
     "row_tile_of",
     "DEFAULT_ROW_TILE",
     "FIT_TOKENS",
@@ -93,23 +94,45 @@ def read_rows(*paths: str | Path) -> list[dict]:
 
 
 # The measured CSVs validate reads, by kind, and the columns each needs. A comm CSV has a `what`
-# column (schedule / dispatch / combine); a layer CSV an `impl` and a `minibatch` column, no
-# `what` (as :func:`is_layer_csv`).
+# column (schedule / dispatch / combine); a train CSV (`mok.bench train`) the step's `fwd_us`,
+# `bwd_us` and `step_us` and no `median_us` (as :func:`is_train_csv`); a layer CSV an `impl` and
+# a `minibatch` column, no `what` (as :func:`is_layer_csv`).
 MEASURED_COLUMNS = {
     "comm": ("model", "tokens_per_rank", "skew", "what", "impl", "mode", "sms", "median_us"),
     "layer": ("model", "tokens_per_rank", "skew", "impl", "mode", "sms", "minibatch", "median_us"),
+    "train": (
+        "model",
+        "tokens_per_rank",
+        "skew",
+        "impl",
+        "mode",
+        "sms",
+        "fwd_us",
+        "bwd_us",
+        "step_us",
+    ),
 }
 MEASURED_KINDS = (
     "comm kernel rows (the CSV of `mok.bench comm`: columns "
     + ", ".join(MEASURED_COLUMNS["comm"])
-    + ") and fused-layer rows (the CSVs of `mok.bench layer` / `sweep`: columns "
+    + "), fused-layer rows (the CSVs of `mok.bench layer` / `sweep`: columns "
     + ", ".join(MEASURED_COLUMNS["layer"])
+    + ") and training-step rows (the CSV of `mok.bench train`: columns "
+    + ", ".join(MEASURED_COLUMNS["train"])
     + ")"
 )
 # integer columns of every row (other libraries' rows hold 0 where a knob does not apply)
 _INT_COLUMNS = {
     "comm": ("tokens_per_rank", "sms"),
     "layer": ("tokens_per_rank", "sms", "minibatch"),
+    "train": ("tokens_per_rank", "sms"),
+}
+# the measured times of every row: positive finite numbers (a train row's backward is its step
+# less its forward)
+_TIME_COLUMNS = {
+    "comm": ("median_us",),
+    "layer": ("median_us",),
+    "train": ("fwd_us", "bwd_us", "step_us"),
 }
 
 
@@ -123,12 +146,14 @@ def _columns_text(cols: Sequence[str], most: int = 8) -> str:
 
 
 def read_measured(path: str | Path) -> tuple[str, list[dict]]:
-    """(kind, rows) of one measured CSV: kind ``comm`` (``mok.bench comm``) or ``layer``
-    (``mok.bench layer`` / ``sweep``), rows tagged with the file name (``_source``) as
-    :func:`read_rows`. Raises :class:`MeasuredCSVError` (one line: the file, what is wrong,
-    :data:`MEASURED_KINDS`) for a file it cannot read, that is not a CSV of either kind, has no
-    rows, or has a row whose ``median_us`` is not a positive finite number or whose integer
-    columns are not integers."""
+    """(kind, rows) of one measured CSV: kind ``comm`` (``mok.bench comm``), ``layer``
+    (``mok.bench layer`` / ``sweep``) or ``train`` (``mok.bench train``: ``fwd_us``, ``bwd_us``
+    and ``step_us``, no ``median_us``; never taken for a layer CSV, though it has ``impl`` and
+    ``mode``), rows tagged with the file name (``_source``) as :func:`read_rows`. Raises
+    :class:`MeasuredCSVError` (one line: the file, what is wrong, :data:`MEASURED_KINDS`) for a
+    file it cannot read, that is not a CSV of these kinds, has no rows, or has a row whose times
+    (``median_us``; a train row's three) are not positive finite numbers or whose integer columns
+    are not integers."""
     name = str(path)
 
     def bad(why: str) -> MeasuredCSVError:
@@ -159,6 +184,8 @@ def read_measured(path: str | Path) -> tuple[str, list[dict]]:
         )
     if "what" in cols:
         kind = "comm"
+    elif "median_us" not in cols and "step_us" in cols and "fwd_us" in cols:
+        kind = "train"
     elif "impl" in cols and "minibatch" in cols:
         kind = "layer"
     else:
@@ -173,13 +200,14 @@ def read_measured(path: str | Path) -> tuple[str, list[dict]]:
         if None in row or None in row.values():
             more = "more" if None in row else "fewer"
             raise bad(f"{where} has {more} fields than its header ({len(cols)})")
-        v = row["median_us"]
-        try:
-            ok = math.isfinite(float(v)) and float(v) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise bad(f"{where}: median_us {v!r} is not a positive finite number")
+        for c in _TIME_COLUMNS[kind]:
+            v = row[c]
+            try:
+                ok = math.isfinite(float(v)) and float(v) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise bad(f"{where}: {c} {v!r} is not a positive finite number")
         for c in _INT_COLUMNS[kind]:
             try:
                 int(row[c])
@@ -191,8 +219,26 @@ def read_measured(path: str | Path) -> tuple[str, list[dict]]:
 
 def is_layer_csv(rows: Sequence[dict]) -> bool:
     """Whether measured rows come from ``mok.bench layer`` / ``sweep`` (an ``impl`` and a
-    ``minibatch`` column, no ``what``) rather than ``mok.bench comm``."""
-    return bool(rows) and "minibatch" in rows[0] and "impl" in rows[0] and "what" not in rows[0]
+    ``minibatch`` column, no ``what``, not a train CSV's step times) rather than ``mok.bench
+    comm`` or ``train``."""
+    return (
+        bool(rows)
+        and "minibatch" in rows[0]
+        and "impl" in rows[0]
+        and "what" not in rows[0]
+        and not is_train_csv(rows)
+    )
+
+
+def is_train_csv(rows: Sequence[dict]) -> bool:
+    """Whether measured rows come from ``mok.bench train`` (one training step per row: ``fwd_us``,
+    ``bwd_us``, ``step_us``, no ``median_us`` and no ``what``)."""
+    return (
+        bool(rows)
+        and all(c in rows[0] for c in ("fwd_us", "bwd_us", "step_us"))
+        and "median_us" not in rows[0]
+        and "what" not in rows[0]
+    )
 
 
 # the row tile of layer CSVs that predate the `row_tile` column: 128-row expert regions (the

@@ -152,12 +152,14 @@ def test_profile_json_with_wrong_fields(tmp_path, capsys):
 # -- files validate and calibrate cannot use ----------------------------------------------------
 KINDS = (
     "mok-sim validate reads comm kernel rows (the CSV of `mok.bench comm`: columns model, "
-    "tokens_per_rank, skew, what, impl, mode, sms, median_us) and fused-layer rows (the CSVs "
+    "tokens_per_rank, skew, what, impl, mode, sms, median_us), fused-layer rows (the CSVs "
     "of `mok.bench layer` / `sweep`: columns model, tokens_per_rank, skew, impl, mode, sms, "
-    "minibatch, median_us)"
+    "minibatch, median_us) and training-step rows (the CSV of `mok.bench train`: columns model, "
+    "tokens_per_rank, skew, impl, mode, sms, fwd_us, bwd_us, step_us)"
 )
 HEADER = COMM.read_text().splitlines()[0]
 ROW = COMM.read_text().splitlines()[1]
+TRAIN_HEADER, TRAIN_ROW = measured_path("h200x1-train.csv").read_text().splitlines()[:2]
 
 
 @pytest.mark.parametrize(
@@ -177,6 +179,14 @@ ROW = COMM.read_text().splitlines()[1]
         (
             "model,impl,minibatch,median_us\nx,mok-fused,64,1.0\n",
             "looks like a layer CSV but lacks the columns tokens_per_rank, skew, mode, sms",
+        ),
+        (
+            "model,impl,fwd_us,bwd_us,step_us\nx,mok-fused,1.0,2.0,3.0\n",
+            "looks like a train CSV but lacks the columns tokens_per_rank, skew, mode, sms",
+        ),
+        (
+            TRAIN_HEADER + "\n" + TRAIN_ROW.replace(",19713.2,", ",0,"),
+            "row 1: bwd_us '0' is not a positive finite number",
         ),
     ],
 )

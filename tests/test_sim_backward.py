@@ -230,3 +230,27 @@ def test_cli_pass_flags(tmp_path, capsys):
     assert main(["compare", *SMALL, "--recompute"]) == 2  # forward only: an error
     assert main(["compare", *SMALL]) == 0
     assert "backward" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_backward_pieces_add_up_to_the_compute_tasks(recompute):
+    """BackwardPass.piece_us splits the compute tasks' busy time by GEMM: the dgrad pieces sum
+    to the rounds' busy time, the weight gradients to the wgrad task's, ``shared`` is the
+    shared expert's task."""
+    wl = Workload("deepseek-v3", 512, 2, "h200x2", "hot:0.3")
+    cfg = SimConfig(num_comm_sms=16, minibatch_size=1024, macrobatch_size=4096)
+    plan = plan_for(wl, cfg.row_tile)
+    b = BackwardBuilder(wl, backward_config(cfg, recompute), plan)
+    b.build()
+    for r in range(wl.ep):
+        got = b.piece_us(r)
+        names = ["down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up", "shared"]
+        assert list(got) == (["recompute"] if recompute else []) + names
+        tasks = {"gemm": 0.0, "wgrad": 0.0, "shared_expert": 0.0}
+        for t, _, _ in b._bwd:
+            if b.g.rank[t] == r:
+                tasks[b.g.phase[t]] += b.g.duration[t]
+        dgrad = sum(v for k, v in got.items() if k.endswith("dgrad") or k == "recompute")
+        assert dgrad == pytest.approx(tasks["gemm"], rel=1e-12)
+        assert got["dw_down"] + got["dw_gate_up"] == pytest.approx(tasks["wgrad"], rel=1e-12)
+        assert got["shared"] == tasks["shared_expert"]

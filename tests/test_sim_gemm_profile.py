@@ -109,3 +109,28 @@ def test_layer_model_reads_the_same_terms_as_the_fused_profile():
         load_kernel_waves(gpu, "mok-comm-h200x2")
     with pytest.raises(ValueError, match="not found"):
         load_kernel_waves(gpu, "no-such-profile")
+
+
+def test_a_round_of_whole_waves_has_no_negative_tail():
+    """DeepSeek-V3's last round at one GPU (27 row tiles over 11 experts, 24 comm SMs, the EP1
+    megakernel rates) fills 11 whole waves of 108 SMs: the list schedule ends where the fluid
+    occupancy does, one rounding step below it. Its tail is 0, not a negative duration."""
+    from mok.spec.workload import make_routing
+    from sim.layer.backward import backward_config
+    from sim.layer.model import LayerBuilder, simulate_many
+    from sim.layer.plan import RoutingPlan
+
+    wl = Workload("deepseek-v3", 4096, 1, "h200x2", "uniform", 4096)
+    plan = RoutingPlan(make_routing(4096, 128, 8, 1, "uniform", 4096), 128)
+    cfg = SimConfig(
+        dispatch_mode="dedup_pull",
+        num_comm_sms=24,
+        minibatch_size=4096,
+        macrobatch_size=45056,
+        gemm_profile="mok-fused-h200x1",
+    )
+    b = LayerBuilder(wl, cfg, plan)
+    assert b._ffn_us(27, 2048, 11)[1] == 0.0
+    fwd, bwd = simulate_many(wl, [cfg, backward_config(cfg, True)], plan)
+    for res in (fwd, bwd):
+        assert res.layer_us > 0 and min(res.graph.duration) >= 0.0

@@ -14,6 +14,7 @@ mok-sim validate mok/bench/results/h200x2-layer-2026-11-30.csv \
 mok-sim validate mok/bench/results/h200x1-layer-2026-12-01.csv --fused-fit ep1   # one GPU
 mok-sim validate mok/bench/results/h200x1-layer-2026-12-01.csv --fused-fit ep1 --refit \
         --save-profile sim/profiles/mok-fused-h200x1.json                     # refit EP1
+mok-sim validate mok/bench/results/h200x1-train.csv --gemm-profile mok-fused-h200x1  # training
 mok-sim bench
 
 Each command imports the models it runs inside its own function: the argument and path checks
@@ -484,8 +485,16 @@ def _cmd_calibrate(a) -> int:
     return 0
 
 
+# the measured kinds of sim.measured.read_measured, as validate names them
+_KIND_NAMES = {
+    "layer": "layer CSVs (mok.bench layer / sweep)",
+    "comm": "comm CSVs (mok.bench comm)",
+    "train": "train CSVs (mok.bench train)",
+}
+
+
 def _cmd_validate(a) -> int:
-    from sim.app.validate import format_report, summarise
+    from sim.app.validate import format_report, format_train_report, summarise, summarise_train
     from sim.layer.results import write_csv
     from sim.measured import MeasuredCSVError, read_measured
 
@@ -495,24 +504,30 @@ def _cmd_validate(a) -> int:
             tables.append(read_measured(path))
         except MeasuredCSVError as e:
             raise CliError(str(e)) from None
-    kinds = {kind for kind, _ in tables}
+    kinds = list(dict.fromkeys(kind for kind, _ in tables))
     if len(kinds) > 1:
-        raise ValueError(
-            "mix of layer CSVs (mok.bench layer / sweep) and comm CSVs (mok.bench comm): "
-            "validate them in separate runs"
-        )
-    layer = kinds == {"layer"}
+        mixed = " and ".join(v for k, v in _KIND_NAMES.items() if k in kinds)
+        raise ValueError(f"mix of {mixed}: validate them in separate runs")
+    layer, train = kinds == ["layer"], kinds == ["train"]
     rows = [r for _, t in tables for r in t]
     names = ", ".join(map(str, a.measured))
     if a.layer_model and not layer:
-        raise CliError("--layer-model checks the layer model on layer CSVs (mok.bench layer)")
-    if a.layer_model:
-        records = _validate_layer_model(a, rows)
+        raise CliError(
+            "--layer-model checks the layer model on layer CSVs (mok.bench layer)"
+            + ("; a train CSV is always predicted by the layer model" if train else "")
+        )
+    if train:
+        records = _validate_train(a, rows)
+        print(f"{names}: {len(rows)} rows")
+        print(format_train_report(records, summarise_train(records)))
     else:
-        records = _validate_layer(a, rows) if layer else _validate_comm(a, rows)
-    summary = summarise(records)
-    print(f"{names}: {len(rows)} rows")
-    print(format_report(records, summary, rows=a.rows))
+        if a.layer_model:
+            records = _validate_layer_model(a, rows)
+        else:
+            records = _validate_layer(a, rows) if layer else _validate_comm(a, rows)
+        summary = summarise(records)
+        print(f"{names}: {len(rows)} rows")
+        print(format_report(records, summary, rows=a.rows))
     if a.csv:
         write_csv(records, a.csv)
         print(f"wrote {a.csv}")
@@ -601,6 +616,35 @@ def _validate_layer_model(a, rows: list[dict]) -> list[dict]:
     )
     print(f"layer model (sim.layer), {rates}; two-GPU mok-fused rows, all held out")
     return validate_layer_model_rows(rows, a.gemm_profile)
+
+
+def _validate_train(a, rows: list[dict]) -> list[dict]:
+    import textwrap
+
+    from sim.app.validate import TRAIN_MODEL_NOTES, validate_train_rows
+
+    if a.refit:
+        raise CliError(
+            "a train CSV has nothing to refit (the layer model is not fitted on train rows; its "
+            "GEMM rates come from --gemm-profile)"
+        )
+    if a.fused_profile is not None or a.fused_fit is not None:
+        raise CliError(
+            "--fused-profile / --fused-fit apply to layer CSVs (the fused model); a train CSV is "
+            "predicted by the layer model, whose GEMM rates --gemm-profile sets"
+        )
+    rates = (
+        f"the GEMM rates of fused profile {a.gemm_profile} (the fused forward kernel's)"
+        if a.gemm_profile
+        else "the GPU profile's GEMM rates (the standalone grouped GEMM's)"
+    )
+    print(
+        f"layer model (sim.layer), forward and backward at {rates}, one set for every GEMM of "
+        "both passes; train rows, all held out (nothing is fitted on them):"
+    )
+    for note in TRAIN_MODEL_NOTES:
+        print(textwrap.fill(note, 100, initial_indent="  - ", subsequent_indent="    "))
+    return validate_train_rows(rows, a.gemm_profile)
 
 
 def _cmd_bench(a) -> int:
@@ -705,7 +749,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "measured",
         nargs="+",
-        help="CSV(s) of mok.bench comm, or of mok.bench layer / sweep (fused layer rows)",
+        help="CSV(s) of mok.bench comm, of mok.bench layer / sweep (fused layer rows), or of "
+        "mok.bench train (training steps: the layer model's forward and backward against fwd_us, "
+        "bwd_us, step_us; told apart by their columns)",
     )
     v.add_argument("--profile", default="mok-comm-h200x2", help="kernel profile name or JSON")
     v.add_argument(
@@ -735,8 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--gemm-profile",
         metavar="NAME|PATH",
         default=None,
-        help="with --layer-model: run its GEMMs at this fused profile's rates (e.g. "
-        f"{DEFAULT_FUSED_PROFILE}; SimConfig.gemm_profile); default: the GPU profile's",
+        help="with --layer-model or a train CSV: run the layer model's GEMMs (both passes) at "
+        f"this fused profile's rates (e.g. {DEFAULT_FUSED_PROFILE}, or mok-fused-h200x1 for the "
+        "one-GPU train rows; SimConfig.gemm_profile); default: the GPU profile's",
     )
     v.add_argument("--csv", help="write the per-row predictions here")
     v.add_argument("--plot", help="PNG scatter of predicted vs measured")

@@ -378,10 +378,13 @@ def waves_scatter(
 
 def validation_scatter(records: Sequence[dict]) -> Figure:
     """Predicted vs measured phase time of ``sim.app.validate`` records (log-log, y = x and +-15%
-    lines), coloured by ``what``, hollow markers for the rows the knobs were fitted on."""
+    lines), coloured by ``what`` (a comm kernel's phase, or a train row's fwd / bwd / step),
+    hollow markers for the rows the knobs were fitted on."""
     ok = [r for r in records if r.get("status") == "ok"]
     fig, ax = plt.subplots(figsize=(6.4, 6.0), layout="constrained")
     colors = {"schedule": "#7f7f7f", "dispatch": "#ff7f0e", "combine": "#2ca02c"}
+    # the quantities of a train CSV's records (sim.app.validate.validate_train_rows)
+    colors.update(fwd="#1f77b4", bwd="#d62728", step="#9467bd")
     for what in sorted({r["what"] for r in ok}):
         for role, face in (("validation", None), ("fit", "none")):
             pts = [r for r in ok if r["what"] == what and r["role"] == role]

@@ -36,6 +36,16 @@ configurations (impl, mode, sms, minibatch, row_tile). A layer CSV's ``row_tile`
 that predate it ran 128 (:func:`sim.measured.row_tile_of`). Every group also reports the measured
 spread of its configurations and the median p20-p80 width of its rows: a ranking within a spread
 no wider than the run-to-run noise is noise-limited.
+
+Train CSVs (``mok.bench train``: ``fwd_us``, ``bwd_us``, ``step_us`` per training step on one
+GPU; :func:`sim.measured.is_train_csv`) go through :func:`validate_train_rows`: three records per
+row (``what`` = ``fwd`` / ``bwd`` / ``step``), the mok rows predicted by the layer model as one
+rank with the row's experts (:func:`train_model_config`; the forward and the backward simulated
+apart, the step their sum), :func:`summarise_train` and :func:`format_train_report` for the
+errors per quantity and the ranking. The model's backward is the simulator's fused-backward
+design at the forward's GEMM rates, not mok's backward as it runs today
+(:data:`TRAIN_MODEL_NOTES`); the torch-best rows and the mok-unfused forward are baselines
+(:data:`TRAIN_UNMODELLED`).
 """
 
 from __future__ import annotations
@@ -43,16 +53,21 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 
 import numpy as np
 
+from mok.spec.config import MoKConfig
 from mok.spec.rows import row_routing_seed
+from mok.spec.workload import get_shape, make_routing
 from sim.comm.model import predict_row
 from sim.comm.profile import KernelProfile
 from sim.config import SimConfig, Workload
 from sim.fused.fit import is_profile_fit_row
-from sim.fused.model import fused_row
+from sim.fused.model import fused_row, row_num_experts
 from sim.fused.profile import FusedProfile
+from sim.layer.backward import backward_config
+from sim.layer.plan import RoutingPlan
 from sim.measured import is_fit_row, row_tile_of
 
 __all__ = [
@@ -63,6 +78,14 @@ __all__ = [
     "chosen_gap",
     "format_report",
     "validate_layer_rows",
+    "validate_train_rows",
+    "train_model_config",
+    "train_piece_flops",
+    "summarise_train",
+    "format_train_report",
+    "TRAIN_QUANTITIES",
+    "TRAIN_MODEL_NOTES",
+    "TRAIN_UNMODELLED",
     "BASELINES",
     "GROUP_KEYS",
     "CONFIG_KEYS",
@@ -196,19 +219,26 @@ def layer_model_config(row: dict, gemm_profile: str | None = None) -> tuple[Work
     )
     rt, mb = row_tile_of(row), int(row["minibatch"])
     shape = wl.model_shape
-    rows = _BENCH_CAPACITY_FACTOR * wl.tokens_per_rank * shape.num_topk
-    rows += shape.num_experts // wl.ep * (rt - 1)
-    ring = -(-(-(-rows // rt) * rt) // mb) * mb
     cfg = SimConfig(
         dispatch_mode=row["mode"],
         combine_mode="push",
         num_comm_sms=int(row["sms"]),
         minibatch_size=mb,
-        macrobatch_size=ring,
+        macrobatch_size=_bench_ring(
+            wl.tokens_per_rank, shape.num_topk, shape.num_experts // wl.ep, rt, mb
+        ),
         row_tile=rt,
         gemm_profile=gemm_profile,
     )
     return wl, cfg
+
+
+def _bench_ring(tokens: int, topk: int, local_experts: int, row_tile: int, minibatch: int) -> int:
+    """The receive ring of a ``mok.bench`` run in whole minibatches: the whole receive buffer
+    (``capacity_factor`` 2: ``2 x tokens x top-k`` rows plus each local expert's padding, in
+    row tiles)."""
+    rows = _BENCH_CAPACITY_FACTOR * tokens * topk + local_experts * (row_tile - 1)
+    return -(-(-(-rows // row_tile) * row_tile) // minibatch) * minibatch
 
 
 def validate_layer_model_rows(rows: Iterable[dict], gemm_profile: str | None = None) -> list[dict]:
@@ -226,6 +256,188 @@ def validate_layer_model_rows(rows: Iterable[dict], gemm_profile: str | None = N
         rec.update(err=us / rec["measured_us"] - 1, role="validation", **res.breakdown)
 
     return _layer_records(rows, predict)
+
+
+# -- train CSVs (mok.bench train) ---------------------------------------------------------------
+# the quantities of a train row, each one record (``what``): the measured column is f"{q}_us"
+TRAIN_QUANTITIES = ("fwd", "bwd", "step")
+# the train rows the layer model predicts
+TRAIN_MOK_IMPLS = ("mok-unfused", "mok-fused")
+# the comm SMs of the simulated backward: the rows' config's num_comm_sms_bwd (mok.bench train
+# leaves it at MoKConfig's default; mok's backward today does not read it, its kernels run one
+# after another on all SMs); minibatch and row tile: MoKConfig's, as the train rows ran them
+TRAIN_BWD_COMM_SMS = MoKConfig().num_comm_sms_bwd
+TRAIN_MINIBATCH = MoKConfig().minibatch_size
+TRAIN_ROW_TILE = MoKConfig().row_tile
+# why a quantity of a train row is not predicted
+TRAIN_UNMODELLED = {
+    "torch-best": "torch-best: one GPU, torch parts only under autograd (argsort, gathers, "
+    "torch._grouped_mm experts and their autograd backward, bmm k-sum), eager or compiled: "
+    "torch's kernels are not modelled",
+    "mok-unfused": "mok-unfused forward (and so its step): mok's comm kernels and torch's "
+    "grouped GEMMs one after another, each on all SMs; the layer model overlaps them on a split "
+    "of comm and compute SMs (its backward is predicted: the same backward as the fused rows')",
+}
+# what the layer model represents of a train row, and what not (the report's header, the docs)
+TRAIN_MODEL_NOTES = (
+    "one H200 as EP1 (h200x2's first GPU, one rank) with the row's num_experts experts all "
+    "local (the per-rank work of EP2: the model's / 2), routing make_routing(tokens, "
+    "num_experts, top-k, 1 rank, skew, routing_seed); the forward and the backward simulated "
+    "apart, step = their sum",
+    "forward (mok-fused rows): the layer model's overlapped layer, as the fused kernel runs it: "
+    f"the row's comm SMs and mode, minibatch {TRAIN_MINIBATCH}, row tile {TRAIN_ROW_TILE}, the "
+    "whole receive buffer",
+    "backward (every mok row): the simulator's fused-backward design (sim.layer.backward), "
+    "NOT what mok runs today: pull reverse combine and push reverse dispatch on "
+    f"{TRAIN_BWD_COMM_SMS} comm SMs (MoKConfig.num_comm_sms_bwd) overlapping per-round dgrads "
+    "(gate/up recomputed, down dgrad with the SwiGLU backward, gate/up dgrad) and the weight "
+    "gradients on the other SMs, every GEMM at the forward's rates. mok's backward "
+    "(docs/backward.md) runs one piece after another on all SMs: the schedule again, two "
+    "dispatches, the experts' backward kernel (down dgrad + gate/up recompute), torch grouped "
+    "GEMMs for the gate/up dgrad and the weight gradients, the shared expert, a combine; each "
+    "at its own measured rate, which no profile of the model holds. A backward error is the "
+    "distance between that design at those rates and today's code",
+)
+
+
+@lru_cache(maxsize=32)
+def _train_plan(
+    model: str, tokens: int, skew: str, experts: int, seed: int, row_tile: int
+) -> RoutingPlan:
+    """The routing of a one-GPU train row as the benchmark drew it: ``experts`` experts, one
+    rank."""
+    shape = get_shape(model)
+    return RoutingPlan(make_routing(tokens, experts, shape.num_topk, 1, skew, seed), row_tile)
+
+
+def train_model_config(
+    row: dict, gemm_profile: str | None = None
+) -> tuple[Workload, RoutingPlan, SimConfig | None, SimConfig]:
+    """(workload, routing plan, forward config, backward config) of the layer model for a mok
+    row of a ``mok.bench train`` CSV (:data:`TRAIN_MODEL_NOTES`): one rank of h200x2 with the
+    row's experts (its ``num_experts``: the model's / ``emulated_ep``), all local, on the
+    routing the benchmark drew (:func:`mok.spec.rows.row_routing_seed`); the forward config
+    None for a ``mok-unfused`` row (:data:`TRAIN_UNMODELLED`); the backward with ``recompute``
+    (mok's backward saves only its inputs and computes the gate / up GEMMs again) on
+    :data:`TRAIN_BWD_COMM_SMS` comm SMs, whatever the forward ran. ``gemm_profile``: both
+    passes' GEMM rates (:attr:`sim.config.SimConfig.gemm_profile`). ValueError for a row of
+    more than one GPU, an unknown impl or a workload the simulator rejects."""
+    impl = row.get("impl", "")
+    if impl not in TRAIN_MOK_IMPLS:
+        raise ValueError(f"{impl!r} is not a mok row of a train CSV ({', '.join(TRAIN_MOK_IMPLS)})")
+    ranks = int(row.get("num_ranks") or 1)
+    if ranks != 1:
+        raise ValueError(f"mok.bench train runs on one GPU (this row ran {ranks})")
+    model, tokens, skew = row["model"], int(row["tokens_per_rank"]), row["skew"]
+    seed = row_routing_seed(row)
+    shape = get_shape(model)
+    experts = row_num_experts(row) or shape.num_experts
+    if experts < shape.num_topk:
+        raise ValueError(f"{model}: num_experts={experts} is below its top-{shape.num_topk}")
+    wl = Workload(model, tokens, 1, "h200x2", skew, seed)
+    rt, mb = TRAIN_ROW_TILE, TRAIN_MINIBATCH
+    plan = _train_plan(model, tokens, skew, experts, seed, rt)
+    base = SimConfig(
+        dispatch_mode=row["mode"],
+        combine_mode="push",
+        num_comm_sms=TRAIN_BWD_COMM_SMS,
+        minibatch_size=mb,
+        macrobatch_size=_bench_ring(tokens, shape.num_topk, experts, rt, mb),
+        row_tile=rt,
+        gemm_profile=gemm_profile,
+    )
+    fwd = base.replace(num_comm_sms=int(row["sms"])) if impl == "mok-fused" else None
+    return wl, plan, fwd, backward_config(base, recompute=True)
+
+
+def _train_record(i: int, row: dict, q: str, **over) -> dict:
+    """The record of quantity ``q`` of train row ``i`` (its p20 / p80: the step's only)."""
+    step = q == "step"
+    meas = {
+        "median_us": row[f"{q}_us"],
+        "p20_us": row.get("p20_us") if step else "",
+        "p80_us": row.get("p80_us") if step else "",
+    }
+    return _record(i, {**row, **meas}, what=q, scope="", engine="-", **over)
+
+
+def validate_train_rows(rows: Iterable[dict], gemm_profile: str | None = None) -> list[dict]:
+    """Three flat records per row of a ``mok.bench train`` CSV (``what`` = ``fwd`` / ``bwd`` /
+    ``step``, measured ``fwd_us`` / ``bwd_us`` / ``step_us``), as :func:`validate_rows`: the
+    mok rows predicted by the layer model under :func:`train_model_config` (forward and backward
+    simulated apart, step their sum; the model's breakdown terms as ``*_us`` columns, the
+    backward's weight-gradient time as ``wgrad_us``; ``sim_sms`` the comm SMs it ran), every
+    predicted record role ``validation`` (nothing is fitted on train rows); torch-best and the
+    mok-unfused forward / step status ``baseline`` (:data:`TRAIN_UNMODELLED`), a row the
+    simulator rejects ``unsupported`` with the reason."""
+    from sim.layer.model import BackwardBuilder, simulate
+
+    cache: dict[tuple, object] = {}
+
+    def run(wl: Workload, plan: RoutingPlan, cfg: SimConfig):
+        key = (wl, plan.trace.num_experts, cfg)
+        if key not in cache:
+            cache[key] = simulate(wl, cfg, plan)
+        return cache[key]
+
+    def pieces(wl: Workload, plan: RoutingPlan, cfg: SimConfig) -> dict[str, float]:
+        key = ("pieces", wl, plan.trace.num_experts, cfg)
+        if key not in cache:
+            us = BackwardBuilder(wl, cfg, plan).piece_us(0)
+            cache[key] = {f"piece_{k}_us": v for k, v in us.items()}
+        return cache[key]
+
+    out = []
+    for i, row in enumerate(rows):
+        recs = {q: _train_record(i, row, q) for q in TRAIN_QUANTITIES}
+        impl = row.get("impl", "")
+        if impl not in TRAIN_MOK_IMPLS:
+            why = TRAIN_UNMODELLED.get(impl, f"{impl}: not a mok row")
+            for r in recs.values():
+                r.update(status="baseline", reason=why)
+            out += recs.values()
+            continue
+        try:
+            wl, plan, fcfg, bcfg = train_model_config(row, gemm_profile)
+            bwd = run(wl, plan, bcfg)
+            fwd = None if fcfg is None else run(wl, plan, fcfg)
+        except ValueError as e:
+            for r in recs.values():
+                r.update(status="unsupported", reason=str(e))
+            out += recs.values()
+            continue
+        parts = {"bwd": [bwd]} | ({} if fwd is None else {"fwd": [fwd], "step": [fwd, bwd]})
+        for q, r in recs.items():
+            if q not in parts:
+                r.update(status="baseline", reason=TRAIN_UNMODELLED[impl])
+                continue
+            res = parts[q]
+            us = sum(x.layer_us for x in res)
+            terms = {k: sum(x.breakdown[k] for x in res) for k in res[0].breakdown}
+            sms = "+".join(str(x.config.num_comm_sms) for x in res)
+            r.update(
+                predicted_us=us, device_us=us, err=us / r["measured_us"] - 1, role="validation"
+            )
+            r.update(kernel=f"layer.{q}", sim_sms=sms, wgrad_us=bwd.wgrad_us if q != "fwd" else 0.0)
+            r.update(terms)
+        recs["bwd"].update(pieces(wl, plan, bcfg))
+        out += recs.values()
+    return out
+
+
+def train_piece_flops(row: dict) -> dict[str, float]:
+    """GEMM FLOPs of the real rows (no padding) of each backward piece of
+    :meth:`sim.layer.backward.BackwardPass.piece_us` for a one-GPU train row, recompute
+    included (``piece_<name>_us`` of :func:`validate_train_rows`; FLOPs / time = the rate the
+    model gives that piece, comparable with the per-piece rates docs/backward.md measures)."""
+    shape = get_shape(row["model"])
+    tokens = int(row["tokens_per_rank"])
+    h, i, si = shape.hidden, shape.intermediate, shape.shared_intermediate
+    rows = tokens * shape.num_topk  # one GPU: every (token, k) row is local
+    out = {"recompute": 4 * h * i * rows, "down_dgrad": 2 * h * i * rows}
+    out.update(gate_up_dgrad=4 * h * i * rows, dw_down=2 * h * i * rows)
+    out.update(dw_gate_up=4 * h * i * rows, shared=16 * h * si * tokens)
+    return {k: float(v) for k, v in out.items()}
 
 
 def _ranks(x: Sequence[float]) -> np.ndarray:
@@ -533,3 +745,226 @@ def format_report(records: Sequence[dict], summary: dict, rows: bool = False) ->
         + ", ".join(f"{k} {'n/a' if na[k] else 'met' if v_ else 'MISSED'}" for k, v_ in t.items())
     )
     return "\n".join(lines)
+
+
+# -- train report -------------------------------------------------------------------------------
+_TRAIN_PIECES = (
+    ("recompute", "recompute"),
+    ("down_dgrad", "down dgrad"),
+    ("gate_up_dgrad", "gate/up dgrad"),
+    ("dw_down", "dW_down"),
+    ("dw_gate_up", "dW_gate/up"),
+    ("shared", "shared"),
+)
+
+
+def summarise_train(records: Sequence[dict]) -> dict:
+    """Summary dict of :func:`validate_train_rows` records: per quantity (``fwd`` / ``bwd`` /
+    ``step``) the |err| stats over its predicted records, overall and per impl; per (model,
+    tokens, skew) group and quantity the ranking of its predicted configurations (Spearman with
+    >= 3 of them, the chosen-vs-best gap), ranked only where the predictions differ; the
+    targets (:data:`TARGETS`' |err| ones) per quantity."""
+    ok = [r for r in records if r["status"] == "ok"]
+    quantities, by_impl, targets = {}, {}, {}
+    for q in TRAIN_QUANTITIES:
+        rs = [r for r in ok if r["what"] == q]
+        quantities[q] = _abs_stats([r["err"] for r in rs])
+        by_impl[q] = {
+            impl: _abs_stats([r["err"] for r in rs if r["impl"] == impl])
+            for impl in dict.fromkeys(r["impl"] for r in rs)
+        }
+        x = quantities[q]
+        targets[q] = {
+            k: (None if x["n"] == 0 else x[k] <= TARGETS[k])
+            for k in ("median_abs_err", "max_abs_err")
+        }
+    groups = []
+    keys = dict.fromkeys((r["model"], r["tokens_per_rank"], r["skew"], r["what"]) for r in ok)
+    for model, tokens, skew, q in keys:
+        rs = [
+            r
+            for r in ok
+            if (r["model"], r["tokens_per_rank"], r["skew"], r["what"]) == (model, tokens, skew, q)
+        ]
+        labels = [_config_label(r) for r in rs]
+        meas = [r["measured_us"] for r in rs]
+        pred = [r["predicted_us"] for r in rs]
+        g = {"model": model, "tokens_per_rank": tokens, "skew": skew, "what": q}
+        g.update(configs=len(rs), spread=max(meas) / min(meas) - 1, ranked=len(set(pred)) > 1)
+        g.update(**_abs_stats([r["err"] for r in rs]), spearman=math.nan, gap=math.nan)
+        g.update(chosen="", best=labels[int(np.argmin(meas))])
+        if g["ranked"]:
+            c, _, gap = chosen_gap(pred, meas)
+            g.update(chosen=labels[c], gap=gap)
+            g["spearman"] = spearman(pred, meas) if len(rs) >= 3 else math.nan
+        groups.append(g)
+    ranking = {}
+    for q in TRAIN_QUANTITIES:
+        gs = [g for g in groups if g["what"] == q and g["ranked"]]
+        rhos = [g["spearman"] for g in gs if not math.isnan(g["spearman"])]
+        ranking[q] = {
+            "groups": len(gs),
+            "unranked": sum(1 for g in groups if g["what"] == q and not g["ranked"]),
+            "chosen_is_best": sum(g["chosen"] == g["best"] for g in gs),
+            "spearman_min": min(rhos) if rhos else math.nan,
+            "gap_max": max((g["gap"] for g in gs), default=math.nan),
+        }
+    by_status: dict[str, int] = {}
+    for r in records:
+        by_status[r["status"]] = by_status.get(r["status"], 0) + 1
+    return {
+        "rows": len({r["row"] for r in records}),
+        "by_status": by_status,
+        "quantities": quantities,
+        "by_impl": by_impl,
+        "groups": groups,
+        "ranking": ranking,
+        "targets": targets,
+        "unsupported": sorted({r["reason"] for r in records if r["status"] == "unsupported"}),
+        "baselines": sorted({r["reason"] for r in records if r["status"] == "baseline"}),
+    }
+
+
+def _cell(r: dict | None) -> str:
+    """measured, predicted, err of one record, 26 characters."""
+    if r is None:
+        return f"{'':>26}"
+    if r["status"] != "ok":
+        return f"{r['measured_us']:>10.1f}{'-':>9}{'-':>7}"
+    return f"{r['measured_us']:>10.1f}{r['predicted_us']:>9.1f}{100 * r['err']:>6.1f}%"
+
+
+def _pieces_line(rec: dict) -> str:
+    """The model's backward pieces of a bwd record: busy ms on the compute SMs and the real
+    rows' TFLOP/s."""
+    flops = train_piece_flops(rec)
+    parts = []
+    for key, name in _TRAIN_PIECES:
+        us = rec.get(f"piece_{key}_us")
+        if us is None or us <= 0:
+            continue
+        parts.append(f"{name} {us / 1e3:.2f} ({flops[key] / (us * 1e6):.0f})")
+    return "model's backward, ms (TFLOP/s of the real rows): " + ", ".join(parts)
+
+
+def format_train_report(records: Sequence[dict], summary: dict) -> str:
+    """Every row (fwd / bwd / step: measured, predicted, error) under its (model, skew) group
+    with the model's backward pieces, the |err| per quantity (overall and per impl), the
+    ranking per quantity, the baselines (torch-best: measured, with the measured and predicted
+    speedup of the group's fastest predicted mok row) and the targets."""
+    s = summary
+    by_row: dict[int, dict[str, dict]] = {}
+    for r in records:
+        by_row.setdefault(r["row"], {})[r["what"]] = r
+    head = "".join(f"{q + ' meas':>10}{'pred':>9}{'err':>7}" for q in TRAIN_QUANTITIES)
+    lines = [
+        "per row (us; err = predicted / measured - 1; '-': not predicted; sim: the comm SMs "
+        "the model ran, forward + backward)",
+        f"  {'model':<14}{'skew':<9}{'config':<27}{head}  sim",
+    ]
+    groups = dict.fromkeys((r["model"], r["tokens_per_rank"], r["skew"]) for r in records)
+    for gk in groups:
+        rows = [
+            q
+            for q in by_row.values()
+            if (q["fwd"]["model"], q["fwd"]["tokens_per_rank"], q["fwd"]["skew"]) == gk
+        ]
+        for q in rows:
+            first = q["fwd"]
+            sims = [q[x].get("sim_sms", "") for x in TRAIN_QUANTITIES if q[x]["status"] == "ok"]
+            lines.append(
+                f"  {first['model']:<14}{first['skew']:<9}{_config_label(first):<27}"
+                + "".join(_cell(q.get(x)) for x in TRAIN_QUANTITIES)
+                + f"  {max(sims, key=len, default='')}"
+            )
+        bwd = next((q["bwd"] for q in rows if q["bwd"]["status"] == "ok"), None)
+        if bwd is not None:
+            lines.append(f"    {_pieces_line(bwd)}")
+    lines += ["", "overall (|err| over the predicted rows)"]
+    lines.append(f"  {'quantity':<10}{'n':>4}{'median|err|':>13}{'max|err|':>10}   per impl")
+    for q in TRAIN_QUANTITIES:
+        x = s["quantities"][q]
+        per = ", ".join(
+            f"{impl} {y['n']}: {_pct(y['median_abs_err']).strip()} / "
+            f"{_pct(y['max_abs_err']).strip()}"
+            for impl, y in s["by_impl"][q].items()
+        )
+        med, top = _pct(x["median_abs_err"]), _pct(x["max_abs_err"])
+        lines.append(f"  {q:<10}{x['n']:>4}{med:>13}{top:>10}   {per}")
+    lines += ["", "ranking (per group, its predicted configurations; chosen = smallest prediction)"]
+    for q in TRAIN_QUANTITIES:
+        x = s["ranking"][q]
+        gs = [g for g in s["groups"] if g["what"] == q]
+        if not x["groups"]:
+            spread = max((g["spread"] for g in gs), default=math.nan)
+            lines.append(
+                f"  {q}: not ranked ({x['unranked']} groups): one prediction for every "
+                f"configuration of a group; measured spread of a group's configurations up to "
+                f"{_pct(spread).strip()}"
+            )
+            continue
+        lines.append(
+            f"  {q}: {x['groups']} groups, chosen = best in {x['chosen_is_best']}, gap max "
+            f"{_pct(x['gap_max']).strip()}, spearman min {_rho(x['spearman_min']).strip()}"
+        )
+        for g in gs:
+            if not g["ranked"]:
+                continue
+            lines.append(
+                f"    {g['model']:<14}{g['skew']:<9}chosen {g['chosen']:<26}best {g['best']:<26}"
+                f"gap {_pct(g['gap']).strip():>6}  measured spread {_pct(g['spread']).strip()}"
+            )
+    lines += _train_baseline_lines(records)
+    lines.append(f"  rows: {s['rows']}, records by status: {s['by_status']}")
+    for reason in s["unsupported"]:
+        lines.append(f"  unsupported: {reason}")
+    t = s["targets"]
+    lines.append(
+        "  targets (|err| median <= 5%, max <= 15%, as the other validations): "
+        + "; ".join(
+            f"{q} "
+            + ", ".join(
+                f"{k.split('_')[0]} {'n/a' if v is None else 'met' if v else 'MISSED'}"
+                for k, v in t[q].items()
+            )
+            for q in TRAIN_QUANTITIES
+        )
+    )
+    return "\n".join(lines)
+
+
+def _train_baseline_lines(records: Sequence[dict]) -> list[str]:
+    """The torch-best rows of a train CSV (measured only), each with the measured and the
+    predicted speedup (baseline step / mok step) of its group's fastest measured mok row with a
+    predicted step, and the reasons of every baseline."""
+    base = [r for r in records if r["status"] == "baseline" and r["what"] == "step"]
+    if not base:
+        return []
+    lines = ["", "baselines (measured, not predicted; speedup = baseline step / mok step):"]
+    fwd_bwd = {(r["row"], r["what"]): r["measured_us"] for r in records}
+    for r in base:
+        if r["impl"] in TRAIN_MOK_IMPLS:
+            continue
+        gk = (r["model"], r["tokens_per_rank"], r["skew"], r["source"])
+        mok = [
+            m
+            for m in records
+            if m["what"] == "step"
+            and m["status"] == "ok"
+            and (m["model"], m["tokens_per_rank"], m["skew"], m["source"]) == gk
+        ]
+        text = (
+            f"  {r['model']:<14}{r['skew']:<9}{r['impl'] + ':' + r['mode']:<20} fwd "
+            f"{fwd_bwd[(r['row'], 'fwd')]:>7.0f} + bwd {fwd_bwd[(r['row'], 'bwd')]:>7.0f} = "
+            f"{r['measured_us']:>7.0f} us"
+        )
+        if mok:
+            m = min(mok, key=lambda x: x["measured_us"])
+            text += (
+                f"   {_config_label(m)}: measured {r['measured_us'] / m['measured_us']:.2f}x, "
+                f"predicted {r['measured_us'] / m['predicted_us']:.2f}x"
+            )
+        lines.append(text)
+    for reason in sorted({r["reason"] for r in records if r["status"] == "baseline"}):
+        lines.append(f"  {reason}")
+    return lines

@@ -32,7 +32,9 @@ roles reversed:
 MoK's choice, modelled whatever the forward's policies: pull reverse combine, push reverse
 dispatch (``dispatch_mode`` / ``combine_mode`` keep naming the forward; only ``dedup_pull``
 changes the backward's bytes). The GEMMs run at the forward's rates and ``dtype``; nothing of it
-is measured yet (``python -m mok.bench train`` will measure the layer's backward).
+is fitted. ``mok-sim validate`` on the train CSV of ``python -m mok.bench train`` compares it with
+mok's backward as it runs today, which runs its pieces one after another instead
+(:func:`sim.app.validate.validate_train_rows`; docs/sim-validation.md).
 """
 
 from __future__ import annotations
@@ -172,9 +174,57 @@ class BackwardPass:
             out = (0.0, 0.0)
         else:
             busy, done = round_times(specs, self.compute_sms, self.waves.layer_fill_us, handoff)
-            out = (busy, done - busy)
+            out = (busy, max(0.0, done - busy))  # >= 0 but for rounding, as the forward's
         self._bwd_cache[ck] = out
         return out
+
+    def piece_us(self, r: int = 0) -> dict[str, float]:
+        """Rank ``r``'s backward GEMMs by piece, in us of the compute SMs' fluid occupancy (each
+        GEMM's fill and handoff, then its tiles over the compute SMs; the busy time of
+        :func:`sim.core.gemm_waves.round_times` split by GEMM, tails left out): ``recompute``
+        (the gate/up GEMM again, with ``recompute``), ``down_dgrad`` (with the SwiGLU backward),
+        ``gate_up_dgrad``, summed over the rounds; ``dw_down`` and ``dw_gate_up``; ``shared`` (the
+        shared expert's whole backward)."""
+        rc, inter = self.rc, self.shape.intermediate
+        fill, handoff, p = (
+            self.waves.layer_fill_us,
+            self.gpu.flag_latency_local_us,
+            self.compute_sms,
+        )
+
+        def busy(specs: list[GemmSpec], handoff_us: float) -> list[float]:
+            # as round_times: a GEMM with tiles pays the fill, and the handoff after the first
+            return [
+                fill + (handoff_us if i else 0.0) + s.tiles * s.tile_us / p if s.tiles > 0 else 0.0
+                for i, s in enumerate(specs)
+            ]
+
+        names = (("recompute",) if self.cfg.recompute else ()) + ("down_dgrad", "gate_up_dgrad")
+        out = dict.fromkeys(names, 0.0)
+        experts = self.experts_per_round()
+        for m in range(int(rc.num_rounds[r])):
+            specs = self.dgrad_specs(int(rc.row_tiles[r, m]), inter, int(experts[r, m]))
+            for name, us in zip(names, busy(specs, handoff), strict=True):
+                out[name] += us
+        padded = self._padded_rows()[r]
+        wg = self.wgrad_specs(int((padded > 0).sum()), float(padded.sum()), inter)
+        out.update(zip(("dw_down", "dw_gate_up"), busy(wg, 0.0) if wg else (0.0, 0.0), strict=True))
+        out["shared"] = self._bwd_us(
+            ("shared", self._shared_tiles(), self.shape.shared_intermediate)
+        )[0]
+        return out
+
+    def _padded_rows(self) -> np.ndarray:
+        """[R, local experts] rows of each expert region, padded to the row tile."""
+        plan = self.plan
+        padded = -(-plan.expert_counts.sum(axis=1) // plan.row_tile) * plan.row_tile
+        return padded.reshape(plan.num_ranks, plan.num_local_experts)
+
+    def _shared_tiles(self) -> int:
+        """Row tiles of the shared expert (0 without one)."""
+        if not self.shape.shared_intermediate:
+            return 0
+        return -(-self.wl.tokens_per_rank // self.cfg.row_tile)
 
     def _task(self, key, deps, r, phase, m=-1, tail_phase="gemm_tail") -> tuple[int, int]:
         busy, tail = self._bwd_us(key)
@@ -202,10 +252,8 @@ class BackwardPass:
         ready = rev_combine(phase="rev_combine", ring=False).build(self)
         self.ring_deps = None  # nothing ring-dependent to copy (can_share_with: False)
         experts = self.experts_per_round()
-        plan = self.plan
-        padded = -(-plan.expert_counts.sum(axis=1) // plan.row_tile) * plan.row_tile
-        padded = padded.reshape(plan.num_ranks, plan.num_local_experts)
-        sh_tiles = -(-self.wl.tokens_per_rank // cfg.row_tile) if shape.shared_intermediate else 0
+        padded = self._padded_rows()
+        sh_tiles = self._shared_tiles()
         gemm_done, chain, finals = {}, {}, {}
         for r in range(nr):
             prev, sh_done = self._task(

@@ -282,7 +282,9 @@ class LayerBuilder(TransferBuilder):
         )
         dn = gemm_spec(gpu, w, row_tiles, h, intermediate, experts, sms, cfg.dtype, cfg.row_tile)
         busy, done = round_times([up, dn], sms, w.layer_fill_us, gpu.flag_latency_local_us)
-        return busy, done - busy
+        # done >= busy but for rounding (a list schedule of whole waves ends where the fluid one
+        # does), and a task's duration must not be negative
+        return busy, max(0.0, done - busy)
 
     def experts_per_round(self) -> np.ndarray:
         """[R, max_rounds] local experts whose padded region overlaps each round (their weights

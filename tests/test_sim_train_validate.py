@@ -1,0 +1,241 @@
+"""mok-sim validate on the training-step measurements (``mok.bench train``): the train CSV read
+as its own kind (never as a layer CSV), the layer model's workload and config of a train row,
+the records of a tiny synthetic CSV, and the CLI on the committed ``h200x1-train.csv``."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+
+import pytest
+
+from mok.spec.workload import get_shape
+from sim.app.cli import main
+from sim.app.validate import (
+    summarise_train,
+    train_model_config,
+    train_piece_flops,
+    validate_train_rows,
+)
+from sim.measured import is_layer_csv, is_train_csv, measured_path, read_measured, read_rows
+
+TRAIN = measured_path("h200x1-train.csv")
+LAYER = measured_path("h200x1-layer.csv")
+
+
+# -- reading -------------------------------------------------------------------------------------
+def test_the_train_csv_is_its_own_kind():
+    kind, rows = read_measured(TRAIN)
+    assert kind == "train" and len(rows) == 30 and is_train_csv(rows)
+    assert not is_layer_csv(rows) and not is_layer_csv(read_rows(TRAIN))
+    assert {r["_source"] for r in rows} == {"h200x1-train.csv"}
+    kind, rows = read_measured(LAYER)
+    assert kind == "layer" and is_layer_csv(rows) and not is_train_csv(rows)
+
+
+def test_a_train_csv_with_layer_columns_is_still_a_train_csv(tmp_path):
+    """Even with a ``minibatch`` column (a layer CSV's mark) the step times make it a train
+    CSV: the layer readers never score its rows against a layer time."""
+    text = TRAIN.read_text().splitlines()
+    path = tmp_path / "t.csv"
+    path.write_text("\n".join([text[0] + ",minibatch", *(r + ",4096" for r in text[1:])]) + "\n")
+    kind, rows = read_measured(path)
+    assert kind == "train" and not is_layer_csv(rows) and is_train_csv(rows)
+
+
+# -- the layer model's workload and config of a train row -----------------------------------------
+def _row(impl="mok-fused", sms=8, **kw) -> dict:
+    """A train row as mok.bench train writes it (strings), times made up."""
+    row = dict(model="tiny", hidden="256", intermediate="128", num_experts="8", num_topk="4")
+    row.update(skew="uniform", tokens_per_rank="256", routing_seed="256", emulated_ep="2")
+    row.update(impl=impl, mode="dedup_pull" if impl.startswith("mok") else "eager", sms=str(sms))
+    row.update(fwd_us="100.0", bwd_us="250.0", step_us="350.0", p20_us="340.0", p80_us="360.0")
+    row.update(gpu="NVIDIA H200", num_ranks="1")
+    return {**row, **{k: str(v) for k, v in kw.items()}}
+
+
+def test_train_model_config_of_a_committed_row():
+    (row,) = [
+        r
+        for r in read_rows(TRAIN)
+        if (r["model"], r["skew"], r["impl"], r["sms"])
+        == ("deepseek-v3", "uniform", "mok-fused", "8")
+    ]
+    wl, plan, fwd, bwd = train_model_config(row)
+    assert (wl.shape, wl.ep, wl.topology, wl.tokens_per_rank, wl.seed) == (
+        "deepseek-v3",
+        1,
+        "h200x2",
+        4096,
+        4096,
+    )
+    # the per-rank work of EP2: the row's 128 experts, all local, every routed row on this GPU
+    assert (plan.num_ranks, plan.num_local_experts, int(plan.expert_counts.sum())) == (
+        1,
+        128,
+        4096 * 8,
+    )
+    assert (fwd.direction, fwd.num_comm_sms, fwd.dispatch_mode, fwd.minibatch_size) == (
+        "forward",
+        8,
+        "dedup_pull",
+        4096,
+    )
+    # the whole receive buffer: 2 x 4096 x 8 rows + 128 experts x 127 padding, in minibatches
+    assert (
+        fwd.macrobatch_size == bwd.macrobatch_size == -(-(2 * 4096 * 8 + 128 * 127) // 4096) * 4096
+    )
+    assert (bwd.direction, bwd.recompute, bwd.num_comm_sms) == ("backward", True, 24)
+    assert bwd.replace(direction="forward", recompute=False, num_comm_sms=8) == fwd
+    _, _, f2, b2 = train_model_config(row, "mok-fused-h200x1")
+    assert f2.gemm_profile == b2.gemm_profile == "mok-fused-h200x1"
+
+
+def test_train_model_config_refuses_what_it_does_not_model():
+    wl, plan, fwd, bwd = train_model_config(_row("mok-unfused", 132))
+    assert fwd is None and bwd.num_comm_sms == 24 and plan.num_local_experts == 8
+    with pytest.raises(ValueError, match="not a mok row"):
+        train_model_config(_row("torch-best", 0))
+    with pytest.raises(ValueError, match="runs on one GPU"):
+        train_model_config(_row(num_ranks=2))
+    with pytest.raises(ValueError, match="hidden is 512"):
+        train_model_config(_row(hidden=512))
+
+
+# -- records of a tiny synthetic CSV ------------------------------------------------------------
+def _write(path, rows) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_records_of_a_tiny_train_csv(tmp_path):
+    path = tmp_path / "train.csv"
+    rows = [
+        _row("torch-best", 0, fwd_us=80, bwd_us=200, step_us=280),
+        _row("mok-unfused", 132, fwd_us=90, bwd_us=240, step_us=330),
+        _row("mok-fused", 8),
+        _row("mok-fused", 16, fwd_us=95, bwd_us=255, step_us=350),
+        _row("mok-fused", 8, model="no-such-model"),
+    ]
+    _write(path, rows)
+    kind, read = read_measured(path)
+    assert kind == "train"
+    recs = validate_train_rows(read)
+    assert len(recs) == 3 * len(rows)
+    by = {(r["row"], r["what"]): r for r in recs}
+    assert [r["what"] for r in recs[:3]] == ["fwd", "bwd", "step"]
+    for q in ("fwd", "bwd", "step"):
+        assert by[(0, q)]["status"] == "baseline" and "torch-best" in by[(0, q)]["reason"]
+        assert by[(4, q)]["status"] == "unsupported" and "no-such-model" in by[(4, q)]["reason"]
+        assert by[(0, q)]["measured_us"] == float(rows[0][f"{q}_us"])
+    # mok-unfused: its backward predicted, its forward (and so its step) not modelled
+    assert by[(1, "bwd")]["status"] == "ok"
+    assert by[(1, "fwd")]["status"] == by[(1, "step")]["status"] == "baseline"
+    assert "one after another" in by[(1, "fwd")]["reason"]
+    for i in (2, 3):
+        f, b, s = (by[(i, q)] for q in ("fwd", "bwd", "step"))
+        assert f["status"] == b["status"] == s["status"] == "ok"
+        assert s["predicted_us"] == pytest.approx(f["predicted_us"] + b["predicted_us"])
+        for r in (f, b, s):
+            assert r["role"] == "validation"
+            assert r["err"] == pytest.approx(r["predicted_us"] / r["measured_us"] - 1)
+            assert sum(
+                r[k] for k in ("gemm_us", "exposed_comm_us", "signalling_us", "schedule_us")
+            ) == pytest.approx(r["predicted_us"])
+        assert f["sim_sms"] == rows[i]["sms"] and b["sim_sms"] == "24"
+        assert s["sim_sms"] == f"{rows[i]['sms']}+24"
+        # only the step's p20 / p80 are measured
+        assert math.isnan(f["p20_us"]) and s["p20_us"] == 340.0
+        assert b["wgrad_us"] > 0 and f["wgrad_us"] == 0.0
+    # one backward whatever the forward: the same prediction for every mok row of the group
+    assert (
+        by[(1, "bwd")]["predicted_us"]
+        == by[(2, "bwd")]["predicted_us"]
+        == by[(3, "bwd")]["predicted_us"]
+    )
+    pieces = {k: v for k, v in by[(2, "bwd")].items() if k.startswith("piece_")}
+    assert sorted(pieces) == sorted(f"piece_{k}_us" for k in train_piece_flops(rows[2]))
+    assert 0 < sum(pieces.values()) <= by[(2, "bwd")]["predicted_us"]
+    s = summarise_train(recs)
+    assert s["rows"] == 5 and s["by_status"] == {"baseline": 5, "ok": 7, "unsupported": 3}
+    assert [s["quantities"][q]["n"] for q in ("fwd", "bwd", "step")] == [2, 3, 2]
+    assert s["ranking"]["bwd"]["groups"] == 0  # one prediction: nothing to rank
+    assert s["ranking"]["fwd"]["groups"] == s["ranking"]["step"]["groups"] == 1
+    assert validate_train_rows(read) == recs  # deterministic
+
+
+def test_piece_flops_are_the_forward_gemms_twice_plus_the_recompute():
+    row = _row()
+    shape = get_shape("tiny")
+    fwd = 256 * 4 * 6 * 256 * 128 + 256 * 6 * 256 * 128  # routed + shared forward GEMMs
+    recompute = 256 * 4 * 4 * 256 * 128 + 256 * 4 * 256 * 128
+    got = train_piece_flops(row)
+    assert sum(got.values()) == 2 * fwd + recompute
+    assert got["shared"] == 256 * 16 * shape.hidden * shape.shared_intermediate
+
+
+# -- the CLI on the committed CSV -----------------------------------------------------------------
+def _numbers(line: str) -> list[float]:
+    return [float(x) for x in re.findall(r"-?\d+\.\d+(?=%)", line)]
+
+
+@pytest.mark.parametrize("gemm_profile", [None, "mok-fused-h200x1"])
+def test_cli_validates_the_committed_train_csv(tmp_path, capsys, gemm_profile):
+    out, plot = tmp_path / "pred.csv", tmp_path / "pred.png"
+    argv = ["validate", str(TRAIN), "--csv", str(out), "--plot", str(plot)]
+    argv += ["--gemm-profile", gemm_profile] if gemm_profile else []
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert (
+        "the simulator's fused-backward design" in " ".join(text.split())
+        and f"{TRAIN}: 30 rows" in text
+    )
+    assert ("mok-fused-h200x1" in text) == bool(gemm_profile)
+    overall = {
+        line.split()[0]: _numbers(line)[:2]
+        for line in text.splitlines()
+        if re.match(r"  (fwd|bwd|step) +\d+ ", line)
+    }
+    assert list(overall) == ["fwd", "bwd", "step"]
+    for med, top in overall.values():
+        assert math.isfinite(med) and math.isfinite(top) and 0 <= med <= top
+    assert "torch-best:eager" in text and "baselines (measured, not predicted" in text
+    with open(out, newline="") as f:
+        recs = list(csv.DictReader(f))
+    assert len(recs) == 90 and plot.stat().st_size > 0
+    ok = [r for r in recs if r["status"] == "ok"]
+    assert len(ok) == 42 and all(math.isfinite(float(r["err"])) for r in ok)
+    assert {r["impl"] for r in recs if r["status"] == "baseline"} == {"torch-best", "mok-unfused"}
+
+
+def test_the_documented_errors():
+    """docs/sim-validation.md, 'Layer model: the backward against the train benchmark': |err|
+    median / max per quantity at the standalone and at the EP1 megakernel GEMM rates."""
+    rows = read_rows(TRAIN)
+    want = {
+        None: {"fwd": (0.205, 0.256), "bwd": (0.185, 0.284), "step": (0.172, 0.263)},
+        "mok-fused-h200x1": {"fwd": (0.075, 0.142), "bwd": (0.073, 0.147), "step": (0.074, 0.126)},
+    }
+    for prof, by_q in want.items():
+        s = summarise_train(validate_train_rows(rows, prof))
+        for q, (med, top) in by_q.items():
+            got = s["quantities"][q]
+            assert got["median_abs_err"] == pytest.approx(med, abs=0.001), (prof, q)
+            assert got["max_abs_err"] == pytest.approx(top, abs=0.001), (prof, q)
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        (["--refit"], "a train CSV has nothing to refit"),
+        (["--fused-fit", "ep1"], "--fused-profile / --fused-fit apply to layer CSVs"),
+        (["--layer-model"], "a train CSV is always predicted by the layer model"),
+        ([str(LAYER)], "mix of layer CSVs (mok.bench layer / sweep) and train CSVs"),
+    ],
+)
+def test_cli_refusals_on_a_train_csv(extra, why, capsys):
+    assert main(["validate", str(TRAIN), *extra]) == 2
+    assert why in capsys.readouterr().err
