@@ -9,16 +9,18 @@ recomputing the forward activations:
   may belong to a later call by then; the build is deterministic, so the rows are the forward's);
 * reverse combine: ``dispatch(grad_out)`` brings each token's output gradient to its receive
   rows (rows that hold no token are zero);
-* the experts (:func:`mok.experts.swiglu_backward`): x dispatched again, gate / up recomputed
-  by one fp32-output grouped GEMM, SwiGLU, the down projection's dgrad in fp32 with the routing
-  weight applied after it, the router-weight gradient ``<h, dY @ W_down>``, the gate / up dgrad
-  and the weight gradients per expert group (``torch._grouped_mm`` over the token axis, one
-  fp32 accumulation each, no atomics);
+* the experts (:func:`mok.experts.swiglu_backward`): x dispatched again; on Hopper the experts'
+  backward kernel computes the down projection's dgrad and gate / up again in fp32
+  accumulators, with the SwiGLU backward, the routing weight and the router-weight gradient
+  ``<h, dY @ W_down>`` in its epilogue (elsewhere torch ops do); the gate / up dgrad and the
+  weight gradients are grouped GEMMs over the token axis (one fp32 accumulation each, no
+  atomics);
 * reverse dispatch: the combine kernel with unit weights sums each token's k row gradients in
   fixed k order onto the shared expert's fp32 input gradient (rounded to bf16 once).
 
-So far at one rank (the workspace's group of size 1); the router-weight gradient at more ranks
-needs the expert outputs of the token's owners, which this path does not move yet.
+So far at one rank (the workspace's group of size 1): at more ranks the router-weight gradient's
+per-row partials live on the experts' owners and must travel home with the row gradients, which
+this path does not do yet.
 """
 
 from __future__ import annotations
