@@ -35,6 +35,11 @@ struct SwigluBwdLaunch {
   void* hw;
   void* dgu;
   float* part;
+  // fp32 [rows, 2I] g | u: written by mode 1 (a forward that saves them: the gate/up GEMM only,
+  // h = bf16(silu(g) u) into hw), read by mode 2 (the backward from them: the dh GEMM only);
+  // mode 0 recomputes them and needs none.
+  float* gu32;
+  int64_t mode;
   int64_t rows, hidden, inter, num_experts;
 };
 

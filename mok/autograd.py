@@ -32,7 +32,7 @@ import torch
 
 from mok.comm import combine, dispatch
 from mok.errors import MoKUnsupportedError
-from mok.experts import _halves_of_one, gate_up_weight, swiglu_backward
+from mok.experts import _halves_of_one, _kernel_fits, gate_up_weight, swiglu_backward
 from mok.layer import as_config, moe_forward, unfused_config
 from mok.schedule import build_schedule
 from mok.workspace import get_workspace
@@ -53,11 +53,17 @@ def moe(
     config: MoKConfig | dict | str | Path | None = None,
     group=None,
     fused: bool = False,
+    recompute: bool = True,
 ) -> torch.Tensor:
     """:func:`mok.functional.moe_forward` (same arguments, same result), differentiable: when
     autograd records (grad mode on and x, topk_weights or a weight requires grad), the backward
     gives gradients for x (bf16), topk_weights (its dtype) and every weight tensor of
     ``weights`` (their dtype). The backward runs at one rank (MoKUnsupportedError at more).
+
+    ``recompute=False`` (unfused forward on Hopper only) keeps the routed experts' fp32 gate /
+    up outputs from the forward ([rows, 2I] fp32, 0.5 GiB at DeepSeek-V3's per-rank work of
+    EP2) instead of computing them again in the backward; the gradients are bitwise the same,
+    the forward's output is the kernel's (h from fp32 g / u) rather than torch's.
 
     Where w_gate and w_up (or the shared expert's) are views of the two halves of one tensor
     (``mok.MoE``'s ``gate_up``), that tensor is what autograd differentiates: its gradient is
@@ -70,7 +76,13 @@ def moe(
     tensors = [x, topk_weights, *routed, *shared]
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
         return moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused)
-    return _MoE.apply(topk_idx, weights, num_experts, config, group, fused, *tensors)
+    gu = None if recompute else gate_up_weight(weights.w_gate, weights.w_up)
+    if not recompute and (fused or not _kernel_fits(x, gu, weights.w_down, x)):
+        raise MoKUnsupportedError(
+            "recompute=False keeps gate / up from mok's Hopper kernel in the unfused forward; "
+            f"found fused={fused} on {x.device} (the fused kernel does not output them yet)"
+        )
+    return _MoE.apply(topk_idx, weights, num_experts, config, group, fused, recompute, *tensors)
 
 
 def _leaves(w_gate: torch.Tensor, w_up: torch.Tensor) -> list:
@@ -98,22 +110,28 @@ def _halves(gate_up: torch.Tensor | None, w_up: torch.Tensor | None, w_gate: tor
 
 class _MoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, topk_idx, weights, num_experts, config, group, fused, *tensors):
+    def forward(ctx, topk_idx, weights, num_experts, config, group, fused, recompute, *tensors):
+        saved = None if recompute else []
         out = moe_forward(
-            tensors[0], topk_idx, tensors[1], weights, num_experts, config, group, fused
-        )
-        ctx.save_for_backward(topk_idx, *tensors)
+            tensors[0], topk_idx, tensors[1], weights, num_experts, config, group, fused,
+            _saved=saved,
+        )  # fmt: skip
+        ctx.save_for_backward(topk_idx, *tensors, *(saved or [None]))
         ctx.args = (num_experts, config, group)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        topk_idx, x, topk_weights, *leaves = ctx.saved_tensors
-        grads = _backward(grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], *ctx.args)
-        return (None,) * 6 + grads
+        topk_idx, x, topk_weights, *leaves, saved_gu = ctx.saved_tensors
+        grads = _backward(
+            grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], *ctx.args, saved_gu
+        )
+        return (None,) * 7 + grads
 
 
-def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group):
+def _backward(
+    grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group, saved_gu=None
+):
     """Gradients for (x, topk_weights, *routed, *shared), the leaves of :func:`_leaves`: one
     [L, 2I, H] gradient (and None) where gate and up came as one tensor."""
     wd = routed[2]
@@ -153,8 +171,9 @@ def _backward(grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, 
     recv = dispatch(x, sched, mode, out=torch.zeros_like(dy))
     gu = gate_up_weight(*_halves(routed[0], routed[1], routed[0]))
     d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
-        recv, gu, wd, dy, row_w, sched.group_ends.clone(), group_align=cfg.row_tile
-    )
+        recv, gu, wd, dy, row_w, sched.group_ends.clone(), group_align=cfg.row_tile,
+        saved_gu=saved_gu,
+    )  # fmt: skip
     del recv, dy
     # router weights: each (token, k) has its own receive row at one rank
     d_topk = d_row_w[sched.dst_index.long()].to(topk_weights.dtype)

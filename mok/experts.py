@@ -29,6 +29,7 @@ from mok import ops
 __all__ = [
     "gate_up_weight",
     "grouped_swiglu",
+    "grouped_swiglu_saving",
     "dense_swiglu",
     "swiglu_backward",
     "clear_cache",
@@ -186,6 +187,7 @@ def swiglu_backward(
     kernel: bool | None = None,
     wgrad_kernel: bool = False,
     group_align: int = 1,
+    saved_gu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The backward of SwiGLU experts, recomputing their activations, with explicit GEMMs.
 
@@ -210,6 +212,8 @@ def swiglu_backward(
             no faster than torch's grouped GEMM, docs/perf-notes.md) torch's grouped GEMM.
         group_align: every group end is a multiple of this (the schedule's row tile; rows
             without a token must then be zero).
+        saved_gu: the fp32 [R, 2I] gate / up outputs :func:`grouped_swiglu_saving` kept (the
+            kernel then runs only the dh GEMM); needs the kernel.
 
     Returns:
         (d_a [R, H], d_row_weight [R] fp32 or None, d_w_gate_up like ``w_gate_up``, d_w_down
@@ -227,8 +231,10 @@ def swiglu_backward(
     """
     if kernel is None:
         kernel = _kernel_fits(a, w_gate_up, w_down, dy)
+    if saved_gu is not None and not kernel:
+        raise ValueError("saved_gu needs mok's Hopper kernel (kernel=True)")
     if kernel:
-        hw, dgu, d_w = _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs)
+        hw, dgu, d_w = _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu)
     else:
         hw, dgu, d_w = _swiglu_backward_torch(a, w_gate_up, w_down, dy, row_weight, offs)
     d_a = _mm32(dgu, w_gate_up, offs) if d_a_dtype == torch.float32 else _mm(dgu, w_gate_up, offs)
@@ -271,9 +277,22 @@ def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:
     )
 
 
-def _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs):
+# Modes of the experts' backward kernel (csrc/layer/sm90_bwd.cuh SwigluMode).
+_RECOMPUTE, _SAVE, _SAVED = 0, 1, 2
+
+
+def _groups(offs, rows, w_gate_up, w_down, device):
+    """(group ends, [L, 2I, H], [L, H, I]): one group of every row without ``offs``."""
+    if offs is None:
+        ends = torch.full((1,), rows, dtype=torch.int32, device=device)
+        return ends, w_gate_up[None], w_down[None]
+    return offs, w_gate_up, w_down
+
+
+def _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu=None):
     """(hw, dgu, d_row_weight) by the Hopper kernel: the down dgrad ``dy @ w_down`` and gate / up
-    recomputed with fp32 accumulators, the SwiGLU backward in the epilogue."""
+    recomputed with fp32 accumulators (or read from ``saved_gu``, :func:`grouped_swiglu_saving`'s
+    fp32 [g | u]), the SwiGLU backward in the epilogue."""
     rows, inter = a.shape[0], w_down.shape[-1]
     hw = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
     dgu = torch.empty(rows, 2 * inter, dtype=a.dtype, device=a.device)
@@ -281,13 +300,26 @@ def _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs):
     if row_weight is not None:
         part = torch.empty(inter // 128, rows, dtype=torch.float32, device=a.device)
         row_weight = row_weight.float().contiguous()
-    if offs is None:
-        ends = torch.full((1,), rows, dtype=torch.int32, device=a.device)
-        wgu, wd = w_gate_up[None], w_down[None]
-    else:
-        ends, wgu, wd = offs, w_gate_up, w_down
-    ops.swiglu_backward_sm90(a, dy, wgu, wd, ends, row_weight, hw, dgu, part)
+    ends, wgu, wd = _groups(offs, rows, w_gate_up, w_down, a.device)
+    mode = _RECOMPUTE if saved_gu is None else _SAVED
+    ops.swiglu_backward_sm90(a, dy, wgu, wd, ends, row_weight, hw, dgu, part, saved_gu, mode)
     return hw, dgu, None if part is None else part.sum(0)
+
+
+def grouped_swiglu_saving(
+    a: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' forward that keeps what the backward needs: (y [R, H] bf16, the fp32
+    [R, 2I] gate / up outputs). Gate / up and h = bf16(silu(g) u) in mok's Hopper kernel (fp32
+    accumulators, as the backward would recompute them, so the backward from them is bitwise
+    the recomputing one), the down projection by torch's grouped GEMM. Rows past ``offs[-1]``
+    are unspecified."""
+    rows, inter = a.shape[0], w_down.shape[-1]
+    h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
+    gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=a.device)
+    none = torch.empty(0, dtype=a.dtype, device=a.device)
+    ops.swiglu_backward_sm90(a, a, w_gate_up, w_down, offs, None, h, none, None, gu32, _SAVE)
+    return _mm(h, w_down.transpose(1, 2), offs), gu32
 
 
 def _swiglu_backward_torch(a, w_gate_up, w_down, dy, row_weight, offs):

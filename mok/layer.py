@@ -12,7 +12,7 @@ import torch
 
 from mok.comm import combine, dispatch
 from mok.errors import MoKInputError
-from mok.experts import dense_swiglu, grouped_swiglu
+from mok.experts import dense_swiglu, gate_up_weight, grouped_swiglu, grouped_swiglu_saving
 from mok.fused import forward
 from mok.schedule import build_schedule
 from mok.spec.config import MAX_COMM_SMS, MoKConfig
@@ -94,6 +94,8 @@ def moe_forward(
     config: MoKConfig | dict | str | Path | None = None,
     group=None,
     fused: bool = False,
+    *,
+    _saved: list | None = None,
 ) -> torch.Tensor:
     """The MoE layer on this rank: schedule, dispatch, grouped SwiGLU experts, combine.
 
@@ -181,7 +183,13 @@ def moe_forward(
     # NOTE: checked on the device (no synchronisation): SwiGLU leaves rows past the bound
     # unwritten, so a wrong bound must stop the call rather than feed garbage to the combine.
     torch._assert_async(sched.group_ends[-1] <= rows, "mok: receive rows past the host bound")
-    y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends, exact=False, rows=rows)  # [capacity, H]
+    if _saved is not None:
+        # (mok.autograd, recompute=False) the routed experts' fp32 gate / up outputs kept for
+        # the backward, from mok's kernel
+        y, gu32 = grouped_swiglu_saving(recv, gate_up_weight(wg, wu), wd, sched.group_ends)
+        _saved.append(gu32)
+    else:
+        y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends, exact=False, rows=rows)
     shared_y = None
     if getattr(weights, "shared_w_gate", None) is not None:
         shared_y = dense_swiglu(

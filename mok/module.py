@@ -40,6 +40,9 @@ class MoE(nn.Module):
         config: the :class:`mok.MoKConfig` (or dict / JSON path) of the CUDA path.
         group: the expert-parallel process group (None: one rank).
         fused: run the fused forward kernel on Hopper (the backward is the same).
+        recompute: the backward computes the routed experts' gate / up again (True) or the
+            unfused forward keeps them in fp32 (False: Hopper, ``fused=False``; see
+            :func:`mok.functional.moe`).
         dtype, device: of the Parameters (bf16 for the CUDA path).
     """
 
@@ -54,6 +57,7 @@ class MoE(nn.Module):
         config: MoKConfig | dict | str | Path | None = None,
         group=None,
         fused: bool = False,
+        recompute: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
     ) -> None:
@@ -78,6 +82,7 @@ class MoE(nn.Module):
             )
         kw = {"dtype": dtype, "device": device}
         self.num_experts, self.config, self.group, self.fused = num_experts, config, group, fused
+        self.recompute = recompute
         self.gate_up = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, **kw))
         self.down = nn.Parameter(torch.empty(local, hidden, intermediate, **kw))
         if shared_intermediate:
@@ -99,7 +104,7 @@ class MoE(nn.Module):
     ) -> MoE:
         """A module on existing weights, not copied: ``gate_up`` ``[L, 2I, H]``, ``down``
         ``[L, H, I]``, optional ``shared_gate_up`` ``[2Is, H]`` / ``shared_down`` ``[H, Is]``
-        (the module's Parameters share their storage). ``kw``: config, group, fused."""
+        (the module's Parameters share their storage). ``kw``: config, group, fused, recompute."""
         if gate_up.ndim != 3 or gate_up.shape[1] % 2 or down.ndim != 3:
             raise MoKInputError(
                 f"gate_up must be [L, 2I, H] and down [L, H, I] (found {tuple(gate_up.shape)} and "
@@ -120,6 +125,7 @@ class MoE(nn.Module):
         nn.Module.__init__(m)
         m.num_experts = num_experts
         m.config, m.group, m.fused = kw.get("config"), kw.get("group"), kw.get("fused", False)
+        m.recompute = kw.get("recompute", True)
         m.gate_up = gate_up if isinstance(gate_up, nn.Parameter) else nn.Parameter(gate_up)
         m.down = down if isinstance(down, nn.Parameter) else nn.Parameter(down)
         if si:
@@ -172,7 +178,7 @@ class MoE(nn.Module):
 
             return moe(
                 x, topk_idx, topk_weights, self.weights(), self.num_experts, self.config,
-                self.group, self.fused,
+                self.group, self.fused, self.recompute,
             )  # fmt: skip
         from reference.moe import moe_forward
 

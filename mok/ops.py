@@ -362,7 +362,7 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@_mok_op("mok::swiglu_backward_sm90", ("hw", "dgu", "part"))
+@_mok_op("mok::swiglu_backward_sm90", ("hw", "dgu", "part", "gu32"))
 def swiglu_backward_sm90(
     a: torch.Tensor,  # [R, H] bf16, rows grouped by expert
     dy: torch.Tensor,  # [R, H] bf16: the gradient of each row's output, before its weight
@@ -374,10 +374,13 @@ def swiglu_backward_sm90(
     dgu: torch.Tensor,  # [R, 2I] bf16 out
     # [I / 128, R] fp32 out (router-weight partials), or None. NOTE: no default (layer_forward)
     part: torch.Tensor | None,
+    gu32: torch.Tensor | None,  # [R, 2I] fp32 g | u: out in mode 1, in in mode 2
+    mode: int,  # 0: recompute g / u; 1: a forward that saves them (h into hw); 2: from saved
 ) -> None:
     """The experts' backward kernel (csrc/layer/sm90_bwd.cuh): per expert group the down
     projection's dgrad and the gate / up GEMM recomputed, with the SwiGLU backward in the
-    epilogue, over every SM of the GPU. Rows past the last group end are left unwritten."""
+    epilogue, over every SM of the GPU (``mode`` 0; 1 and 2 split it at g / u, see
+    ``SwigluBwdLaunch`` in csrc/api.h). Rows past the last group end are left unwritten."""
     rows = a.shape[0]
     if rows == 0:
         return
@@ -393,6 +396,8 @@ def swiglu_backward_sm90(
         hw.data_ptr(),
         dgu.data_ptr(),
         0 if part is None else part.data_ptr(),
+        0 if gu32 is None else gu32.data_ptr(),
+        mode,
         rows,
         hidden,
         two_i // 2,
@@ -403,7 +408,7 @@ def swiglu_backward_sm90(
 
 
 @swiglu_backward_sm90.register_fake
-def _(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part) -> None:
+def _(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, gu32, mode) -> None:
     return None
 
 

@@ -225,7 +225,7 @@ def no_gpu(monkeypatch):
         step = calls["timed"] % 2 == 0  # each row times its forward, then its step
         return Timing(3000.0, 2900.0, 3300.0) if step else Timing(1000.0, 900.0, 1100.0)
 
-    def moe(x, idx, tw, w, num_experts, config=None, group=None, fused=False):
+    def moe(x, idx, tw, w, num_experts, config=None, group=None, fused=False, recompute=True):
         calls["moe"].append((w, config, fused, num_experts))
         return moe_forward(x, idx, tw, w, torch.float32).to(x.dtype)
 
@@ -245,7 +245,8 @@ def no_gpu(monkeypatch):
 
 def test_one_case_gives_a_row_per_implementation(no_gpu, tmp_path, capsys):
     rec = train.TrainRecorder(str(tmp_path / "train.csv"), META)
-    train.run_model(rec, "tiny", 40, "hot:0.5", train.IMPLS, (8, 16), 2, 1, 2, device="cpu")
+    impls = ("torch-best", "mok-unfused", "mok-fused")
+    train.run_model(rec, "tiny", 40, "hot:0.5", impls, (8, 16), 2, 1, 2, device="cpu")
     got = [(r["impl"], r["mode"], r["sms"]) for r in rec.rows]
     assert got == [
         ("torch-best", "eager", 0),

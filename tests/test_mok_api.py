@@ -122,7 +122,7 @@ def test_custom_ops_trace_with_fake_tensors():
         ends = torch.zeros(2, dtype=torch.int32)
         hw, dgu = torch.zeros(rows, 128).bfloat16(), torch.zeros(rows, 256).bfloat16()
         part = torch.zeros(1, rows)
-        torch.ops.mok.swiglu_backward_sm90(recv, recv, gu, wd, ends, None, hw, dgu, part)
+        torch.ops.mok.swiglu_backward_sm90(recv, recv, gu, wd, ends, None, hw, dgu, part, None, 0)
         torch.ops.mok.wgrad_sm90(dgu, recv, ends, gu.transpose(1, 2).contiguous())
         return out
 

@@ -266,3 +266,35 @@ def test_torch_compile_gives_the_eager_gradients():
     assert torch.equal(xs.grad, want["dx"]) and torch.equal(tws.grad, want["d_topk_weights"])
     for k, t in zip(names, leaves, strict=True):
         assert torch.equal(t.grad, want[WEIGHT_GRAD[k]]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_saved_activations_give_the_recomputed_gradients():
+    """recompute=False (the unfused forward keeps fp32 gate / up): every gradient bitwise the
+    recomputing backward's, the output under the bf16 rule; the fused forward refuses it."""
+    import mok
+    from mok import functional as mf
+
+    shape, n, skew = CASES[1]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=23)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+    _, want = _mok_grads(shape, x, idx, tw, w, grad_out, config=cfg)
+    leaves = {
+        k: v.detach().clone().requires_grad_(True) for k, v in vars(w).items() if v is not None
+    }
+    ws = dataclasses.replace(w, **leaves)
+    xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
+    out = mf.moe(xs, idx, tws, ws, shape.num_experts, cfg, recompute=False)
+    out.backward(grad_out)
+    assert torch.equal(xs.grad, want["dx"]) and torch.equal(tws.grad, want["d_topk_weights"])
+    for k, t in leaves.items():
+        assert torch.equal(t.grad, want[WEIGHT_GRAD[k]]), k
+    from reference.moe import moe_forward as ref_forward
+
+    xc, ic, tc, wc = x.cpu(), idx.cpu(), tw.cpu(), _cpu(w)
+    oracle = ref_forward(xc.double(), ic, tc.double(), wc.to(torch.float64), torch.float64)
+    ref16 = ref_forward(xc, ic, tc, wc, torch.bfloat16)
+    tol.assert_bf16_rule(out.detach().cpu().double(), ref16.double(), oracle)
+    with pytest.raises(mok.MoKUnsupportedError, match="recompute=False"):
+        mf.moe(xs, idx, tws, ws, shape.num_experts, cfg, fused=True, recompute=False)

@@ -162,3 +162,35 @@ def test_swiglu_backward_weight_gradients_take_the_kernel():
     assert torch.equal(d_a, ref[0]) and torch.equal(d_w, ref[1])
     for got, r in zip((d_wgu, d_wd), ref[2:], strict=True):
         tol.assert_bf16_ref_bound(got.double().cpu(), r.double().cpu(), "weight gradient")
+
+
+def test_saving_forward_and_the_backward_from_it():
+    """The forward that keeps gate / up (kernel mode 1) gives fp32 [g | u] against fp64 and y
+    within the bf16 rule of torch's; the backward from them (mode 2) is bitwise the one that
+    recomputes them (the same k-loop in fp32)."""
+    from mok.experts import grouped_swiglu, grouped_swiglu_saving
+
+    sizes = [300, 77, 0, 0, 513]
+    a, wgu, wd, dy, row_w, offs = _operands(1024, 384, sizes, True, seed=5)
+    n, inter = sum(sizes), wd.shape[-1]
+    y, gu32 = grouped_swiglu_saving(a, wgu, wd, offs)
+    r = 0
+    for e, m in enumerate(sizes):
+        gu64 = a[r : r + m].double() @ wgu[e].double().T
+        torch.testing.assert_close(
+            gu32[r : r + m].double(), gu64, rtol=tol.FP32_RTOL, atol=tol.FP32_ATOL
+        )
+        r += m
+    wg, wu = wgu[:, :inter], wgu[:, inter:]
+    ref = grouped_swiglu(a, wg, wu, wd, offs, exact=False)
+    ys, r = [], 0
+    for e, m in enumerate(sizes):
+        gu64 = a[r : r + m].double() @ wgu[e].double().T
+        ys.append((F.silu(gu64[:, :inter]) * gu64[:, inter:]) @ wd[e].double().T)
+        r += m
+    tol.assert_bf16_rule(y[:n].double().cpu(), ref[:n].double().cpu(), torch.cat(ys).cpu())
+    got = swiglu_backward(a, wgu, wd, dy, row_w, offs, saved_gu=gu32)
+    want = swiglu_backward(a, wgu, wd, dy, row_w, offs)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g, w = (g[:n], w[:n]) if i < 2 else (g, w)
+        assert torch.equal(g, w), f"output {i} differs from the recomputing backward"

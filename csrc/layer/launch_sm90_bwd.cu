@@ -12,33 +12,54 @@
 
 namespace mok {
 
+namespace {
+
+template <int kMode>
+int launch_swiglu_mode(const SwigluBwdKernelArgs& k, int grid, cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(swiglu_bwd_kernel<kMode>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kBwdSmem);
+  if (e != cudaSuccess) return finish_launch(e);
+  swiglu_bwd_kernel<kMode><<<grid, kLayerThreads, kBwdSmem, stream>>>(k);
+  return finish_launch(cudaGetLastError());
+}
+
+}  // namespace
+
 int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   const int64_t H = l.hidden, I = l.inter, L = l.num_experts;
   if (l.rows <= 0 || H <= 0 || H % OperandBf16::kTileK != 0 || I <= 0 || I % 128 != 0 ||
       L < 1 || L > kBwdMaxExperts || grid < 1 || l.rows > INT32_MAX / 2 ||
-      L * 2 * I > INT32_MAX || L * H > INT32_MAX)
+      L * 2 * I > INT32_MAX || L * H > INT32_MAX || l.mode < kSwigluRecompute ||
+      l.mode > kSwigluSaved || (l.mode != kSwigluRecompute && l.gu32 == nullptr))
     return static_cast<int>(cudaErrorInvalidValue);
   SwigluBwdKernelArgs k{};
   constexpr int kK = OperandBf16::kTileK;
-  if (!encode_bf16_map(&k.map_a, l.a, l.rows, H, kTileM, kK) ||
-      !encode_bf16_map(&k.map_dy, l.dy, l.rows, H, kTileM, kK) ||
-      !encode_bf16_map(&k.map_w, l.w_gate_up, L * 2 * I, H, 128, kK) ||
-      !encode_bf16_map(&k.map_wd, l.w_down, L * H, I, kK, 64))
+  // The operands of the k-loops this mode runs: gate/up (x rows, w_gate_up), dh (dy, w_down).
+  const bool gate_up = l.mode != kSwigluSaved, down = l.mode != kSwigluSave;
+  if ((gate_up && (!encode_bf16_map(&k.map_a, l.a, l.rows, H, kTileM, kK) ||
+                   !encode_bf16_map(&k.map_w, l.w_gate_up, L * 2 * I, H, 128, kK))) ||
+      (down && (!encode_bf16_map(&k.map_dy, l.dy, l.rows, H, kTileM, kK) ||
+                !encode_bf16_map(&k.map_wd, l.w_down, L * H, I, kK, 64))))
     return static_cast<int>(cudaErrorInvalidValue);
   k.ends = l.ends;
   k.row_w = l.row_w;
   k.hw = static_cast<uint16_t*>(l.hw);
   k.dgu = static_cast<uint16_t*>(l.dgu);
   k.part = l.part;
+  k.gu32 = l.gu32;
   k.rows = static_cast<int>(l.rows);
   k.hidden = static_cast<int>(H);
   k.inter = static_cast<int>(I);
   k.num_experts = static_cast<int>(L);
-  cudaError_t e = cudaFuncSetAttribute(swiglu_bwd_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kBwdSmem);
-  if (e != cudaSuccess) return finish_launch(e);
-  swiglu_bwd_kernel<<<grid, kLayerThreads, kBwdSmem, static_cast<cudaStream_t>(stream_ptr)>>>(k);
-  return finish_launch(cudaGetLastError());
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  switch (l.mode) {
+    case kSwigluSave:
+      return launch_swiglu_mode<kSwigluSave>(k, grid, stream);
+    case kSwigluSaved:
+      return launch_swiglu_mode<kSwigluSaved>(k, grid, stream);
+    default:
+      return launch_swiglu_mode<kSwigluRecompute>(k, grid, stream);
+  }
 }
 
 int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {

@@ -46,6 +46,11 @@ constexpr int kBwdStages = 3;
 constexpr int kBwdDhBytes = kTileM * 128 * 4;
 constexpr int kBwdSmem = 1024 + kBwdStages * kStageBytes + kBwdDhBytes;
 
+// What a launch of swiglu_bwd_kernel computes: kSwigluRecompute the backward above; kSwigluSave a
+// forward that keeps g / u (gate / up GEMM only; h and the fp32 [g | u] out); kSwigluSaved the
+// backward from those (the dh GEMM only; g / u read back).
+enum SwigluMode : int { kSwigluRecompute = 0, kSwigluSave = 1, kSwigluSaved = 2 };
+
 struct SwigluBwdKernelArgs {
   CUtensorMap map_a;   // a [rows, H], 128-row boxes
   CUtensorMap map_dy;  // dy [rows, H], 128-row boxes
@@ -56,6 +61,7 @@ struct SwigluBwdKernelArgs {
   uint16_t* hw;         // [rows, I] bf16
   uint16_t* dgu;        // [rows, 2I] bf16
   float* part;          // [I / 128, rows], or null
+  float* gu32;          // [rows, 2I] fp32 g | u: written by kSwigluSave, read by kSwigluSaved
   int rows, hidden, inter, num_experts;
 };
 
@@ -130,6 +136,7 @@ __device__ __forceinline__ void find_tile(const SwigluBwdKernelArgs& k, int i, i
   row0 = group_start(k, e) + (local % m_tiles) * kTileM;
 }
 
+template <int kMode>
 __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n_tiles,
                                              int n_blocks) {
   uint8_t* stages = bwd_stages();
@@ -147,10 +154,13 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
     find_tile(k, i, n_blocks, e, row0, nb);
     const int w_row = e * 2 * k.inter + nb * 128;
     const int wd_row = e * k.hidden;
-    // dh's k-blocks (dy rows, w_down's 128 columns as two N-major boxes), then gate/up's.
-    for (int kb = 0; kb < 2 * k_blocks; ++kb) {
+    // dh's k-blocks (dy rows, w_down's 128 columns as two N-major boxes), then gate/up's; a
+    // saving forward runs only gate/up's, a backward from saved g / u only dh's.
+    const int kb0 = kMode == kSwigluSave ? k_blocks : 0;
+    const int kb1 = kMode == kSwigluSaved ? k_blocks : 2 * k_blocks;
+    for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&bsh.empty[stage], phase ^ 1);
-      if (kb == 0) {
+      if (kb == kb0) {
         vol(bsh.stage_tile[stage][0]) = row0;
         vol(bsh.stage_tile[stage][1]) = k.ends[e];
         vol(bsh.stage_tile[stage][2]) = nb;
@@ -179,9 +189,13 @@ __device__ __forceinline__ float round_bf16(float v) {
   return bf16_lo(pack_bf16x2(v, 0.0f));
 }
 
-// The SwiGLU backward of warpgroup wg's 64 rows of a tile (gate accumulators in acc0, up in
-// acc1, both in the m64n128 layout: thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8)
-// and columns 8j + 2 (lane % 4) (+ 1) for j = 0..15).
+// The epilogue of warpgroup wg's 64 rows of a tile, in the m64n128 accumulator layout (thread
+// (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) and columns 8j + 2 (lane % 4) (+ 1) for
+// j = 0..15). kSwigluRecompute: gate in acc0, up in acc1, dh parked in shared memory; the SwiGLU
+// backward. kSwigluSave: gate in acc0, up in acc1; h and the fp32 g / u out. kSwigluSaved: dh in
+// acc0, g / u read back; the SwiGLU backward. (The accumulators are only read here: ptxas
+// serialises a kernel's wgmma when anything but wgmma writes them.)
+template <int kMode>
 __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k,
                                                     const float (&acc0)[64],
                                                     const float (&acc1)[64], int row0, int end,
@@ -193,15 +207,39 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
     const int row = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hr;
     const bool valid = row < end;
     const int64_t at = static_cast<int64_t>(valid ? row : 0) * I + nb * 128 + 2 * (lane % 4);
+    // the same columns in a [rows, 2I] row (gate half; the up half is I further)
+    const int64_t gat = at + static_cast<int64_t>(valid ? row : 0) * I;
     const float w = k.row_w == nullptr ? 1.0f : k.row_w[valid ? row : 0];
     float psum = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
+      float gv[2], uv[2];
+      if (kMode == kSwigluSaved) {
+        float2 g2 = make_float2(0.0f, 0.0f), u2 = g2;
+        if (valid) {
+          g2 = *reinterpret_cast<const float2*>(k.gu32 + gat + 8 * j);
+          u2 = *reinterpret_cast<const float2*>(k.gu32 + gat + I + 8 * j);
+        }
+        gv[0] = g2.x, gv[1] = g2.y, uv[0] = u2.x, uv[1] = u2.y;
+      } else {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) gv[q] = acc0[4 * j + 2 * hr + q], uv[q] = acc1[4 * j + 2 * hr + q];
+      }
+      if (kMode == kSwigluSave) {
+        if (valid) {
+          const float h0 = silu(gv[0]) * uv[0], h1 = silu(gv[1]) * uv[1];
+          *reinterpret_cast<uint32_t*>(k.hw + at + 8 * j) = pack_bf16x2(h0, h1);
+          *reinterpret_cast<float2*>(k.gu32 + gat + 8 * j) = make_float2(gv[0], gv[1]);
+          *reinterpret_cast<float2*>(k.gu32 + gat + I + 8 * j) = make_float2(uv[0], uv[1]);
+        }
+        continue;
+      }
       float hw[2], dg[2], du[2];
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const float g = acc0[4 * j + 2 * hr + q], u = acc1[4 * j + 2 * hr + q];
-        const float d = dh[(4 * j + 2 * hr + q) * 256];
+        const float g = gv[q], u = uv[q];
+        const float d =
+            kMode == kSwigluSaved ? acc0[4 * j + 2 * hr + q] : dh[(4 * j + 2 * hr + q) * 256];
         const float sig = __fdividef(1.0f, 1.0f + __expf(-g));
         const float s = g * sig;
         const float hv = s * u;
@@ -213,11 +251,11 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
       }
       if (valid) {
         *reinterpret_cast<uint32_t*>(k.hw + at + 8 * j) = pack_bf16x2(hw[0], hw[1]);
-        const int64_t gat = at + static_cast<int64_t>(valid ? row : 0) * I + 8 * j;
-        *reinterpret_cast<uint32_t*>(k.dgu + gat) = pack_bf16x2(dg[0], dg[1]);
-        *reinterpret_cast<uint32_t*>(k.dgu + gat + I) = pack_bf16x2(du[0], du[1]);
+        *reinterpret_cast<uint32_t*>(k.dgu + gat + 8 * j) = pack_bf16x2(dg[0], dg[1]);
+        *reinterpret_cast<uint32_t*>(k.dgu + gat + I + 8 * j) = pack_bf16x2(du[0], du[1]);
       }
     }
+    if (kMode == kSwigluSave) continue;
     psum += __shfl_xor_sync(~0u, psum, 1);
     psum += __shfl_xor_sync(~0u, psum, 2);
     if (valid && k.part != nullptr && lane % 4 == 0)
@@ -225,6 +263,7 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
   }
 }
 
+template <int kMode>
 __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int k_blocks = k.hidden / OperandBf16::kTileK;
@@ -237,19 +276,25 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
     if (row0 < 0) break;
     const int end = vol(bsh.stage_tile[stage][1]);
     const int nb = vol(bsh.stage_tile[stage][2]);
-    mma_kloop<OperandBf16, kFullNB, kBwdStages>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
-                                                k_blocks, 0, wg, stage, prev_stage, phase);
-    // NOTE: only this thread reads its entries back (the same accumulator layout), so no
-    // barrier is needed between the store and the epilogue's loads.
-    float* dh = bwd_dh() + wg * 128 + tid;
+    if (kMode != kSwigluSave)
+      mma_kloop<OperandBf16, kFullNB, kBwdStages>(acc0, acc1, bwd_stages(), bsh.full,
+                                                  bsh.empty, k_blocks, 0, wg, stage, prev_stage,
+                                                  phase);
+    if (kMode == kSwigluRecompute) {
+      // NOTE: only this thread reads its entries back (the same accumulator layout), so no
+      // barrier is needed between the store and the epilogue's loads.
+      float* dh = bwd_dh() + wg * 128 + tid;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) dh[i * 256] = acc0[i];
-    mma_kloop<OperandBf16, kFull, kBwdStages>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
-                                              k_blocks, 0, wg, stage, prev_stage, phase);
-    swiglu_bwd_epilogue(k, acc0, acc1, row0, end, nb, wg, warp, lane);
+      for (int i = 0; i < 64; ++i) dh[i * 256] = acc0[i];
+    }
+    if (kMode != kSwigluSaved)
+      mma_kloop<OperandBf16, kFull, kBwdStages>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
+                                                k_blocks, 0, wg, stage, prev_stage, phase);
+    swiglu_bwd_epilogue<kMode>(k, acc0, acc1, row0, end, nb, wg, warp, lane);
   }
 }
 
+template <int kMode>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     swiglu_bwd_kernel(const __grid_constant__ SwigluBwdKernelArgs k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -270,15 +315,13 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   if (wg == 0) {
     setmaxnreg_dec<56>();
     if (threadIdx.x == 0) {
-      tma_prefetch_map(&k.map_a);
-      tma_prefetch_map(&k.map_dy);
-      tma_prefetch_map(&k.map_w);
-      tma_prefetch_map(&k.map_wd);
-      bwd_producer(k, n_tiles, n_blocks);
+      if (kMode != kSwigluSaved) tma_prefetch_map(&k.map_a), tma_prefetch_map(&k.map_w);
+      if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
+      bwd_producer<kMode>(k, n_tiles, n_blocks);
     }
   } else {
     setmaxnreg_inc<224>();
-    bwd_consumer(k, wg - 1);
+    bwd_consumer<kMode>(k, wg - 1);
   }
 #endif
 }

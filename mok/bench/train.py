@@ -17,6 +17,8 @@ this GPU, and the same tokens, so the same rows per expert as a rank of EP N get
   the activations (no recompute). Timed eager (mode ``eager``) and ``torch.compile``d
   (``compile``: the forward function, ``dynamic=False``; a compile that fails drops the row and
   says why);
+- ``mok-saved``: ``mok-unfused`` with ``recompute=False`` (the forward keeps the routed
+  experts' fp32 gate / up for the backward; the shared expert is still recomputed);
 - ``mok-unfused`` / ``mok-fused``: a :class:`mok.MoE` (what a model holds: its ``gate_up``
   ``[L, 2I, H]``, ``down`` and shared-expert Parameters, so gate and up run as one GEMM forward
   and backward and both gradients land in ``gate_up``) with ``fused=False`` (the default config,
@@ -72,7 +74,7 @@ from mok.experts import clear_cache
 from mok.spec.rows import bench_routing_seed
 from mok.spec.workload import ModelShape
 
-IMPLS = ("torch-best", "mok-unfused", "mok-fused")
+IMPLS = ("torch-best", "mok-unfused", "mok-fused", "mok-saved")
 TIMES = ("fwd_us", "bwd_us", "step_us", "p20_us", "p80_us")
 GIB = float(2**30)
 
@@ -208,7 +210,7 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
     base.update(tokens_per_rank=n, routing_seed=seed, emulated_ep=emulate_ep or 1)
     inputs = {"x": x, "topk_weights": tw}
 
-    def add(impl, mode, sms_count, build, recompute):
+    def add(impl, mode, sms_count, build, recomputed):
         """Time and record one implementation; ``build()`` makes its weights and returns
         (forward, {name: leaf}), or None to drop the row. Its weights are freed on return."""
         made = build()
@@ -241,7 +243,7 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
             p20_us=ts.p20_us,
             p80_us=ts.p80_us,
             flops_fwd=flops_fwd,
-            flops_recompute=flops_again if recompute else 0,
+            flops_recompute=recomputed,
             step_tflops=_tflops(3 * flops_fwd, ts.median_us),
             bwd_tflops=_tflops(2 * flops_fwd, bwd),
             peak_mem_gib=round(peak, 3),
@@ -272,7 +274,7 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
 
         return build
 
-    def mok_layer(fused, cfg=None):
+    def mok_layer(fused, cfg=None, recompute=True):
         """What a model runs: :class:`mok.MoE` on its fused ``gate_up`` / ``down`` Parameters."""
 
         def build():
@@ -288,25 +290,33 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
             )
 
             def fwd():  # what mok.MoE.forward calls on CUDA
-                return mf.moe(x, idx, tw, m.weights(), E, cfg, fused=fused)
+                return mf.moe(x, idx, tw, m.weights(), E, cfg, fused=fused, recompute=recompute)
 
             return fwd, {**inputs, **dict(m.named_parameters())}
 
         return build
 
     if "torch-best" in impls:
-        add("torch-best", "eager", 0, torch_best("eager"), False)
-        add("torch-best", "compile", 0, torch_best("compile"), False)
+        add("torch-best", "eager", 0, torch_best("eager"), 0)
+        add("torch-best", "compile", 0, torch_best("compile"), 0)
     if "mok-unfused" in impls:
         # the row says what ran: the unfused path's own SMs and mode (unfused_config)
         sms_count = torch.cuda.get_device_properties(device).multi_processor_count
         ran = mf.unfused_config(mok.MoKConfig(), sms_count)
-        add("mok-unfused", ran.dispatch_mode, ran.num_comm_sms, mok_layer(False), True)
+        add("mok-unfused", ran.dispatch_mode, ran.num_comm_sms, mok_layer(False), flops_again)
+        mok.clear_workspaces()
+    if "mok-saved" in impls:
+        # the unfused forward keeping the routed experts' fp32 gate / up for the backward
+        sms_count = torch.cuda.get_device_properties(device).multi_processor_count
+        ran = mf.unfused_config(mok.MoKConfig(), sms_count)
+        shared_again = n * 4 * H * shape.shared_intermediate  # the shared expert still recomputes
+        add("mok-saved", ran.dispatch_mode, ran.num_comm_sms, mok_layer(False, None, False),
+            shared_again)  # fmt: skip
         mok.clear_workspaces()
     if "mok-fused" in impls:
         for s in sms:
             cfg = mok.MoKConfig(num_comm_sms=s)
-            add("mok-fused", cfg.dispatch_mode, s, mok_layer(True, cfg), True)
+            add("mok-fused", cfg.dispatch_mode, s, mok_layer(True, cfg), flops_again)
             mok.clear_workspaces()
     clear_cache()  # the next model's weights replace these
 
@@ -316,7 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="4096")
     ap.add_argument("--skews", default="uniform,hot:0.5")
-    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    ap.add_argument(
+        "--impls",
+        default="torch-best,mok-unfused,mok-fused",
+        help=f"comma list of {', '.join(IMPLS)}",
+    )
     ap.add_argument(
         "--emulate-ep",
         type=int,
