@@ -34,8 +34,8 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   k.hidden = static_cast<int>(H);
   k.inter = static_cast<int>(I);
   k.num_experts = static_cast<int>(L);
-  cudaError_t e =
-      cudaFuncSetAttribute(swiglu_bwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBwdSmem);
+  cudaError_t e = cudaFuncSetAttribute(swiglu_bwd_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kBwdSmem);
   if (e != cudaSuccess) return finish_launch(e);
   swiglu_bwd_kernel<<<grid, kLayerThreads, kBwdSmem, static_cast<cudaStream_t>(stream_ptr)>>>(k);
   return finish_launch(cudaGetLastError());
