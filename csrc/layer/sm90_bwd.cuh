@@ -316,9 +316,9 @@ struct WgradShared {
   // N block, k-blocks (0: an expert without rows; the stage carries no data), last steps.
   int stage_tile[kWgradStages][5];
   // The staged chunks, per consumer warpgroup and buffer: staged / copied out, and the job
-  // (expert, M block, first column; expert -1: no more).
+  // (expert, M block, first column, zero tile; expert -1: no more).
   uint64_t epi_full[2][2], epi_empty[2][2];
-  int jobs[2][2][3];
+  int jobs[2][2][4];
 };
 static __shared__ __align__(8) WgradShared gsh;
 
@@ -375,14 +375,17 @@ __device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_t
 }
 
 // Warpgroup wg's 64 x 128 output chunk (columns col0.. of its rows) from `acc` into its buffer b,
-// handed to its store warp (wgrad_storer); `uses`: the buffer's earlier chunks.
-__device__ __forceinline__ void wgrad_stage(const float (&acc)[64], int e, int mb, int col0,
-                                            int wg, int b, uint32_t uses, int tid) {
+// handed to its store warp (wgrad_storer); `uses`: the buffer's earlier chunks. `zero`: an expert
+// without rows, whose chunk the store warp writes as zeros (the accumulators are never written
+// by anything but wgmma: ptxas serialises every wgmma of a kernel that does).
+__device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, int e, int mb,
+                                            int col0, int wg, int b, uint32_t uses, int tid) {
   mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);  // the store warp has read the last one
-  stage_chunk<false>(acc, acc, wgrad_epi(wg, b), tid / 32, tid % 32);
+  if (!zero) stage_chunk<false>(acc, acc, wgrad_epi(wg, b), tid / 32, tid % 32);
   named_sync(1 + wg, 128);
   if (tid == 0) {
     vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
+    vol(gsh.jobs[wg][b][3]) = zero;
     mbar_arrive(&gsh.epi_full[wg][b]);
   }
 }
@@ -398,13 +401,15 @@ static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs& k, int w
     const int e = vol(gsh.jobs[wg][b][0]);
     if (e < 0) return;
     const int mb = vol(gsh.jobs[wg][b][1]), col0 = vol(gsh.jobs[wg][b][2]);
+    const bool zero = vol(gsh.jobs[wg][b][3]) != 0;
     const uint8_t* epi = wgrad_epi(wg, b);
     uint16_t* base = k.c + (static_cast<int64_t>(e) * k.m + mb * kTileM + wg * 64) * k.n + col0;
 #pragma unroll 4
     for (int r0 = 0; r0 < 64; r0 += 2) {
       const int r = r0 + lane / 16;
-      const uint4 v =
-          *reinterpret_cast<const uint4*>(epi + r * kEpiStride + ((ch ^ (r % 8)) << 4));
+      const uint4 v = zero ? uint4{0, 0, 0, 0}
+                           : *reinterpret_cast<const uint4*>(epi + r * kEpiStride +
+                                                             ((ch ^ (r % 8)) << 4));
       *reinterpret_cast<uint4*>(base + static_cast<int64_t>(r) * k.n + ch * 8) = v;
     }
     __syncwarp();
@@ -429,8 +434,6 @@ __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg)
     const int k_blocks = vol(gsh.stage_tile[stage][3]);
     const int last_steps = vol(gsh.stage_tile[stage][4]);
     if (k_blocks == 0) {
-#pragma unroll
-      for (int j = 0; j < 64; ++j) acc0[j] = acc1[j] = 0.0f;
       mbar_arrive(&gsh.empty[stage]);
       if (++stage == kWgradStages) stage = 0, phase ^= 1;
     } else {
@@ -438,8 +441,8 @@ __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg)
                                                  k_blocks, last_steps, zero_a, zero_b, wg,
                                                  stage, prev_stage, phase);
     }
-    wgrad_stage(acc0, e, mb, nb * kTileN, wg, 0, tiles, tid);
-    wgrad_stage(acc1, e, mb, nb * kTileN + 128, wg, 1, tiles, tid);
+    wgrad_stage(acc0, k_blocks == 0, e, mb, nb * kTileN, wg, 0, tiles, tid);
+    wgrad_stage(acc1, k_blocks == 0, e, mb, nb * kTileN + 128, wg, 1, tiles, tid);
     ++tiles;
   }
   // The store warp's last job: it stops once it has written everything before it.
