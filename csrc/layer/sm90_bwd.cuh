@@ -335,13 +335,15 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
 // bits); an expert without rows gets a zero tile. The k axis is the rows: A and B are M- / N-
 // major operands (64-column TMA boxes of 64 rows), and a group's last k-block runs only its
 // 16-row steps that hold the group's rows. Tiles in the order (expert, M block, N block): the
-// blocks working at a time share their expert's A and B in L2. Roles as in the kernel above;
-// each consumer warpgroup stages its 64 x 128 output chunks in shared memory and writes them
-// out as whole 256-byte rows.
+// blocks working at a time share their expert's A and B in L2. Roles as in the kernel above,
+// plus two store warps (warps 1 and 2): each consumer warpgroup stages its 64 x 128 output
+// chunks in shared memory (two buffers) and goes on with its next tile while its store warp
+// writes them out as whole 256-byte rows.
 
 constexpr int kWgradStages = 3;
 constexpr int kWgradZeroBytes = 6 * 1024;  // zero_a (2 KiB), zero_b (4 KiB): one 16-row step
-constexpr int kWgradSmem = 1024 + kWgradStages * kStageBytes + 2 * kEpiBytes + kWgradZeroBytes;
+// Two staged output chunks (acc0's and acc1's columns) per consumer warpgroup.
+constexpr int kWgradSmem = 1024 + kWgradStages * kStageBytes + 4 * kEpiBytes + kWgradZeroBytes;
 
 struct WgradKernelArgs {
   CUtensorMap map_a;  // A [rows, M], 64-row x 64-column boxes
@@ -356,14 +358,18 @@ struct WgradShared {
   // The tile a stage's first k-block belongs to: expert (-1: end of the work), M block,
   // N block, k-blocks (0: an expert without rows; the stage carries no data), last steps.
   int stage_tile[kWgradStages][5];
+  // The staged chunks, per consumer warpgroup and buffer: staged / copied out, and the job
+  // (expert, M block, first column, zero tile; expert -1: no more).
+  uint64_t epi_full[2][2], epi_empty[2][2];
+  int jobs[2][2][4];
 };
 static __shared__ __align__(8) WgradShared gsh;
 
-__device__ __forceinline__ uint8_t* wgrad_epi(int wg) {
-  return bwd_stages() + kWgradStages * kStageBytes + wg * kEpiBytes;
+__device__ __forceinline__ uint8_t* wgrad_epi(int wg, int b) {
+  return bwd_stages() + kWgradStages * kStageBytes + (2 * wg + b) * kEpiBytes;
 }
 __device__ __forceinline__ uint8_t* wgrad_zero() {
-  return bwd_stages() + kWgradStages * kStageBytes + 2 * kEpiBytes;
+  return bwd_stages() + kWgradStages * kStageBytes + 4 * kEpiBytes;
 }
 
 __device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_tiles) {
@@ -411,22 +417,47 @@ __device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_t
   }
 }
 
-// Warpgroup wg's 64 x 128 output chunk (columns col0..col0 + 127 of its rows) from `acc`,
-// through its shared-memory buffer, to C as whole 256-byte rows.
-__device__ __forceinline__ void wgrad_store(const WgradKernelArgs& k, const float (&acc)[64],
-                                            int e, int mb, int col0, int wg, int tid) {
-  uint8_t* epi = wgrad_epi(wg);
-  stage_chunk<false>(acc, acc, epi, tid / 32, tid % 32);
+// Warpgroup wg's 64 x 128 output chunk (columns col0.. of its rows) from `acc` into its buffer b,
+// handed to its store warp (wgrad_storer); `uses`: the buffer's earlier chunks. `zero`: an expert
+// without rows, whose chunk the store warp writes as zeros (the accumulators are never written
+// by anything but wgmma: ptxas serialises every wgmma of a kernel that does).
+__device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, int e, int mb,
+                                            int col0, int wg, int b, uint32_t uses, int tid) {
+  mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);  // the store warp has read the last one
+  if (!zero) stage_chunk<false>(acc, acc, wgrad_epi(wg, b), tid / 32, tid % 32);
   named_sync(1 + wg, 128);
-  const int ch = tid % 16;
-  uint16_t* base = k.c + (static_cast<int64_t>(e) * k.m + mb * kTileM + wg * 64) * k.n + col0;
-#pragma unroll
-  for (int it = 0; it < 8; ++it) {
-    const int r = it * 8 + tid / 16;
-    const uint4 v = *reinterpret_cast<const uint4*>(epi + r * kEpiStride + ((ch ^ (r % 8)) << 4));
-    *reinterpret_cast<uint4*>(base + static_cast<int64_t>(r) * k.n + ch * 8) = v;
+  if (tid == 0) {
+    vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
+    vol(gsh.jobs[wg][b][3]) = zero;
+    mbar_arrive(&gsh.epi_full[wg][b]);
   }
-  named_sync(1 + wg, 128);  // the buffer is read: the next chunk may be staged
+}
+
+// Store warp of consumer warpgroup wg: takes its chunks in order (buffers 0, 1, 0, ...) and
+// writes each to C as whole 256-byte rows (two rows per pass), while the warpgroup runs its
+// next tile.
+static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs& k, int wg) {
+  const int lane = threadIdx.x % 32, ch = lane % 16;
+  for (uint32_t n = 0;; ++n) {
+    const int b = n & 1;
+    mbar_wait(&gsh.epi_full[wg][b], (n >> 1) & 1);
+    const int e = vol(gsh.jobs[wg][b][0]);
+    if (e < 0) return;
+    const int mb = vol(gsh.jobs[wg][b][1]), col0 = vol(gsh.jobs[wg][b][2]);
+    const bool zero = vol(gsh.jobs[wg][b][3]) != 0;
+    const uint8_t* epi = wgrad_epi(wg, b);
+    uint16_t* base = k.c + (static_cast<int64_t>(e) * k.m + mb * kTileM + wg * 64) * k.n + col0;
+#pragma unroll 4
+    for (int r0 = 0; r0 < 64; r0 += 2) {
+      const int r = r0 + lane / 16;
+      const uint4 v = zero ? uint4{0, 0, 0, 0}
+                           : *reinterpret_cast<const uint4*>(epi + r * kEpiStride +
+                                                             ((ch ^ (r % 8)) << 4));
+      *reinterpret_cast<uint4*>(base + static_cast<int64_t>(r) * k.n + ch * 8) = v;
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&gsh.epi_empty[wg][b]);
+  }
 }
 
 __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg) {
@@ -436,6 +467,7 @@ __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg)
   float acc0[64], acc1[64];
   const uint64_t zero_a = wgmma_desc_mn(wgrad_zero(), 2048);
   const uint64_t zero_b = wgmma_desc_mn(wgrad_zero() + 2048, 2048);
+  uint32_t tiles = 0;  // tiles staged: each used both buffers once
   for (;;) {
     mbar_wait(&gsh.full[stage], phase);
     const int e = vol(gsh.stage_tile[stage][0]);
@@ -445,8 +477,6 @@ __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg)
     const int k_blocks = vol(gsh.stage_tile[stage][3]);
     const int last_steps = vol(gsh.stage_tile[stage][4]);
     if (k_blocks == 0) {
-#pragma unroll
-      for (int j = 0; j < 64; ++j) acc0[j] = acc1[j] = 0.0f;
       mbar_arrive(&gsh.empty[stage]);
       if (++stage == kWgradStages) stage = 0, phase ^= 1;
     } else {
@@ -454,8 +484,15 @@ __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg)
                                                  k_blocks, last_steps, zero_a, zero_b, wg,
                                                  stage, prev_stage, phase);
     }
-    wgrad_store(k, acc0, e, mb, nb * kTileN, wg, tid);
-    wgrad_store(k, acc1, e, mb, nb * kTileN + 128, wg, tid);
+    wgrad_stage(acc0, k_blocks == 0, e, mb, nb * kTileN, wg, 0, tiles, tid);
+    wgrad_stage(acc1, k_blocks == 0, e, mb, nb * kTileN + 128, wg, 1, tiles, tid);
+    ++tiles;
+  }
+  // The store warp's last job: it stops once it has written everything before it.
+  mbar_wait(&gsh.epi_empty[wg][0], (tiles & 1) ^ 1);
+  if (tid == 0) {
+    vol(gsh.jobs[wg][0][0]) = -1;
+    mbar_arrive(&gsh.epi_full[wg][0]);
   }
 }
 
@@ -471,6 +508,12 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
       mbar_init(&gsh.full[s], 1);
       mbar_init(&gsh.empty[s], 2 * 128);
     }
+    for (int w = 0; w < 2; ++w) {
+      for (int b = 0; b < 2; ++b) {
+        mbar_init(&gsh.epi_full[w][b], 1);   // the warpgroup's thread 0
+        mbar_init(&gsh.epi_empty[w][b], 1);  // its store warp's lane 0
+      }
+    }
     mbar_init_fence();
   }
   __syncthreads();
@@ -478,10 +521,13 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
+    const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) {
       tma_prefetch_map(&k.map_a);
       tma_prefetch_map(&k.map_b);
       wgrad_producer(k, n_tiles);
+    } else if (warp == 1 || warp == 2) {
+      wgrad_storer(k, warp - 1);
     }
   } else {
     setmaxnreg_inc<224>();
