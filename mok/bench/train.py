@@ -143,12 +143,11 @@ def step_flops(shape: ModelShape, tokens: int, recompute: bool) -> tuple[int, in
     return fwd, again if recompute else 0
 
 
-def train_weights(shape: ModelShape, device, split: bool = False, seed: int = 7) -> dict:
+def train_weights(shape: ModelShape, device, seed: int = 7) -> dict:
     """This rank's bf16 weights (variance 1/fan_in, the same values for the same seed), the
     routed ones in the fused layout ``gate_up`` [L, 2I, H] / ``down`` [L, H, I] and the shared
     expert's ``shared_gate_up`` [2Is, H] / ``shared_down`` [H, Is] (absent without one).
-    ``split``: ``gate`` and ``up`` [L, I, H] as two contiguous tensors instead of ``gate_up``
-    (what the fused kernel takes). Plain tensors: the caller makes them leaves."""
+    Plain tensors: the caller makes them leaves."""
     g = torch.Generator(device=device).manual_seed(seed)
     L, H, inter, si = shape.num_experts, shape.hidden, shape.intermediate, shape.shared_intermediate
 
@@ -159,9 +158,6 @@ def train_weights(shape: ModelShape, device, split: bool = False, seed: int = 7)
     w = {"gate_up": rnd(L, 2 * inter, H), "down": rnd(L, H, inter)}
     if si:
         w.update(shared_gate_up=rnd(2 * si, H), shared_down=rnd(H, si))
-    if split:
-        gu = w.pop("gate_up")
-        w = {"gate": gu[:, :inter].contiguous(), "up": gu[:, inter:].contiguous(), **w}
     return w
 
 
