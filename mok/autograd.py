@@ -100,12 +100,10 @@ def _leaves(w_gate: torch.Tensor, w_up: torch.Tensor) -> list:
     return [base, None]
 
 
-def _halves(gate_up: torch.Tensor | None, w_up: torch.Tensor | None, w_gate: torch.Tensor):
-    """(w_gate, w_up) from the leaves _leaves made."""
-    if w_up is not None or gate_up is None:
-        return w_gate, w_up
-    i = gate_up.shape[-2] // 2
-    return gate_up[..., :i, :], gate_up[..., i:, :]
+def _gate_up(first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
+    """The [.., 2I, H] gate / up weight of the leaves :func:`_leaves` made: the one tensor
+    itself, or :func:`mok.experts.gate_up_weight` of w_gate / w_up."""
+    return first if second is None else gate_up_weight(first, second)
 
 
 class _MoE(torch.autograd.Function):
@@ -169,9 +167,9 @@ def _backward(
     dy = dispatch(g_out, sched, mode, out=torch.zeros(cap, hidden, dtype=x.dtype, device=x.device))
     # the experts, recomputed from x dispatched again
     recv = dispatch(x, sched, mode, out=torch.zeros_like(dy))
-    gu = gate_up_weight(*_halves(routed[0], routed[1], routed[0]))
+    gu = _gate_up(routed[0], routed[1])
     d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
-        recv, gu, wd, dy, row_w, sched.group_ends.clone(), group_align=cfg.row_tile,
+        recv, gu, wd, dy, row_w, sched.group_ends, group_align=cfg.row_tile,
         saved_gu=saved_gu,
     )  # fmt: skip
     del recv, dy
@@ -181,7 +179,7 @@ def _backward(
     # the shared expert, its input gradient kept fp32 for the reverse dispatch's sum
     dx_shared, d_shared = None, (None, None, None)
     if shared[2] is not None:
-        sgu = gate_up_weight(*_halves(shared[0], shared[1], shared[0]))
+        sgu = _gate_up(shared[0], shared[1])
         dx_shared, _, d_sgu, d_swd = swiglu_backward(
             x, sgu, shared[2], g_out, d_a_dtype=torch.float32
         )

@@ -357,11 +357,6 @@ def _(
     return None
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 @_mok_op("mok::swiglu_backward_sm90", ("hw", "dgu", "part", "gu32"))
 def swiglu_backward_sm90(
     a: torch.Tensor,  # [R, H] bf16, rows grouped by expert
@@ -402,7 +397,7 @@ def swiglu_backward_sm90(
         hidden,
         two_i // 2,
         L,
-        _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()),
+        torch.cuda.get_device_properties(dev).multi_processor_count,
         torch.cuda.current_stream(dev).cuda_stream,
     )
 
@@ -431,7 +426,7 @@ def wgrad_sm90(
         a.shape[1],
         b.shape[1],
         c.shape[0],
-        _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()),
+        torch.cuda.get_device_properties(dev).multi_processor_count,
         torch.cuda.current_stream(dev).cuda_stream,
     )
 

@@ -145,23 +145,31 @@ def run_case(case: Case) -> None:
     tol.assert_bf16_rule(out.cpu(), ref_b.cpu(), oracle.cpu())
 
 
-def test_fuzz_layer_against_reference():
+def run_cases(seeds, run) -> list[str]:
+    """``run(draw(seed))`` for every seed, the workspaces cleared after each; the failures, each
+    with the environment that replays it."""
     failures = []
-    seeds = [BASE_SEED + i for i in range(NUM_CASES)]
-    kinds = {"fused": 0, "unfused": 0, "zero": 0, "one": 0}
     for seed in seeds:
         case = draw(seed)
-        kinds["fused" if case.fused else "unfused"] += 1
-        kinds["zero"] += case.num_tokens == 0
-        kinds["one"] += case.num_tokens == 1
         try:
-            run_case(case)
+            run(case)
         except Exception as e:  # noqa: BLE001 - collected and reported with the seed
             failures.append(
                 f"MOK_FUZZ_SEED={seed} MOK_FUZZ_CASES=1: {case}: {type(e).__name__}: {e}"
             )
         finally:
             mok.clear_workspaces()
+    return failures
+
+
+def test_fuzz_layer_against_reference():
+    seeds = [BASE_SEED + i for i in range(NUM_CASES)]
+    kinds = {"fused": 0, "unfused": 0, "zero": 0, "one": 0}
+    for case in map(draw, seeds):
+        kinds["fused" if case.fused else "unfused"] += 1
+        kinds["zero"] += case.num_tokens == 0
+        kinds["one"] += case.num_tokens == 1
+    failures = run_cases(seeds, run_case)
     print(f"fuzz: {len(seeds)} cases from seed {BASE_SEED}: {kinds}, {len(failures)} failed")
     assert not failures, "\n".join(failures)
 
@@ -206,17 +214,7 @@ def run_backward_case(case: Case) -> None:
 
 
 def test_fuzz_backward_against_reference():
-    failures = []
     seeds = [BASE_SEED + i for i in range(0, NUM_CASES, 4)]
-    for seed in seeds:
-        case = draw(seed)
-        try:
-            run_backward_case(case)
-        except Exception as e:  # noqa: BLE001 - collected and reported with the seed
-            failures.append(
-                f"MOK_FUZZ_SEED={seed} MOK_FUZZ_CASES=1: {case}: {type(e).__name__}: {e}"
-            )
-        finally:
-            mok.clear_workspaces()
+    failures = run_cases(seeds, run_backward_case)
     print(f"fuzz backward: {len(seeds)} cases from seed {BASE_SEED}, {len(failures)} failed")
     assert not failures, "\n".join(failures)

@@ -142,6 +142,26 @@ __device__ __forceinline__ void copy_chunk(uint8_t* lo, uint8_t* hi, int col,
 }
 
 
+// The end of k-block kb of a consumer's k-loop: its MMAs committed and kept in flight; the
+// previous k-block's are done once at most one group is pending, so that block's stage goes
+// back to the producer now. NOTE: every consumer thread arrives (no divergent branch while MMAs
+// are in flight, which would make ptxas serialise the wgmma instructions).
+template <int kNumStages>
+__device__ __forceinline__ void kblock_done(uint64_t* empty, int kb, int& stage, int& prev_stage,
+                                            uint32_t& phase) {
+  wgmma_commit();
+  wgmma_wait<1>();
+  if (kb > 0) mbar_arrive(&empty[prev_stage]);
+  prev_stage = stage;
+  if (++stage == kNumStages) stage = 0, phase ^= 1;
+}
+
+// The end of a consumer's k-loop: its last MMAs done, the last stage back to the producer.
+__device__ __forceinline__ void kloop_done(uint64_t* empty, int k_blocks, int prev_stage) {
+  wgmma_wait<0>();
+  if (k_blocks > 0) mbar_arrive(&empty[prev_stage]);
+}
+
 // One tile's k-loop for consumer warpgroup wg, over the pipeline stages (stage, prev_stage and
 // phase carry on from tile to tile):
 //   kFull:       rows wg * 64.. of the 128-row tile, all 256 columns: two m64n128 MMAs per k
@@ -201,18 +221,9 @@ __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], 
         Op::mma_n128(acc0, da + Op::kDescStep * kk, db + Op::kDescStep * kk, accum);
       }
     }
-    wgmma_commit();
-    // Keep this k-block's MMAs in flight; the previous k-block's are done once at most one
-    // group is pending, so its stage goes back to the producer now.
-    wgmma_wait<1>();
-    // NOTE: every consumer thread arrives (no divergent branch while MMAs are in flight, which
-    // would make ptxas serialise the wgmma instructions).
-    if (kb > 0) mbar_arrive(&empty[prev_stage]);
-    prev_stage = stage;
-    if (++stage == kNumStages) stage = 0, phase ^= 1;
+    kblock_done<kNumStages>(empty, kb, stage, prev_stage, phase);
   }
-  wgmma_wait<0>();
-  if (k_blocks > 0) mbar_arrive(&empty[prev_stage]);
+  kloop_done(empty, k_blocks, prev_stage);
 }
 
 // One tile's k-loop of a weight gradient C = A^T B, the k axis along the rows of A and B: A
@@ -242,14 +253,9 @@ __device__ __forceinline__ void mma_kloop_wgrad(float (&acc0)[64], float (&acc1)
       Op::mma_n128_ma_nb(acc0, a, live ? db0 + Op::kDescStepMN * kk : zero_b, accum);
       Op::mma_n128_ma_nb(acc1, a, live ? db1 + Op::kDescStepMN * kk : zero_b, accum);
     }
-    wgmma_commit();
-    wgmma_wait<1>();
-    if (kb > 0) mbar_arrive(&empty[prev_stage]);
-    prev_stage = stage;
-    if (++stage == kNumStages) stage = 0, phase ^= 1;
+    kblock_done<kNumStages>(empty, kb, stage, prev_stage, phase);
   }
-  wgmma_wait<0>();
-  if (k_blocks > 0) mbar_arrive(&empty[prev_stage]);
+  kloop_done(empty, k_blocks, prev_stage);
 }
 
 }  // namespace mok

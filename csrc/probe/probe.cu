@@ -151,6 +151,25 @@ template <bool kGpuScope>
 __device__ __forceinline__ uint64_t load_flag(const uint64_t* p) {
   return kGpuScope ? ld_acquire_gpu_u64(p) : ld_acquire_sys(p);
 }
+
+// The ping-pong's bounded wait: spins until *flag >= v; false, with the timeout of iteration
+// `iter` reported in `out`, once timeout_ns pass first.
+template <bool kGpuScope>
+__device__ __forceinline__ bool wait_flag_at_least(const uint64_t* flag, uint64_t v,
+                                                   uint64_t timeout_ns, int64_t* out,
+                                                   int64_t iter) {
+  uint64_t seen = load_flag<kGpuScope>(flag);
+  if (seen >= v) return true;
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while ((seen = load_flag<kGpuScope>(flag)) < v) {
+    if ((++spins & 255) == 0 && globaltimer_ns() - start > timeout_ns) {
+      report_timeout(out, iter, static_cast<int64_t>(seen), static_cast<int64_t>(v));
+      return false;
+    }
+  }
+  return true;
+}
 template <bool kGpuScope>
 __device__ __forceinline__ void store_flag(uint64_t* p, uint64_t v) {
   if (kGpuScope)
@@ -173,17 +192,7 @@ __global__ void pingpong_kernel(uint64_t* wait0, uint64_t* post0, uint64_t* wait
     if (i == warmup) t0 = globaltimer_ns();
     const uint64_t v = base + static_cast<uint64_t>(i) + 1;
     if (ping) store_flag<kGpuScope>(post, v);
-    uint64_t seen = load_flag<kGpuScope>(wait);
-    if (seen < v) {
-      const uint64_t start = globaltimer_ns();
-      uint32_t spins = 0;
-      while ((seen = load_flag<kGpuScope>(wait)) < v) {
-        if ((++spins & 255) == 0 && globaltimer_ns() - start > timeout_ns) {
-          report_timeout(out, i, static_cast<int64_t>(seen), static_cast<int64_t>(v));
-          return;
-        }
-      }
-    }
+    if (!wait_flag_at_least<kGpuScope>(wait, v, timeout_ns, out, i)) return;
     if (!ping) store_flag<kGpuScope>(post, v);
   }
   if (ping) out[kOutNs] = static_cast<int64_t>(globaltimer_ns() - t0);
@@ -354,17 +363,7 @@ __global__ void pingpong_samples_kernel(uint64_t* flag0, uint64_t* flag1, int64_
     }
     const uint64_t v = static_cast<uint64_t>(i) + 1;
     if (ping) store_flag<kGpuScope>(post, v);
-    uint64_t seen = load_flag<kGpuScope>(wait);
-    if (seen < v) {
-      const uint64_t start = globaltimer_ns();
-      uint32_t spins = 0;
-      while ((seen = load_flag<kGpuScope>(wait)) < v) {
-        if ((++spins & 255) == 0 && globaltimer_ns() - start > timeout_ns) {
-          report_timeout(out, i, static_cast<int64_t>(seen), static_cast<int64_t>(v));
-          return;
-        }
-      }
-    }
+    if (!wait_flag_at_least<kGpuScope>(wait, v, timeout_ns, out, i)) return;
     if (!ping) {
       store_flag<kGpuScope>(post, v);
     } else if (i >= warmup) {

@@ -124,16 +124,26 @@ def sort_by_expert(idx: torch.Tensor, num_local: int):
     return order, offs
 
 
-def torch_best_layer(x, idx, tw, w, wgu, swgu):
-    """The whole layer on one rank from torch parts (every expert local; see the module
-    docstring); ``wgu`` / ``swgu``: :func:`prepare`'s weights."""
+def permuted_layer(x, idx, tw, num_local: int, experts):
+    """The routed part of the one-rank torch layers: the (token, k) pairs of idx [n, K] (local
+    expert ids) sorted by expert (:func:`sort_by_expert`), one gather of x, ``experts(rows,
+    offs)`` on the expert-sorted rows, the inverse-permutation gather and a ``bmm`` weighted
+    k-sum -> [n, H] in the experts' output dtype."""
     n, k = idx.shape
-    order, offs = sort_by_expert(idx, w.w_gate.shape[0])
-    y = torch_experts(x.index_select(0, order // k), w, offs, wgu)  # expert-sorted rows
+    order, offs = sort_by_expert(idx, num_local)
+    y = experts(x.index_select(0, order // k), offs)  # expert-sorted rows
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
     slots = y.index_select(0, inv).view(n, k, -1)  # (token, k) order
-    out = torch.bmm(tw.to(torch.bfloat16).view(n, 1, k), slots).view(n, -1)
+    return torch.bmm(tw.to(y.dtype).view(n, 1, k), slots).view(n, -1)
+
+
+def torch_best_layer(x, idx, tw, w, wgu, swgu):
+    """The whole layer on one rank from torch parts (every expert local; see the module
+    docstring); ``wgu`` / ``swgu``: :func:`prepare`'s weights."""
+    out = permuted_layer(
+        x, idx, tw, w.w_gate.shape[0], lambda rows, offs: torch_experts(rows, w, offs, wgu)
+    )
     sh = _shared(x, w, swgu)
     return out if sh is None else out + sh
 

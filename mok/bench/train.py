@@ -69,7 +69,7 @@ from mok.bench.common import (
     provenance,
     time_cuda,
 )
-from mok.bench.layer import MODELS, emulated_shape, sort_by_expert
+from mok.bench.layer import MODELS, emulated_shape, permuted_layer
 from mok.experts import clear_cache
 from mok.spec.rows import bench_routing_seed
 from mok.spec.workload import ModelShape
@@ -122,15 +122,12 @@ def torch_best_train_layer(
     then up rows) / ``down`` [L, H, I] and optionally the shared expert's ``shared_gate_up``
     [2Is, H] / ``shared_down`` [H, Is] -> [n, H] in x's dtype (bf16 on the GPU; fp32 runs too,
     for the tests). Gradients flow to x, tw and every weight; the routing is data."""
-    n, k = idx.shape
-    order, offs = sort_by_expert(idx, gate_up.shape[0])
-    a = x.index_select(0, order // k)  # expert-sorted rows
-    h = swiglu(torch._grouped_mm(a, gate_up.transpose(1, 2), offs=offs))
-    y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    slots = y.index_select(0, inv).view(n, k, -1)  # (token, k) order
-    out = torch.bmm(tw.to(y.dtype).view(n, 1, k), slots).view(n, -1)
+
+    def experts(rows, offs):
+        h = swiglu(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs))
+        return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+
+    out = permuted_layer(x, idx, tw, gate_up.shape[0], experts)
     if shared_gate_up is None:
         return out
     return out + swiglu(x @ shared_gate_up.T) @ shared_down.T
@@ -143,19 +140,16 @@ def step_flops(shape: ModelShape, tokens: int, recompute: bool) -> tuple[int, in
     backward computes the gate / up GEMMs again, routed and shared (tokens x (k x 4 H I + 4 H
     Is); mok's backward saves only its inputs), else nothing (torch-best saves its
     activations)."""
-    H, inter, si = shape.hidden, shape.intermediate, shape.shared_intermediate
-    routed = tokens * shape.num_topk * 6 * H * inter
-    fwd = routed + tokens * 6 * H * si
-    again = tokens * shape.num_topk * 4 * H * inter + tokens * 4 * H * si
+    fwd = tokens * (shape.routed_flops_per_token() + shape.shared_flops_per_token())
+    again = fwd // 3 * 2  # gate / up: 4 of the 6 H I (H Is) of every routed (shared) row
     return fwd, again if recompute else 0
 
 
-def train_weights(shape: ModelShape, device, split: bool = False, seed: int = 7) -> dict:
+def train_weights(shape: ModelShape, device, seed: int = 7) -> dict:
     """This rank's bf16 weights (variance 1/fan_in, the same values for the same seed), the
     routed ones in the fused layout ``gate_up`` [L, 2I, H] / ``down`` [L, H, I] and the shared
     expert's ``shared_gate_up`` [2Is, H] / ``shared_down`` [H, Is] (absent without one).
-    ``split``: ``gate`` and ``up`` [L, I, H] as two contiguous tensors instead of ``gate_up``
-    (what the fused kernel takes). Plain tensors: the caller makes them leaves."""
+    Plain tensors: the caller makes them leaves."""
     g = torch.Generator(device=device).manual_seed(seed)
     L, H, inter, si = shape.num_experts, shape.hidden, shape.intermediate, shape.shared_intermediate
 
@@ -166,9 +160,6 @@ def train_weights(shape: ModelShape, device, split: bool = False, seed: int = 7)
     w = {"gate_up": rnd(L, 2 * inter, H), "down": rnd(L, H, inter)}
     if si:
         w.update(shared_gate_up=rnd(2 * si, H), shared_down=rnd(H, si))
-    if split:
-        gu = w.pop("gate_up")
-        w = {"gate": gu[:, :inter].contiguous(), "up": gu[:, inter:].contiguous(), **w}
     return w
 
 
