@@ -21,25 +21,31 @@ recomputing the forward activations:
 So far at one rank (the workspace's group of size 1): at more ranks the router-weight gradient's
 per-row partials live on the experts' owners and must travel home with the row gradients, which
 this path does not do yet.
+
+Off CUDA the layer is the reference (:func:`reference.moe.moe_forward`, its gradients from
+:func:`reference.moe.moe_backward`). Under torch.compile the layer is two custom ops,
+``mok::moe`` and ``mok::moe_backward`` (autograd registered, fake implementations for the
+shapes), which run the same code inside: the graph holds no op that writes mok's workspace.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from mok.comm import combine, dispatch
-from mok.errors import MoKUnsupportedError
-from mok.experts import _halves_of_one, _kernel_fits, gate_up_weight, swiglu_backward
+from mok.errors import MoKInputError, MoKUnsupportedError
+from mok.experts import _kernel_fits, gate_up_weight, swiglu_backward
 from mok.layer import as_config, moe_forward, unfused_config
+from mok.ops import TAGS, traced
 from mok.schedule import build_schedule
+from mok.spec.config import MoKConfig
 from mok.workspace import get_workspace
-
-if TYPE_CHECKING:
-    from mok.spec.config import MoKConfig
-    from reference.weights import MoEWeights
+from reference.moe import moe_backward as reference_backward
+from reference.moe import moe_forward as reference_forward
+from reference.weights import MoEWeights
 
 __all__ = ["moe"]
 
@@ -68,12 +74,56 @@ def moe(
     Where w_gate and w_up (or the shared expert's) are views of the two halves of one tensor
     (``mok.MoE``'s ``gate_up``), that tensor is what autograd differentiates: its gradient is
     the backward's one [L, 2I, H] weight gradient, not two half gradients scattered into it.
+
+    Off CUDA (any float dtype) it is the reference layer on one device, which needs every expert
+    (MoKInputError otherwise). ``torch.compile`` traces it, ``fullgraph=True`` included, as the
+    ops ``mok::moe`` / ``mok::moe_backward``: compiled and eager results are bitwise equal.
     """
-    routed = _leaves(weights.w_gate, weights.w_up) + [weights.w_down]
-    shared = [None, None, None]
-    if getattr(weights, "shared_w_gate", None) is not None:
-        shared = _leaves(weights.shared_w_gate, weights.shared_w_up) + [weights.shared_w_down]
-    tensors = [x, topk_weights, *routed, *shared]
+    w = weights
+    # NOTE: traced, the leaves are the weights as given (torch.compile does not trace the
+    # storage offsets _leaves reads); mok.MoE names its gate_up leaves itself.
+    tracing = traced([x, topk_idx, topk_weights, w.w_gate, w.w_up, w.w_down])
+    leaves = [w.w_gate, w.w_up] if tracing else _leaves(w.w_gate, w.w_up)
+    leaves.append(w.w_down)
+    if getattr(w, "shared_w_gate", None) is None:
+        leaves += [None, None, None]
+    else:
+        leaves += (
+            [w.shared_w_gate, w.shared_w_up] if tracing else _leaves(w.shared_w_gate, w.shared_w_up)
+        )
+        leaves.append(w.shared_w_down)
+    return moe_on_leaves(
+        x, topk_idx, topk_weights, w, leaves, num_experts, config, group, fused, recompute
+    )
+
+
+def moe_on_leaves(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MoEWeights,
+    leaves: list,
+    num_experts: int,
+    config: MoKConfig | dict | str | Path | None = None,
+    group=None,
+    fused: bool = False,
+    recompute: bool = True,
+) -> torch.Tensor:
+    """:func:`moe` with the tensors autograd differentiates named: ``leaves`` is [w_gate, w_up,
+    w_down, shared_w_gate, shared_w_up, shared_w_down] (None for no shared expert) where a
+    gate_up tensor whose halves ``weights``' w_gate and w_up are takes the w_gate place (and
+    None the w_up place); see :func:`_leaves`."""
+    tensors = [x, topk_weights, *leaves]
+    if traced([x, topk_idx, *tensors]) or not x.is_cuda:
+        if not recompute and x.is_cuda:
+            raise MoKUnsupportedError(
+                "under torch.compile the backward recomputes gate / up; recompute=False runs "
+                "eagerly only so far"
+            )
+        return _moe_op(
+            x, topk_idx, topk_weights, *leaves, num_experts, _config_text(config),
+            _group_name(group), fused,
+        )  # fmt: skip
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
         return moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused)
     gu = None if recompute else gate_up_weight(weights.w_gate, weights.w_up)
@@ -91,11 +141,13 @@ def _leaves(w_gate: torch.Tensor, w_up: torch.Tensor) -> list:
     base = w_gate._base
     if base is None or w_up._base is not base or not base.is_contiguous():
         return [w_gate, w_up]
-    two_d = w_gate.dim() == 2
-    whole = _halves_of_one(w_gate[None], w_up[None]) if two_d else _halves_of_one(w_gate, w_up)
-    if whole is None or base.data_ptr() != w_gate.data_ptr():
+    *lead, inter, hidden = w_gate.shape
+    if tuple(w_up.shape) != tuple(w_gate.shape) or tuple(base.shape) != (*lead, 2 * inter, hidden):
         return [w_gate, w_up]
-    if tuple(base.shape) != tuple(whole.shape[1:] if two_d else whole.shape):
+    if w_gate.stride() != base.stride() or w_up.stride() != base.stride():
+        return [w_gate, w_up]
+    at = base.storage_offset()
+    if w_gate.storage_offset() != at or w_up.storage_offset() != at + inter * hidden:
         return [w_gate, w_up]
     return [base, None]
 
@@ -104,6 +156,42 @@ def _gate_up(first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
     """The [.., 2I, H] gate / up weight of the leaves :func:`_leaves` made: the one tensor
     itself, or :func:`mok.experts.gate_up_weight` of w_gate / w_up."""
     return first if second is None else gate_up_weight(first, second)
+
+
+def _weights(*leaves: torch.Tensor | None) -> MoEWeights:
+    """The :class:`MoEWeights` of the six leaves (routed gate, up, down, then the shared
+    expert's) of :func:`_leaves`: the halves of a gate_up leaf as views."""
+
+    def halves(first, second):
+        if second is not None or first is None:
+            return [first, second]
+        i = first.shape[-2] // 2
+        return [first[..., :i, :], first[..., i:, :]]
+
+    routed = halves(*leaves[:2]) + [leaves[2]]
+    shared = halves(*leaves[3:5]) + [leaves[5]]
+    return MoEWeights(*routed, *shared)
+
+
+def _reference(x, topk_idx, topk_weights, weights, num_experts, group) -> torch.Tensor:
+    """Off CUDA: the reference layer on one device (fp64 for fp64 x, else fp32; x's dtype out)."""
+    _reference_check(weights, num_experts, group)
+    mode = _reference_mode(x)
+    return reference_forward(x, topk_idx, topk_weights, weights, mode).to(x.dtype)
+
+
+def _reference_mode(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _reference_check(weights, num_experts, group) -> None:
+    ranks = 1 if group is None else torch.distributed.get_world_size(group)
+    if ranks > 1 or weights.w_gate.shape[0] != num_experts:
+        raise MoKInputError(
+            f"off CUDA mok runs the reference layer on one device, which needs all {num_experts} "
+            f"experts (this rank holds {weights.w_gate.shape[0]} of a group of {ranks}; "
+            "reference.ep runs the expert-parallel reference)"
+        )
 
 
 class _MoE(torch.autograd.Function):
@@ -197,3 +285,134 @@ def _split(d_gate_up: torch.Tensor, leaves) -> tuple:
         return (d_gate_up, None)
     i = d_gate_up.shape[-2] // 2
     return (d_gate_up[..., :i, :], d_gate_up[..., i:, :])
+
+
+# ---- the layer as two custom ops, for torch.compile ---------------------------------------
+# Traced, the layer is one opaque op (its backward another), so the graph holds no op that
+# mutates mok's workspace buffers; eager calls skip the dispatcher (:class:`_MoE`).
+
+
+@torch.compiler.assume_constant_result
+def _config_text(config) -> str:
+    return as_config(config).to_json()
+
+
+@torch.compiler.assume_constant_result
+def _group_name(group) -> str:
+    return "" if group is None else group.group_name
+
+
+@functools.cache
+def _config(text: str) -> MoKConfig:
+    return MoKConfig.from_json(text)
+
+
+def _group(name: str):
+    return None if not name else torch.distributed.distributed_c10d._resolve_process_group(name)
+
+
+@torch.library.custom_op("mok::moe", mutates_args=(), tags=TAGS)
+def _moe_op(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,  # or the [L, 2I, H] gate_up, then w_up is None
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    shared_w_gate: torch.Tensor | None,  # or the [2Is, H] gate_up, then shared_w_up is None
+    shared_w_up: torch.Tensor | None,
+    shared_w_down: torch.Tensor | None,
+    num_experts: int,
+    config: str,  # MoKConfig.to_json()
+    group: str,  # the process group's name, "" for None
+    fused: bool,
+) -> torch.Tensor:
+    weights = _weights(w_gate, w_up, w_down, shared_w_gate, shared_w_up, shared_w_down)
+    if not x.is_cuda:
+        return _reference(x, topk_idx, topk_weights, weights, num_experts, _group(group))
+    cfg, grp = _config(config), _group(group)
+    return moe_forward(x, topk_idx, topk_weights, weights, num_experts, cfg, grp, fused)
+
+
+@_moe_op.register_fake
+def _(x, *args) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mok::moe_backward", mutates_args=(), tags=TAGS)
+def _moe_backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    shared_w_gate: torch.Tensor | None,
+    shared_w_up: torch.Tensor | None,
+    shared_w_down: torch.Tensor | None,
+    num_experts: int,
+    config: str,
+    group: str,
+) -> list[torch.Tensor]:
+    """[dx, d_topk_weights, then the gradient of each weight that is not None], contiguous, in
+    the dtypes of their inputs."""
+    leaves = [w_gate, w_up, w_down, shared_w_gate, shared_w_up, shared_w_down]
+    if x.is_cuda:
+        grads = _backward(
+            grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], num_experts,
+            _config(config), _group(group),
+        )  # fmt: skip
+    else:
+        grads = _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, group)
+    inputs = [x, topk_weights, *leaves]
+    # NOTE: an op's outputs alias neither its inputs nor each other: the two halves of one
+    # gate_up gradient (gate and up given as separate leaves) are copied apart.
+    halves = {2, 3} if w_up is not None else set()
+    halves |= {5, 6} if shared_w_up is not None else set()
+    return [
+        g.to(t.dtype).clone() if i in halves else g.to(t.dtype).contiguous()
+        for i, (g, t) in enumerate(zip(grads, inputs, strict=True))
+        if t is not None
+    ]
+
+
+@_moe_backward_op.register_fake
+def _(grad_out, x, topk_idx, topk_weights, *rest) -> list[torch.Tensor]:
+    leaves = rest[:6]
+    return [torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t in (x, topk_weights, *leaves) if t is not None]  # fmt: skip
+
+
+def _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, group) -> list:
+    """The gradients of :func:`_reference` for (x, topk_weights, *leaves), by the reference's
+    explicit backward (:func:`reference.moe.moe_backward`)."""
+    weights = _weights(*leaves)
+    _reference_check(weights, num_experts, _group(group))
+    g = reference_backward(grad_out, x, topk_idx, topk_weights, weights, _reference_mode(x))
+
+    def gate_up(d_gate, d_up, one: bool) -> list:
+        return [torch.cat([d_gate, d_up], -2), None] if one else [d_gate, d_up]
+
+    routed = gate_up(g.dw_gate, g.dw_up, leaves[1] is None) + [g.dw_down]
+    shared = [None, None, None]
+    if leaves[5] is not None:
+        shared = gate_up(g.d_shared_w_gate, g.d_shared_w_up, leaves[4] is None)
+        shared.append(g.d_shared_w_down)
+    return [g.dx, g.d_topk_weights, *routed, *shared]
+
+
+def _setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:9])
+    ctx.args = inputs[9:12]  # num_experts, config, group
+
+
+def _moe_grad(ctx, grad_out):
+    x, topk_idx, topk_weights, *leaves = ctx.saved_tensors
+    got = iter(torch.ops.mok.moe_backward(grad_out, x, topk_idx, topk_weights, *leaves, *ctx.args))
+    dx, d_topk = next(got), next(got)
+    d_leaves = [None if t is None else next(got) for t in leaves]
+    return (dx, None, d_topk, *d_leaves, None, None, None, None)
+
+
+_moe_op.register_autograd(_moe_grad, setup_context=_setup)

@@ -7,9 +7,10 @@ Weights are held fused: ``gate_up`` ``[L, 2I, H]`` (the I gate rows, then the I 
 layer sees them as :class:`reference.weights.MoEWeights` views (:meth:`MoE.weights`), so the
 gradients of both halves land in ``gate_up``.
 
-On a CUDA device the forward is :func:`mok.functional.moe` (mok's kernels, differentiable);
-elsewhere it is the reference layer (:func:`reference.moe.moe_forward` in fp32 or fp64, which
-autograd differentiates), so a model built on the module runs and tests on any machine.
+The forward is :func:`mok.functional.moe`: mok's kernels on a CUDA device; elsewhere the
+reference layer (:func:`reference.moe.moe_forward` in fp32 or fp64, which autograd
+differentiates), so a model built on the module runs and tests on any machine. Both trace under
+``torch.compile``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mok.autograd import moe_on_leaves
 from mok.errors import MoKInputError
 from mok.spec.config import MoKConfig
 from reference.weights import MoEWeights
@@ -173,22 +175,13 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, hidden] (x's dtype): shared(x) + the k routed
         experts' outputs weighted by topk_weights; topk_idx holds global expert ids."""
-        if x.is_cuda:
-            from mok.functional import moe
-
-            return moe(
-                x, topk_idx, topk_weights, self.weights(), self.num_experts, self.config,
-                self.group, self.fused, self.recompute,
-            )  # fmt: skip
-        from reference.moe import moe_forward
-
-        if self.gate_up.shape[0] != self.num_experts:
-            raise MoKInputError(
-                f"off CUDA the module runs the reference layer on one device, which needs all "
-                f"{self.num_experts} experts (this rank holds {self.gate_up.shape[0]})"
-            )
-        mode = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return moe_forward(x, topk_idx, topk_weights, self.weights(), mode).to(x.dtype)
+        leaves = [self.gate_up, None, self.down, self.shared_gate_up, None, self.shared_down]
+        if self.shared_gate_up is None:
+            leaves[3:] = [None, None, None]
+        return moe_on_leaves(
+            x, topk_idx, topk_weights, self.weights(), leaves, self.num_experts, self.config,
+            self.group, self.fused, self.recompute,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         local, two_i, hidden = self.gate_up.shape

@@ -45,7 +45,7 @@ _DISPATCH_KERNELS = {
 # NOTE: the kernels' per-call epochs are host counters, so a captured launch would replay with
 # the captured epoch; tagged, torch.compile's CUDA graphs (mode="reduce-overhead") leave mok's
 # ops out of the captured partitions, and a direct capture is refused (Workspace.launch).
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else None
+TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else None
 
 
 def _mok_op(name: str, mutates_args: tuple[str, ...]):
@@ -59,15 +59,13 @@ def _mok_op(name: str, mutates_args: tuple[str, ...]):
     """
 
     def wrap(body):
-        op = torch.library.custom_op(name, mutates_args=mutates_args, tags=_TAGS)(body)
+        op = torch.library.custom_op(name, mutates_args=mutates_args, tags=TAGS)(body)
         params = list(inspect.signature(body).parameters)
         mutated = tuple(params.index(a) for a in mutates_args)
 
         @functools.wraps(body)
         def call(*args):
-            if torch.compiler.is_compiling() or not all(
-                type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor)
-            ):
+            if traced(args):
                 return op(*args)
             for i in mutated:
                 if i < len(args) and args[i] is not None:
@@ -82,6 +80,16 @@ def _mok_op(name: str, mutates_args: tuple[str, ...]):
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def traced(args) -> bool:
+    """Whether a call with these arguments is being traced (torch.compile, or a tensor argument
+    that is a fake, functional or other subclass, as under make_fx or FakeTensorMode): then mok
+    calls its registered ops, whose fake implementations give the shapes, rather than the
+    bodies."""
+    return torch.compiler.is_compiling() or not all(
+        type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor)
+    )
 
 
 def _stamps(ws, p) -> None:

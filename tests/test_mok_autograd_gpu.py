@@ -236,15 +236,9 @@ def test_fused_forward_takes_the_halves_of_one_gate_up():
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch 2.11's inductor fails (BackendCompilerFailed in auto_functionalize_v2) on the "
-    "mok ops that mutate workspace buffers held outside the graph; measured on the H200",
-)
 def test_torch_compile_gives_the_eager_gradients():
-    """torch.compile of a function calling mok.functional.moe (mok's ops traced through their
-    fake implementations, the autograd.Function's backward with them): output and every
-    gradient bitwise equal to eager."""
+    """torch.compile (inductor, whole graph) of a function calling mok.functional.moe, traced as
+    the ops mok::moe / mok::moe_backward: output and every gradient bitwise equal to eager."""
     import mok
     from mok import functional as mf
 
@@ -260,7 +254,7 @@ def test_torch_compile_gives_the_eager_gradients():
 
     leaves = [getattr(w, k).detach().clone().requires_grad_(True) for k in names]
     xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
-    got = torch.compile(layer)(xs, tws, *leaves)
+    got = torch.compile(layer, fullgraph=True)(xs, tws, *leaves)
     got.backward(grad_out)
     assert torch.equal(got.detach(), out)
     assert torch.equal(xs.grad, want["dx"]) and torch.equal(tws.grad, want["d_topk_weights"])
@@ -298,3 +292,28 @@ def test_saved_activations_give_the_recomputed_gradients():
     tol.assert_bf16_rule(out.detach().cpu().double(), ref16.double(), oracle)
     with pytest.raises(mok.MoKUnsupportedError, match="recompute=False"):
         mf.moe(xs, idx, tws, ws, shape.num_experts, cfg, fused=True, recompute=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_module_gives_the_eager_gradients(fused):
+    """A torch.compile'd mok.MoE (whole graph; gate_up as one leaf): output and the gradients
+    of x, the routing weights and every Parameter bitwise equal to the eager module's."""
+    import mok
+
+    shape, n, skew = CASES[1]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=23)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+    gu = torch.cat([w.w_gate, w.w_up], 1).contiguous()
+    runs = []
+    for compiled in (False, True):
+        m = mok.MoE.from_weights(shape.num_experts, gu.clone(), w.w_down.clone(), config=cfg)
+        m.fused = fused
+        f = torch.compile(m, fullgraph=True) if compiled else m
+        xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
+        out = f(xs, idx, tws)
+        out.backward(grad_out)
+        runs.append((out.detach(), xs.grad, tws.grad, m.gate_up.grad, m.down.grad))
+    for a, b in zip(*runs, strict=True):
+        assert a is not None and torch.equal(a, b)
