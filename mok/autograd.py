@@ -30,6 +30,7 @@ shapes), which run the same code inside: the graph holds no op that writes mok's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -292,8 +293,25 @@ def _split(d_gate_up: torch.Tensor, leaves) -> tuple:
 # mutates mok's workspace buffers; eager calls skip the dispatcher (:class:`_MoE`).
 
 
-@torch.compiler.assume_constant_result
 def _config_text(config) -> str:
+    """The op's config argument (MoKConfig JSON). NOTE: traced, a MoKConfig goes in as its field
+    values: torch.compile turns plain constants into a constant result, not a frozen dataclass
+    (torch 2.11: "can't reconstruct arbitrary frozen dataclass instances")."""
+    if isinstance(config, MoKConfig):
+        return _fields_text(*[getattr(config, name) for name in _CONFIG_FIELDS])
+    return _any_text(config)
+
+
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(MoKConfig))
+
+
+@torch.compiler.assume_constant_result
+def _fields_text(*values) -> str:
+    return MoKConfig(**dict(zip(_CONFIG_FIELDS, values, strict=True))).to_json()
+
+
+@torch.compiler.assume_constant_result
+def _any_text(config) -> str:  # None, a dict, a JSON path or text
     return as_config(config).to_json()
 
 

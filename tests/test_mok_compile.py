@@ -17,9 +17,14 @@ from mok.spec.workload import make_routing
 E, H, INTER, IS, K, N = 6, 16, 8, 12, 2, 9
 
 
+# the CUDA path's config (off CUDA it is only carried): a frozen dataclass that the traced call
+# must turn into the op's string argument
+CONFIG = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+
+
 def _inputs(shared: int, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    m = mok.MoE(E, H, INTER, shared, dtype=dtype)
+    m = mok.MoE(E, H, INTER, shared, dtype=dtype, config=CONFIG)
     t = make_routing(N, E, K, 1, "zipf:1.0", seed=seed)
     idx = torch.from_numpy(t.topk_idx)
     tw = torch.from_numpy(t.topk_weights).to(dtype)
@@ -80,7 +85,7 @@ def test_compiled_functional_layer_on_separate_weights():
     grad_out = torch.randn(N, H)
 
     def layer(x, tw, wg, wu, wd):
-        return mf.moe(x, idx, tw, type(w)(wg, wu, wd), E)
+        return mf.moe(x, idx, tw, type(w)(wg, wu, wd), E, CONFIG)
 
     runs = []
     for f in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
