@@ -266,7 +266,8 @@ def test_torch_compile_gives_the_eager_gradients():
 @pytest.mark.sm90
 def test_saved_activations_give_the_recomputed_gradients():
     """recompute=False (the unfused forward keeps fp32 gate / up): every gradient bitwise the
-    recomputing backward's, the output under the bf16 rule; the fused forward refuses it."""
+    recomputing backward's, also with NaN in the receive buffer's padding rows; the output
+    under the bf16 rule; the fused forward refuses it."""
     import mok
     from mok import functional as mf
 
@@ -278,6 +279,14 @@ def test_saved_activations_give_the_recomputed_gradients():
         k: v.detach().clone().requires_grad_(True) for k, v in vars(w).items() if v is not None
     }
     ws = dataclasses.replace(w, **leaves)
+    # the receive buffer's padding rows keep what earlier calls left there (the forward saves
+    # g / u of those rows too): NaN there must not reach a gradient
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    recv = mok.get_workspace(
+        n, shape.hidden, shape.num_topk, shape.num_experts, x.dtype, mf.unfused_config(cfg, sms),
+        None, x.device,
+    ).recv_buffer  # fmt: skip
+    recv.fill_(float("nan"))
     xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
     out = mf.moe(xs, idx, tws, ws, shape.num_experts, cfg, recompute=False)
     out.backward(grad_out)

@@ -244,10 +244,12 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
         const float s = g * sig;
         const float hv = s * u;
         psum += round_bf16(hv) * d;
-        hw[q] = w * hv;
+        // NOTE: a row of weight 0 (padding: saved g / u there are whatever the forward's
+        // receive buffer held, possibly inf or NaN) gives exact zeros, not 0 * garbage.
+        hw[q] = w != 0.0f ? w * hv : 0.0f;
         const float dw = d * w;
-        dg[q] = dw * u * (sig * (1.0f + g * (1.0f - sig)));
-        du[q] = dw * s;
+        dg[q] = w != 0.0f ? dw * u * (sig * (1.0f + g * (1.0f - sig))) : 0.0f;
+        du[q] = w != 0.0f ? dw * s : 0.0f;
       }
       if (valid) {
         *reinterpret_cast<uint32_t*>(k.hw + at + 8 * j) = pack_bf16x2(hw[0], hw[1]);
