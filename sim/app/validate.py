@@ -262,7 +262,9 @@ def validate_layer_model_rows(rows: Iterable[dict], gemm_profile: str | None = N
 # the quantities of a train row, each one record (``what``): the measured column is f"{q}_us"
 TRAIN_QUANTITIES = ("fwd", "bwd", "step")
 # the train rows the layer model predicts
-TRAIN_MOK_IMPLS = ("mok-unfused", "mok-fused")
+TRAIN_MOK_IMPLS = ("mok-unfused", "mok-saved", "mok-fused")
+# the train rows whose backward reads the forward's saved gate / up (no recompute)
+TRAIN_SAVED_IMPLS = ("mok-saved",)
 # the comm SMs of the simulated backward: the rows' config's num_comm_sms_bwd (mok.bench train
 # leaves it at MoKConfig's default; mok's backward today does not read it, its kernels run one
 # after another on all SMs); minibatch and row tile: MoKConfig's, as the train rows ran them
@@ -277,6 +279,9 @@ TRAIN_UNMODELLED = {
     "mok-unfused": "mok-unfused forward (and so its step): mok's comm kernels and torch's "
     "grouped GEMMs one after another, each on all SMs; the layer model overlaps them on a split "
     "of comm and compute SMs (its backward is predicted: the same backward as the fused rows')",
+    "mok-saved": "mok-saved forward (and so its step): mok-unfused's forward with the routed "
+    "experts in mok's saving kernel (fp32 gate / up kept), one piece after another on all SMs "
+    "(its backward is predicted: the fused-backward design without the routed recompute)",
 }
 # what the layer model represents of a train row, and what not (the report's header, the docs)
 TRAIN_MODEL_NOTES = (
@@ -290,7 +295,8 @@ TRAIN_MODEL_NOTES = (
     "backward (every mok row): the simulator's fused-backward design (sim.layer.backward), "
     "NOT what mok runs today: pull reverse combine and push reverse dispatch on "
     f"{TRAIN_BWD_COMM_SMS} comm SMs (MoKConfig.num_comm_sms_bwd) overlapping per-round dgrads "
-    "(gate/up recomputed, down dgrad with the SwiGLU backward, gate/up dgrad) and the weight "
+    "(gate/up recomputed, except on mok-saved rows; down dgrad with the SwiGLU backward; "
+    "gate/up dgrad) and the weight "
     "gradients on the other SMs, every GEMM at the forward's rates. mok's backward "
     "(docs/backward.md) runs one piece after another on all SMs: the schedule again, two "
     "dispatches, the experts' backward kernel (down dgrad + gate/up recompute), torch grouped "
@@ -317,8 +323,9 @@ def train_model_config(
     row of a ``mok.bench train`` CSV (:data:`TRAIN_MODEL_NOTES`): one rank of h200x2 with the
     row's experts (its ``num_experts``: the model's / ``emulated_ep``), all local, on the
     routing the benchmark drew (:func:`mok.spec.rows.row_routing_seed`); the forward config
-    None for a ``mok-unfused`` row (:data:`TRAIN_UNMODELLED`); the backward with ``recompute``
-    (mok's backward saves only its inputs and computes the gate / up GEMMs again) on
+    None for a ``mok-unfused`` or ``mok-saved`` row (:data:`TRAIN_UNMODELLED`); the backward
+    with ``recompute`` (mok's backward saves only its inputs and computes the gate / up GEMMs
+    again; not for a ``mok-saved`` row, :data:`TRAIN_SAVED_IMPLS`) on
     :data:`TRAIN_BWD_COMM_SMS` comm SMs, whatever the forward ran. ``gemm_profile``: both
     passes' GEMM rates (:attr:`sim.config.SimConfig.gemm_profile`). ValueError for a row of
     more than one GPU, an unknown impl or a workload the simulator rejects."""
@@ -347,7 +354,7 @@ def train_model_config(
         gemm_profile=gemm_profile,
     )
     fwd = base.replace(num_comm_sms=int(row["sms"])) if impl == "mok-fused" else None
-    return wl, plan, fwd, backward_config(base, recompute=True)
+    return wl, plan, fwd, backward_config(base, recompute=impl not in TRAIN_SAVED_IMPLS)
 
 
 def _train_record(i: int, row: dict, q: str, **over) -> dict:
