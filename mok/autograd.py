@@ -39,7 +39,7 @@ import torch
 from mok.comm import combine, dispatch
 from mok.errors import MoKInputError, MoKUnsupportedError
 from mok.experts import _kernel_fits, gate_up_weight, swiglu_backward
-from mok.layer import as_config, moe_forward, unfused_config
+from mok.layer import UNFUSED_ROW_TILE, as_config, moe_forward, unfused_config
 from mok.ops import TAGS, traced
 from mok.schedule import build_schedule
 from mok.spec.config import MoKConfig
@@ -68,9 +68,11 @@ def moe(
     ``weights`` (their dtype). The backward runs at one rank (MoKUnsupportedError at more).
 
     ``recompute=False`` (unfused forward on Hopper only) keeps the routed experts' fp32 gate /
-    up outputs from the forward ([rows, 2I] fp32, 0.5 GiB at DeepSeek-V3's per-rank work of
+    up outputs from the forward ([rows, 2I] fp32, 1.03 GiB at DeepSeek-V3's per-rank work of
     EP2) instead of computing them again in the backward; the gradients are bitwise the same,
-    the forward's output is the kernel's (h from fp32 g / u) rather than torch's.
+    the forward's output is the kernel's (h from fp32 g / u) rather than torch's. Under
+    torch.compile the kept g / u is the forward op's second output (rows: what one call can
+    fill, :func:`_saved_rows`).
 
     Where w_gate and w_up (or the shared expert's) are views of the two halves of one tensor
     (``mok.MoE``'s ``gate_up``), that tensor is what autograd differentiates: its gradient is
@@ -116,24 +118,34 @@ def moe_on_leaves(
     None the w_up place); see :func:`_leaves`."""
     tensors = [x, topk_weights, *leaves]
     if traced([x, topk_idx, *tensors]) or not x.is_cuda:
-        if not recompute and x.is_cuda:
-            raise MoKUnsupportedError(
-                "under torch.compile the backward recomputes gate / up; recompute=False runs "
-                "eagerly only so far"
-            )
-        return _moe_op(
+        out, _ = _moe_op(
             x, topk_idx, topk_weights, *leaves, num_experts, _config_text(config),
-            _group_name(group), fused,
+            _group_name(group), fused, recompute,
         )  # fmt: skip
+        return out
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
         return moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused)
-    gu = None if recompute else gate_up_weight(weights.w_gate, weights.w_up)
-    if not recompute and (fused or not _kernel_fits(x, gu, weights.w_down, x)):
+    _check_saving(x, weights, fused, recompute)
+    return _MoE.apply(topk_idx, weights, num_experts, config, group, fused, recompute, *tensors)
+
+
+def _check_saving(x, weights, fused: bool, recompute: bool) -> None:
+    """MoKUnsupportedError where ``recompute=False`` cannot keep gate / up (on CUDA)."""
+    if recompute:
+        return
+    gu = gate_up_weight(weights.w_gate, weights.w_up)
+    if fused or not _kernel_fits(x, gu, weights.w_down, x):
         raise MoKUnsupportedError(
             "recompute=False keeps gate / up from mok's Hopper kernel in the unfused forward; "
             f"found fused={fused} on {x.device} (the fused kernel does not output them yet)"
         )
-    return _MoE.apply(topk_idx, weights, num_experts, config, group, fused, recompute, *tensors)
+
+
+def _saved_rows(num_tokens: int, num_topk: int, num_local_experts: int, config: MoKConfig):
+    """Rows of the fp32 gate / up that a traced ``recompute=False`` forward outputs: the receive
+    rows one rank's call can fill (``mok.layer._received_rows_bound``), known from the shapes."""
+    row_tile = min(config.row_tile, UNFUSED_ROW_TILE)
+    return num_tokens * num_topk + num_local_experts * (row_tile - 1)
 
 
 def _leaves(w_gate: torch.Tensor, w_up: torch.Tensor) -> list:
@@ -344,17 +356,37 @@ def _moe_op(
     config: str,  # MoKConfig.to_json()
     group: str,  # the process group's name, "" for None
     fused: bool,
-) -> torch.Tensor:
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the layer's output, the fp32 gate / up kept for the backward: [:func:`_saved_rows`, 2I]
+    with ``recompute=False`` on CUDA, else empty)."""
     weights = _weights(w_gate, w_up, w_down, shared_w_gate, shared_w_up, shared_w_down)
+    none = x.new_empty(0, dtype=torch.float32)
     if not x.is_cuda:
-        return _reference(x, topk_idx, topk_weights, weights, num_experts, _group(group))
+        return _reference(x, topk_idx, topk_weights, weights, num_experts, _group(group)), none
     cfg, grp = _config(config), _group(group)
-    return moe_forward(x, topk_idx, topk_weights, weights, num_experts, cfg, grp, fused)
+    _check_saving(x, weights, fused, recompute)
+    saved = None if recompute else []
+    out = moe_forward(
+        x, topk_idx, topk_weights, weights, num_experts, cfg, grp, fused, _saved=saved
+    )
+    if recompute:
+        return out, none
+    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], cfg)
+    (gu32,) = saved
+    if gu32.shape[0] < rows:  # a receive buffer smaller than the bound (capacity_factor < 1)
+        gu32 = torch.cat([gu32, gu32.new_zeros(rows - gu32.shape[0], gu32.shape[1])])
+    return out, gu32[:rows]
 
 
 @_moe_op.register_fake
-def _(x, *args) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, *rest) -> tuple:
+    config, recompute = rest[4], rest[7]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if recompute or x.device.type != "cuda":
+        return out, x.new_empty(0, dtype=torch.float32)
+    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], _config(config))
+    return out, x.new_empty(rows, 2 * w_down.shape[-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("mok::moe_backward", mutates_args=(), tags=TAGS)
@@ -372,6 +404,8 @@ def _moe_backward_op(
     num_experts: int,
     config: str,
     group: str,
+    saved: torch.Tensor,  # the forward op's second output
+    recompute: bool,
 ) -> list[torch.Tensor]:
     """[dx, d_topk_weights, then the gradient of each weight that is not None], contiguous, in
     the dtypes of their inputs."""
@@ -379,7 +413,7 @@ def _moe_backward_op(
     if x.is_cuda:
         grads = _backward(
             grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], num_experts,
-            _config(config), _group(group),
+            _config(config), _group(group), None if recompute else saved,
         )  # fmt: skip
     else:
         grads = _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, group)
@@ -421,16 +455,21 @@ def _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, g
 
 
 def _setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:9])
+    ctx.save_for_backward(*inputs[:9], output[1])
     ctx.args = inputs[9:12]  # num_experts, config, group
+    ctx.recompute = inputs[13]
 
 
-def _moe_grad(ctx, grad_out):
-    x, topk_idx, topk_weights, *leaves = ctx.saved_tensors
-    got = iter(torch.ops.mok.moe_backward(grad_out, x, topk_idx, topk_weights, *leaves, *ctx.args))
+def _moe_grad(ctx, grad_out, _grad_saved):
+    x, topk_idx, topk_weights, *leaves, saved = ctx.saved_tensors
+    got = iter(
+        torch.ops.mok.moe_backward(
+            grad_out, x, topk_idx, topk_weights, *leaves, *ctx.args, saved, ctx.recompute
+        )
+    )
     dx, d_topk = next(got), next(got)
     d_leaves = [None if t is None else next(got) for t in leaves]
-    return (dx, None, d_topk, *d_leaves, None, None, None, None)
+    return (dx, None, d_topk, *d_leaves, None, None, None, None, None)
 
 
 _moe_op.register_autograd(_moe_grad, setup_context=_setup)

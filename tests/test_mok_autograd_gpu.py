@@ -305,10 +305,11 @@ def test_saved_activations_give_the_recomputed_gradients():
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("fused", [False, True])
-def test_compiled_module_gives_the_eager_gradients(fused):
-    """A torch.compile'd mok.MoE (whole graph; gate_up as one leaf): output and the gradients
-    of x, the routing weights and every Parameter bitwise equal to the eager module's."""
+@pytest.mark.parametrize(("fused", "recompute"), [(False, True), (True, True), (False, False)])
+def test_compiled_module_gives_the_eager_gradients(fused, recompute):
+    """A torch.compile'd mok.MoE (whole graph; gate_up as one leaf), fused or not, saving its
+    activations or not: output and the gradients of x, the routing weights and every Parameter
+    bitwise equal to the eager module's."""
     import mok
 
     shape, n, skew = CASES[1]
@@ -317,7 +318,9 @@ def test_compiled_module_gives_the_eager_gradients(fused):
     gu = torch.cat([w.w_gate, w.w_up], 1).contiguous()
     runs = []
     for compiled in (False, True):
-        m = mok.MoE.from_weights(shape.num_experts, gu.clone(), w.w_down.clone(), config=cfg)
+        m = mok.MoE.from_weights(
+            shape.num_experts, gu.clone(), w.w_down.clone(), config=cfg, recompute=recompute
+        )
         m.fused = fused
         f = torch.compile(m, fullgraph=True) if compiled else m
         xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)

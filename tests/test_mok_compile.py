@@ -40,9 +40,10 @@ def _grads(f, m, x, idx, tw, grad_out):
     return [out.detach(), x.grad, tw.grad] + [p.grad for p in m.parameters()]
 
 
+@pytest.mark.parametrize("recompute", [True, False])  # off CUDA the reference: nothing saved
 @pytest.mark.parametrize("one_gate_up", [True, False])
 @pytest.mark.parametrize("shared", [0, IS])
-def test_opcheck_accepts_the_layer_op(shared, one_gate_up):
+def test_opcheck_accepts_the_layer_op(shared, one_gate_up, recompute):
     m, x, idx, tw = _inputs(shared, torch.float64, seed=1)
     w = m.weights()
     if one_gate_up:
@@ -60,6 +61,7 @@ def test_opcheck_accepts_the_layer_op(shared, one_gate_up):
         mok.MoKConfig().to_json(),
         "",
         False,
+        recompute,
     )
     got = torch.library.opcheck(torch.ops.mok.moe.default, args)
     assert set(got.values()) == {"SUCCESS"}, got
@@ -124,3 +126,29 @@ def test_the_traced_graph_holds_one_op_each_way():
     assert targets[0].count("mok.moe.default") == 1, targets[0]
     assert targets[1].count("mok.moe_backward.default") == 1, targets[1]
     assert not any("copy_" in t or "auto_functionalize" in t for t in targets[0] + targets[1])
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_fake_shapes_on_cuda_tensors(recompute):
+    """The ops' fake implementations on (fake) CUDA tensors, as torch.compile traces them on a
+    GPU: the output like x; with recompute=False the kept fp32 gate / up of the rows one call
+    can fill (tokens x top-k plus 15 padding rows per expert region, the unfused row tile 16);
+    the gradients like their inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    e, h, i, k, n = 8, 64, 128, 2, 16
+    cfg = mok.MoKConfig().to_json()
+    with FakeTensorMode():
+        x = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
+        idx = torch.empty(n, k, device="cuda", dtype=torch.int64)
+        tw = torch.empty(n, k, device="cuda")
+        gu = torch.empty(e, 2 * i, h, device="cuda", dtype=torch.bfloat16)
+        wd = torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16)
+        weights = (gu, None, wd, None, None, None)
+        out, saved = torch.ops.mok.moe(x, idx, tw, *weights, e, cfg, "", False, recompute)
+        grads = torch.ops.mok.moe_backward(out, x, idx, tw, *weights, e, cfg, "", saved, recompute)
+        assert out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
+        rows = 0 if recompute else n * k + e * (mf.UNFUSED_ROW_TILE - 1)
+        assert saved.dtype == torch.float32
+        assert tuple(saved.shape) == ((0,) if recompute else (rows, 2 * i))
+        assert [(t.shape, t.dtype) for t in grads] == [(t.shape, t.dtype) for t in (x, tw, gu, wd)]
