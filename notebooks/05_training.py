@@ -199,6 +199,40 @@ if FIGURE:
     fig.savefig(FIGURE, dpi=120)
 plt.show()
 
+# %% [markdown]
+# ## The training step on one H200, measured
+#
+# What one step of the layer costs at a model's size: the committed `mok.bench train` run (one
+# H200, the per-rank work of EP2 at 4096 tokens, gradients for x, the routing weights and every
+# weight). `torch-best` is a careful torch layer under autograd (fused gate / up grouped GEMM,
+# one permutation, its faster of eager and compiled); `mok-saved` keeps the routed experts' fp32
+# gate / up from the forward (`mok.MoE(recompute=False)`), the other mok rows recompute them in
+# the backward. The dashed line is torch-best's step / 1.5, the speed goal of the backward work.
+# Re-run on a GPU with `python -m mok.bench train --csv my.csv` and point `TRAIN_CSV` at it.
+
+# %%
+from sim.app.plots import train_steps  # noqa: E402
+from sim.measured import measured_path, read_rows  # noqa: E402
+
+TRAIN_CSV = measured_path("h200x1-train.csv")
+train_rows = read_rows(TRAIN_CSV)
+fig = train_steps(train_rows, target=1.5, title=f"{TRAIN_CSV.name}: one training step per layer")
+plt.show()
+best = {}
+for r in train_rows:
+    key = (r["model"], r["skew"], r["impl"])
+    best[key] = min(best.get(key, math.inf), float(r["step_us"]) / 1e3)
+for model in dict.fromkeys(r["model"] for r in train_rows):
+    ref, mok_best = (
+        best[(model, "uniform", "torch-best")],
+        min(
+            v
+            for (m, s, i), v in best.items()
+            if m == model and s == "uniform" and i != "torch-best"
+        ),
+    )
+    print(f"{model}: torch-best {ref:.2f} ms, best mok {mok_best:.2f} ms ({ref / mok_best:.2f}x)")
+
 # %%
 tail = 20
 gap = max(abs(a - b) for a, b in zip(curves["mok"][-tail:], curves["torch"][-tail:], strict=True))

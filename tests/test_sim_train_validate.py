@@ -251,3 +251,26 @@ def test_the_documented_errors():
 def test_cli_refusals_on_a_train_csv(extra, why, capsys):
     assert main(["validate", str(TRAIN), *extra]) == 2
     assert why in capsys.readouterr().err
+
+
+# -- the figure -----------------------------------------------------------------------------------
+def test_the_train_steps_figure_shows_each_implementations_fastest_step():
+    """sim.app.plots.train_steps on the committed CSV: a panel per (skew, model), a forward and a
+    backward bar per implementation whose sum is its fastest step, labelled with that time."""
+    from sim.app.plots import train_steps
+
+    rows = read_rows(TRAIN)
+    fastest: dict[tuple, float] = {}
+    for r in rows:
+        key = (r["model"], r["skew"], r["impl"])
+        fastest[key] = min(fastest.get(key, math.inf), float(r["step_us"]) / 1e3)
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    axes = train_steps(rows, target=1.5).get_axes()
+    assert len(axes) == len({k[:2] for k in fastest}) == 6
+    for ax in axes:
+        model, skew = ax.get_title().split(", ")
+        want = [fastest[(model, skew, impl)] for impl in impls]
+        assert len(ax.patches) == 2 * len(impls)  # forward and backward of each
+        tops = [b.get_y() + b.get_height() for b in ax.patches if b.get_y() > 0]
+        assert tops == pytest.approx(want, abs=0.002)  # fwd + bwd = step, to the CSV's rounding
+        assert [t.get_text().split("\n")[0] for t in ax.texts] == [f"{w:.1f} ms" for w in want]

@@ -33,6 +33,7 @@ __all__ = [
     "sweep_heatmap_panels",
     "compare_bars",
     "policy_comparison",
+    "train_steps",
     "scaling_summary",
     "waves_scatter",
     "validation_scatter",
@@ -311,6 +312,74 @@ def policy_comparison(rows: Sequence[dict], reference: str = "pull/push") -> Fig
         ax.set_xticklabels([f"{t}\nEP{ep}" for t, ep in cases], fontsize=7)
     axes[0][0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
+    return fig
+
+
+def _best_train_rows(rows: Sequence[dict]) -> dict[tuple[str, str, str], dict]:
+    """The fastest row (``step_us``) of each (model, skew, impl) of a ``mok.bench train`` CSV:
+    torch-best's faster of eager / compile, mok-fused's faster SM count."""
+    best: dict[tuple[str, str, str], dict] = {}
+    for r in rows:
+        key = (r["model"], r["skew"], r["impl"])
+        if key not in best or float(r["step_us"]) < float(best[key]["step_us"]):
+            best[key] = r
+    return best
+
+
+def train_steps(
+    rows: Sequence[dict],
+    reference: str = "torch-best",
+    target: float | None = None,
+    title: str | None = None,
+) -> Figure:
+    """One training step (forward + backward) per implementation of a ``mok.bench train`` CSV:
+    one panel per (skew, model), a bar per implementation (its fastest row) split into forward
+    and backward, labelled with the step time, its ratio to ``reference`` and the memory the step
+    adds above the weights (``step_mem_gib``); ``target``: a dashed line at the reference's step
+    time divided by it (a speed-up goal)."""
+    best = _best_train_rows(rows)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    skews = list(dict.fromkeys(r["skew"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, axes = plt.subplots(
+        len(skews), len(models), figsize=(4.2 * len(models), 3.0 * len(skews) + 0.4),
+        squeeze=False,
+    )  # fmt: skip
+    for i, skew in enumerate(skews):
+        for j, model in enumerate(models):
+            ax = axes[i][j]
+            ref = best.get((model, skew, reference))
+            top = 0.0
+            for x, impl in enumerate(impls):
+                r = best.get((model, skew, impl))
+                if r is None:
+                    continue
+                fwd, bwd = float(r["fwd_us"]) / 1e3, float(r["bwd_us"]) / 1e3
+                step = float(r["step_us"]) / 1e3
+                ax.bar(x, fwd, 0.7, color="#aec7e8", label="forward" if x == 0 else None)
+                ax.bar(x, bwd, 0.7, bottom=fwd, color="#1f77b4",
+                       label="backward" if x == 0 else None)  # fmt: skip
+                text = f"{step:.1f} ms"
+                if ref is not None and impl != reference:
+                    text += f"\n{float(ref['step_us']) / float(r['step_us']):.2f}x"
+                if r.get("step_mem_gib"):
+                    text += f"\n+{float(r['step_mem_gib']):.1f} GiB"
+                ax.text(x, fwd + bwd, text, ha="center", va="bottom", fontsize=6.5)
+                top = max(top, fwd + bwd)
+            if target and ref is not None:
+                goal = float(ref["step_us"]) / 1e3 / target
+                label = f"{reference} / {target:g}" if (i, j) == (0, 0) else None
+                ax.axhline(goal, color="#d62728", ls="--", lw=0.8, label=label)
+            ax.set_ylim(0, top * 1.45)
+            ax.set_xticks(range(len(impls)))
+            ax.set_xticklabels(impls, fontsize=7, rotation=20)
+            ax.set_title(f"{model}, {skew}", fontsize=8)
+            ax.set_ylabel("ms per step", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 
@@ -648,6 +717,16 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
     sp = sub.add_parser("signalling-sensitivity", help="the push-signalling assumptions' figures")
     sp.add_argument("--out", default="docs/img")
     sp.add_argument("--params", default=",".join(SIGNALLING_ASSUMPTIONS))
+    tp = sub.add_parser("train-steps", help="the training-step figure of a mok.bench train CSV")
+    tp.add_argument("--csv", default="mok/bench/results/h200x1-train.csv")
+    tp.add_argument("--out", default="docs/img/train-step-h200.png")
+    tp.add_argument("--title", default=None)
     a = ap.parse_args()
-    for path in write_signalling_sensitivity(a.out, a.params.split(",")):
-        print(f"wrote {path}")
+    if a.what == "train-steps":
+        from sim.measured import read_rows
+
+        train_steps(read_rows(a.csv), target=1.5, title=a.title).savefig(a.out, dpi=110)
+        print(f"wrote {a.out}")
+    else:
+        for path in write_signalling_sensitivity(a.out, a.params.split(",")):
+            print(f"wrote {path}")
