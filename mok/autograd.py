@@ -44,11 +44,12 @@ from mok.ops import TAGS, traced
 from mok.schedule import build_schedule
 from mok.spec.config import MoKConfig
 from mok.workspace import get_workspace
+from reference.moe import MoEGrads
 from reference.moe import moe_backward as reference_backward
 from reference.moe import moe_forward as reference_forward
 from reference.weights import MoEWeights
 
-__all__ = ["moe"]
+__all__ = ["moe", "moe_backward"]
 
 
 def moe(
@@ -127,6 +128,45 @@ def moe_on_leaves(
         return moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused)
     _check_saving(x, weights, fused, recompute)
     return _MoE.apply(topk_idx, weights, num_experts, config, group, fused, recompute, *tensors)
+
+
+def moe_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MoEWeights,
+    num_experts: int,
+    config: MoKConfig | dict | str | Path | None = None,
+    group=None,
+) -> MoEGrads:
+    """The layer's backward as one explicit call, without autograd: the gradients that
+    ``loss.backward()`` through :func:`moe` gives for ``grad_out`` (dL / d of the output of
+    :func:`mok.functional.moe_forward` with these arguments), as
+    :class:`reference.moe.MoEGrads` (the pair of :func:`reference.moe.moe_backward`): dx in x's
+    dtype, d_topk_weights in topk_weights', every weight gradient in its weight's dtype
+    (dw_gate / dw_up views of one [L, 2I, H] gradient on CUDA). The forward activations are
+    recomputed from the inputs. On CUDA mok's backward (one rank so far: MoKUnsupportedError at
+    more); elsewhere the reference's."""
+    if tuple(grad_out.shape) != tuple(x.shape) or grad_out.device != x.device:
+        raise MoKInputError(
+            f"grad_out must be like the layer's output, {tuple(x.shape)} on {x.device} (found "
+            f"{tuple(grad_out.shape)} on {grad_out.device})"
+        )
+    w = weights
+    leaves = [w.w_gate, w.w_up, w.w_down]
+    leaves += [getattr(w, f"shared_w_{n}", None) for n in ("gate", "up", "down")]
+    if x.is_cuda:
+        grads = _backward(
+            grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], num_experts, config,
+            group,
+        )  # fmt: skip
+    else:
+        name = "" if group is None else group.group_name
+        grads = _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, name)
+    inputs = [x, topk_weights, *leaves]
+    grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs, strict=True)]
+    return MoEGrads(*grads)
 
 
 def _check_saving(x, weights, fused: bool, recompute: bool) -> None:

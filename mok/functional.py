@@ -2,7 +2,8 @@
 
 The stages live in their own modules (:mod:`mok.schedule`, :mod:`mok.comm`, :mod:`mok.fused`);
 this module is their public namespace, with :func:`moe_forward` (:mod:`mok.layer`), which
-composes them, and :func:`moe`, the same layer under autograd (:mod:`mok.autograd`).
+composes them, :func:`moe`, the same layer under autograd (:mod:`mok.autograd`), and
+:func:`moe_backward`, its backward as one explicit call.
 
 All calls are asynchronous: no ``.item()``, no host-side counts, no shape-dependent host
 allocation. Sizes that depend on the routing (rows received, dedup rows) stay on the device; the
@@ -27,7 +28,7 @@ next call runs normally; after a timeout it is unusable until :func:`mok.clear_w
 
 from __future__ import annotations
 
-from mok.autograd import moe
+from mok.autograd import moe, moe_backward
 from mok.comm import combine, dedup_partials, dedup_sum, dispatch, fanout
 from mok.fused import forward
 from mok.layer import UNFUSED_ROW_TILE, as_config, moe_forward, unfused_config
@@ -36,6 +37,7 @@ from mok.schedule import DeviceSchedule, build_schedule
 __all__ = [
     "DeviceSchedule",
     "moe",
+    "moe_backward",
     "build_schedule",
     "dispatch",
     "fanout",

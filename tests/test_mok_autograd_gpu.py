@@ -329,3 +329,20 @@ def test_compiled_module_gives_the_eager_gradients(fused, recompute):
         runs.append((out.detach(), xs.grad, tws.grad, m.gate_up.grad, m.down.grad))
     for a, b in zip(*runs, strict=True):
         assert a is not None and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_explicit_backward_is_the_autograd_backward():
+    """mok.functional.moe_backward (one call, no autograd) gives the gradients loss.backward()
+    gives through mok.functional.moe, bitwise, as reference.moe.MoEGrads."""
+    import mok
+    from mok import functional as mf
+
+    shape, n, skew = CASES[1]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=29)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+    _, want = _mok_grads(shape, x, idx, tw, w, grad_out, config=cfg)
+    got = mf.moe_backward(grad_out, x, idx, tw, w, shape.num_experts, cfg)
+    for name, t in want.items():
+        assert torch.equal(getattr(got, name), t), name
