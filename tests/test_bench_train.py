@@ -42,7 +42,7 @@ def test_parser_keeps_its_defaults():
         "uniform,hot:0.5",
     )
     assert (a.impls, a.sms, a.iters, a.warmup, a.emulate_ep) == (
-        "torch-best,mok-unfused,mok-fused",
+        "torch-best,mok-unfused,mok-saved,mok-fused",
         "8,16",
         10,
         3,

@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skews", default="uniform,hot:0.5")
     ap.add_argument(
         "--impls",
-        default="torch-best,mok-unfused,mok-fused",
+        default="torch-best,mok-unfused,mok-saved,mok-fused",
         help=f"comma list of {', '.join(IMPLS)}",
     )
     ap.add_argument(
