@@ -94,3 +94,23 @@ def test_local_experts_need_cuda():
     idx, tw = _routing()
     with pytest.raises(MoKInputError, match="needs all 6 experts"):
         m(torch.randn(N, H, dtype=torch.float64), idx, tw)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """torch.utils.checkpoint around the module (the forward runs again in the backward): the
+    gradients of a plain call, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(3)
+    m = mok.MoE(E, H, INTER, IS, dtype=torch.float64)
+    idx, tw = _routing(seed=3)
+    x = torch.randn(N, H, dtype=torch.float64)
+    runs = []
+    for wrap in (False, True):
+        m.zero_grad(set_to_none=True)
+        xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
+        out = checkpoint(m, xs, idx, tws, use_reentrant=False) if wrap else m(xs, idx, tws)
+        out.square().sum().backward()
+        runs.append([xs.grad, tws.grad, *(p.grad for p in m.parameters())])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
