@@ -189,8 +189,9 @@ ax.axhline(FLOOR, color="grey", ls=":", label="loss floor")
 ax.set_xlabel("step")
 ax.set_ylabel("cross-entropy (nats)")
 where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+tokens = BATCH * (SEQ - 1)  # the layer's inputs per step (each sequence's last id is a target)
 ax.set_title(
-    f"MoE LM: hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, {BATCH * SEQ} tokens/step ({where})\n"
+    f"MoE LM: hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, {tokens} tokens/step ({where})\n"
     "mok.MoE vs a torch MoE layer from the same seed",
     fontsize=10,
 )
