@@ -188,5 +188,6 @@ class MoE(nn.Module):
         si = 0 if self.shared_gate_up is None else self.shared_gate_up.shape[0] // 2
         return (
             f"num_experts={self.num_experts}, local={local}, hidden={hidden}, "
-            f"intermediate={two_i // 2}, shared_intermediate={si}, fused={self.fused}"
+            f"intermediate={two_i // 2}, shared_intermediate={si}, fused={self.fused}, "
+            f"recompute={self.recompute}"
         )

@@ -114,3 +114,11 @@ def test_activation_checkpointing_gives_the_same_gradients():
         runs.append([xs.grad, tws.grad, *(p.grad for p in m.parameters())])
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_repr_names_the_layer_and_its_options():
+    m = mok.MoE(E, H, INTER, IS, dtype=torch.float64, recompute=False)
+    assert repr(m) == (
+        f"MoE(num_experts={E}, local={E}, hidden={H}, intermediate={INTER}, "
+        f"shared_intermediate={IS}, fused=False, recompute=False)"
+    )
