@@ -39,7 +39,13 @@ import torch
 from mok.comm import combine, dispatch
 from mok.errors import MoKInputError, MoKUnsupportedError
 from mok.experts import _kernel_fits, gate_up_weight, swiglu_backward
-from mok.layer import UNFUSED_ROW_TILE, as_config, moe_forward, unfused_config
+from mok.layer import (
+    as_config,
+    moe_forward,
+    routed_rows_bound,
+    unfused_config,
+    unfused_row_tile,
+)
 from mok.ops import TAGS, traced
 from mok.schedule import build_schedule
 from mok.spec.config import MoKConfig
@@ -87,15 +93,10 @@ def moe(
     # NOTE: traced, the leaves are the weights as given (torch.compile does not trace the
     # storage offsets _leaves reads); mok.MoE names its gate_up leaves itself.
     tracing = traced([x, topk_idx, topk_weights, w.w_gate, w.w_up, w.w_down])
-    leaves = [w.w_gate, w.w_up] if tracing else _leaves(w.w_gate, w.w_up)
-    leaves.append(w.w_down)
-    if getattr(w, "shared_w_gate", None) is None:
-        leaves += [None, None, None]
-    else:
-        leaves += (
-            [w.shared_w_gate, w.shared_w_up] if tracing else _leaves(w.shared_w_gate, w.shared_w_up)
-        )
-        leaves.append(w.shared_w_down)
+    pair = (lambda g, u: [g, u]) if tracing else _leaves
+    leaves = [*pair(w.w_gate, w.w_up), w.w_down, None, None, None]
+    if getattr(w, "shared_w_gate", None) is not None:
+        leaves[3:] = [*pair(w.shared_w_gate, w.shared_w_up), w.shared_w_down]
     return moe_on_leaves(
         x, topk_idx, topk_weights, w, leaves, num_experts, config, group, fused, recompute
     )
@@ -118,7 +119,7 @@ def moe_on_leaves(
     gate_up tensor whose halves ``weights``' w_gate and w_up are takes the w_gate place (and
     None the w_up place); see :func:`_leaves`."""
     tensors = [x, topk_weights, *leaves]
-    if traced([x, topk_idx, *tensors]) or not x.is_cuda:
+    if traced([topk_idx, *tensors]) or not x.is_cuda:
         out, _ = _moe_op(
             x, topk_idx, topk_weights, *leaves, num_experts, _config_text(config),
             _group_name(group), fused, recompute,
@@ -156,17 +157,24 @@ def moe_backward(
     w = weights
     leaves = [w.w_gate, w.w_up, w.w_down]
     leaves += [getattr(w, f"shared_w_{n}", None) for n in ("gate", "up", "down")]
+    grads = _layer_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, config, group)
+    return MoEGrads(*grads)
+
+
+def _layer_grads(
+    grad_out, x, topk_idx, topk_weights, leaves, num_experts, config, group, saved_gu=None
+) -> list:
+    """The gradients of (x, topk_weights, *leaves) (None for a None leaf), each in its input's
+    dtype: mok's backward on CUDA (:func:`_backward`), else the reference's."""
     if x.is_cuda:
         grads = _backward(
             grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], num_experts, config,
-            group,
+            group, saved_gu,
         )  # fmt: skip
     else:
-        name = "" if group is None else group.group_name
-        grads = _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, name)
+        grads = _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, group)
     inputs = [x, topk_weights, *leaves]
-    grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs, strict=True)]
-    return MoEGrads(*grads)
+    return [None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs, strict=True)]
 
 
 def _check_saving(x, weights, fused: bool, recompute: bool) -> None:
@@ -183,9 +191,8 @@ def _check_saving(x, weights, fused: bool, recompute: bool) -> None:
 
 def _saved_rows(num_tokens: int, num_topk: int, num_local_experts: int, config: MoKConfig):
     """Rows of the fp32 gate / up that a traced ``recompute=False`` forward outputs: the receive
-    rows one rank's call can fill (``mok.layer._received_rows_bound``), known from the shapes."""
-    row_tile = min(config.row_tile, UNFUSED_ROW_TILE)
-    return num_tokens * num_topk + num_local_experts * (row_tile - 1)
+    rows one rank's unfused call can fill, known from the shapes."""
+    return routed_rows_bound(num_tokens, num_topk, num_local_experts, unfused_row_tile(config))
 
 
 def _leaves(w_gate: torch.Tensor, w_up: torch.Tensor) -> list:
@@ -215,15 +222,16 @@ def _weights(*leaves: torch.Tensor | None) -> MoEWeights:
     """The :class:`MoEWeights` of the six leaves (routed gate, up, down, then the shared
     expert's) of :func:`_leaves`: the halves of a gate_up leaf as views."""
 
-    def halves(first, second):
-        if second is not None or first is None:
-            return [first, second]
-        i = first.shape[-2] // 2
-        return [first[..., :i, :], first[..., i:, :]]
+    def pair(first, second):
+        return [first, second] if second is not None or first is None else _halves(first)
 
-    routed = halves(*leaves[:2]) + [leaves[2]]
-    shared = halves(*leaves[3:5]) + [leaves[5]]
-    return MoEWeights(*routed, *shared)
+    return MoEWeights(*pair(*leaves[:2]), leaves[2], *pair(*leaves[3:5]), leaves[5])
+
+
+def _halves(gate_up: torch.Tensor) -> list:
+    """The gate and up halves ([.., I, H] views) of a [.., 2I, H] tensor."""
+    i = gate_up.shape[-2] // 2
+    return [gate_up[..., :i, :], gate_up[..., i:, :]]
 
 
 def _reference(x, topk_idx, topk_weights, weights, num_experts, group) -> torch.Tensor:
@@ -334,10 +342,7 @@ def _backward(
 def _split(d_gate_up: torch.Tensor, leaves) -> tuple:
     """The gradients of leaves[0:2]: (the [.., 2I, H] one, None) for one gate_up leaf, else its
     two halves."""
-    if leaves[1] is None:
-        return (d_gate_up, None)
-    i = d_gate_up.shape[-2] // 2
-    return (d_gate_up[..., :i, :], d_gate_up[..., i:, :])
+    return (d_gate_up, None) if leaves[1] is None else tuple(_halves(d_gate_up))
 
 
 # ---- the layer as two custom ops, for torch.compile ---------------------------------------
@@ -402,9 +407,9 @@ def _moe_op(
     with ``recompute=False`` on CUDA, else empty)."""
     weights = _weights(w_gate, w_up, w_down, shared_w_gate, shared_w_up, shared_w_down)
     none = x.new_empty(0, dtype=torch.float32)
-    if not x.is_cuda:
-        return _reference(x, topk_idx, topk_weights, weights, num_experts, _group(group)), none
     cfg, grp = _config(config), _group(group)
+    if not x.is_cuda:
+        return _reference(x, topk_idx, topk_weights, weights, num_experts, grp), none
     _check_saving(x, weights, fused, recompute)
     saved = None if recompute else []
     out = moe_forward(
@@ -450,22 +455,16 @@ def _moe_backward_op(
     """[dx, d_topk_weights, then the gradient of each weight that is not None], contiguous, in
     the dtypes of their inputs."""
     leaves = [w_gate, w_up, w_down, shared_w_gate, shared_w_up, shared_w_down]
-    if x.is_cuda:
-        grads = _backward(
-            grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], num_experts,
-            _config(config), _group(group), None if recompute else saved,
-        )  # fmt: skip
-    else:
-        grads = _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, group)
-    inputs = [x, topk_weights, *leaves]
+    grads = _layer_grads(
+        grad_out, x, topk_idx, topk_weights, leaves, num_experts, _config(config),
+        _group(group), None if recompute else saved,
+    )  # fmt: skip
     # NOTE: an op's outputs alias neither its inputs nor each other: the two halves of one
     # gate_up gradient (gate and up given as separate leaves) are copied apart.
     halves = {2, 3} if w_up is not None else set()
     halves |= {5, 6} if shared_w_up is not None else set()
     return [
-        g.to(t.dtype).clone() if i in halves else g.to(t.dtype).contiguous()
-        for i, (g, t) in enumerate(zip(grads, inputs, strict=True))
-        if t is not None
+        g.clone() if i in halves else g.contiguous() for i, g in enumerate(grads) if g is not None
     ]
 
 
@@ -480,7 +479,7 @@ def _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, g
     """The gradients of :func:`_reference` for (x, topk_weights, *leaves), by the reference's
     explicit backward (:func:`reference.moe.moe_backward`)."""
     weights = _weights(*leaves)
-    _reference_check(weights, num_experts, _group(group))
+    _reference_check(weights, num_experts, group)
     g = reference_backward(grad_out, x, topk_idx, topk_weights, weights, _reference_mode(x))
 
     def gate_up(d_gate, d_up, one: bool) -> list:

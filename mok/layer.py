@@ -68,21 +68,34 @@ def unfused_config(config: MoKConfig, num_sms: int) -> MoKConfig:
         A :class:`MoKConfig` (``config`` itself when nothing changes).
     """
     sms = min(int(num_sms), MAX_COMM_SMS)
-    row_tile = min(config.row_tile, UNFUSED_ROW_TILE)
+    row_tile = unfused_row_tile(config)
     if (config.num_comm_sms, config.row_tile) == (sms, row_tile):
         return config
     return dataclasses.replace(config, num_comm_sms=sms, row_tile=row_tile)
 
 
+def unfused_row_tile(config: MoKConfig) -> int:
+    """The row tile :func:`unfused_config` pads expert regions to."""
+    return min(config.row_tile, UNFUSED_ROW_TILE)
+
+
+def routed_rows_bound(num_tokens: int, num_topk: int, num_experts: int, row_tile: int) -> int:
+    """The receive rows one rank's call fills at most when every routed row is local: its
+    ``num_tokens * num_topk`` rows plus each of ``num_experts`` regions' padding to
+    ``row_tile``."""
+    return num_tokens * num_topk + num_experts * (row_tile - 1)
+
+
 def _received_rows_bound(ws, num_tokens: int) -> int:
     """An upper bound, known on the host, of the receive rows a call fills (the schedule's
-    padded row count lives on the device): at one rank this call's ``num_tokens * num_topk``
-    routed rows plus each expert region's padding; with peers the workspace's capacity (a
-    peer may send up to its own ``max_tokens``)."""
+    padded row count lives on the device): at one rank :func:`routed_rows_bound`; with peers
+    the workspace's capacity (a peer may send up to its own ``max_tokens``)."""
     if ws.num_ranks > 1:
         return ws.capacity
-    k, rt = ws.shapes.num_topk, ws.config.row_tile
-    return min(ws.capacity, num_tokens * k + ws.num_local_experts * (rt - 1))
+    bound = routed_rows_bound(
+        num_tokens, ws.shapes.num_topk, ws.num_local_experts, ws.config.row_tile
+    )
+    return min(ws.capacity, bound)
 
 
 def moe_forward(

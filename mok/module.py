@@ -175,9 +175,8 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, hidden] (x's dtype): shared(x) + the k routed
         experts' outputs weighted by topk_weights; topk_idx holds global expert ids."""
+        # (None, None, None for the shared expert where there is none)
         leaves = [self.gate_up, None, self.down, self.shared_gate_up, None, self.shared_down]
-        if self.shared_gate_up is None:
-            leaves[3:] = [None, None, None]
         return moe_on_leaves(
             x, topk_idx, topk_weights, self.weights(), leaves, self.num_experts, self.config,
             self.group, self.fused, self.recompute,

@@ -212,25 +212,18 @@ plt.show()
 # Re-run on a GPU with `python -m mok.bench train --csv my.csv` and point `TRAIN_CSV` at it.
 
 # %%
-from sim.app.plots import train_steps  # noqa: E402
+from sim.app.plots import best_train_rows, train_steps  # noqa: E402
 from sim.measured import measured_path, read_rows  # noqa: E402
 
 TRAIN_CSV = measured_path("h200x1-train.csv")
 train_rows = read_rows(TRAIN_CSV)
 fig = train_steps(train_rows, target=1.5, title=f"{TRAIN_CSV.name}: one training step per layer")
 plt.show()
-best = {}
-for r in train_rows:
-    key = (r["model"], r["skew"], r["impl"])
-    best[key] = min(best.get(key, math.inf), float(r["step_us"]) / 1e3)
+best = {k: float(r["step_us"]) / 1e3 for k, r in best_train_rows(train_rows).items()}
 for model in dict.fromkeys(r["model"] for r in train_rows):
-    ref, mok_best = (
-        best[(model, "uniform", "torch-best")],
-        min(
-            v
-            for (m, s, i), v in best.items()
-            if m == model and s == "uniform" and i != "torch-best"
-        ),
+    ref = best[(model, "uniform", "torch-best")]
+    mok_best = min(
+        v for (m, s, i), v in best.items() if m == model and s == "uniform" and i != "torch-best"
     )
     print(f"{model}: torch-best {ref:.2f} ms, best mok {mok_best:.2f} ms ({ref / mok_best:.2f}x)")
 

@@ -34,6 +34,7 @@ __all__ = [
     "compare_bars",
     "policy_comparison",
     "train_steps",
+    "best_train_rows",
     "scaling_summary",
     "waves_scatter",
     "validation_scatter",
@@ -315,7 +316,7 @@ def policy_comparison(rows: Sequence[dict], reference: str = "pull/push") -> Fig
     return fig
 
 
-def _best_train_rows(rows: Sequence[dict]) -> dict[tuple[str, str, str], dict]:
+def best_train_rows(rows: Sequence[dict]) -> dict[tuple[str, str, str], dict]:
     """The fastest row (``step_us``) of each (model, skew, impl) of a ``mok.bench train`` CSV:
     torch-best's faster of eager / compile, mok-fused's faster SM count."""
     best: dict[tuple[str, str, str], dict] = {}
@@ -337,7 +338,7 @@ def train_steps(
     and backward, labelled with the step time, its ratio to ``reference`` and the memory the step
     adds above the weights (``step_mem_gib``); ``target``: a dashed line at the reference's step
     time divided by it (a speed-up goal)."""
-    best = _best_train_rows(rows)
+    best = best_train_rows(rows)
     models = list(dict.fromkeys(r["model"] for r in rows))
     skews = list(dict.fromkeys(r["skew"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
