@@ -45,8 +45,8 @@ cuda-check:
 	  $(NVCC) -std=c++17 -O1 -Icsrc $(NVCC_FLAGS) -gencode=arch=compute_$$arch,code=sm_$$arch \
 	    -c $$f -o $$tmp/$$(basename $$f).$$arch.o > $$tmp/log 2>&1; rc=$$?; cat $$tmp/log; \
 	  [ $$rc -eq 0 ] || exit 1; \
-	  if grep -q C7515 $$tmp/log; then \
-	    echo "cuda-check: ptxas serialises wgmma in $$f (C7515): accumulators written by non-wgmma code"; exit 1; \
+	  if grep -qE 'C751[15]' $$tmp/log; then \
+	    echo "cuda-check: ptxas serialises wgmma in $$f (C7515: accumulators written by non-wgmma code; C7511: too few registers)"; exit 1; \
 	  fi; \
 	done; done; rm -rf $$tmp
 

@@ -16,10 +16,11 @@ namespace {
 
 template <int kMode>
 int launch_swiglu_mode(const SwigluBwdKernelArgs& k, int grid, cudaStream_t stream) {
+  constexpr int kSmem = BwdPipe<kMode>::kSmem;
   cudaError_t e = cudaFuncSetAttribute(swiglu_bwd_kernel<kMode>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kBwdSmem);
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (e != cudaSuccess) return finish_launch(e);
-  swiglu_bwd_kernel<kMode><<<grid, kLayerThreads, kBwdSmem, stream>>>(k);
+  swiglu_bwd_kernel<kMode><<<grid, kLayerThreads, kSmem, stream>>>(k);
   return finish_launch(cudaGetLastError());
 }
 

@@ -40,16 +40,33 @@ namespace mok {
 
 // Expert groups a launch supports (their tile counts live in shared memory).
 constexpr int kBwdMaxExperts = 1024;
-// Three stages, and the tile's fp32 dh (128 rows x 128 columns, one float per accumulator of
-// the two consumer warpgroups) where a fourth would be.
+// The recomputing backward: three stages, and the tile's fp32 dh (128 rows x 128 columns, one
+// float per accumulator of the two consumer warpgroups) where a fourth would be. (BwdPipe below:
+// the other modes' stages.)
 constexpr int kBwdStages = 3;
 constexpr int kBwdDhBytes = kTileM * 128 * 4;
-constexpr int kBwdSmem = 1024 + kBwdStages * kStageBytes + kBwdDhBytes;
+constexpr int kBwdMaxStages = 6;
 
 // What a launch of swiglu_bwd_kernel computes: kSwigluRecompute the backward above; kSwigluSave a
 // forward that keeps g / u (gate / up GEMM only; h and the fp32 [g | u] out); kSwigluSaved the
 // backward from those (the dh GEMM only; g / u read back).
 enum SwigluMode : int { kSwigluRecompute = 0, kSwigluSave = 1, kSwigluSaved = 2 };
+
+// The pipeline of each mode. Only the recomputing backward parks dh; the others give its memory
+// to stages. A backward from saved g / u runs only the dh k-loop, whose stages are 32 KiB (dy's
+// 128 rows, w_down's 128 columns as two N-major boxes), so six fit: with five loads in flight
+// the w_down stream from HBM stays ahead of the MMAs (three stages, two in flight, held it at
+// ~320 TFLOP/s). A saving forward runs only gate / up: four 48 KiB stages.
+template <int kMode>
+struct BwdPipe {
+  static constexpr int kNumStages =
+      kMode == kSwigluSaved ? kBwdMaxStages : (kMode == kSwigluSave ? 4 : kBwdStages);
+  static constexpr int kStride = kMode == kSwigluSaved ? kStageA + 2 * kBoxNB : kStageBytes;
+  static constexpr int kSmem =
+      1024 + kNumStages * kStride + (kMode == kSwigluRecompute ? kBwdDhBytes : 0);
+  static_assert(kNumStages <= kBwdMaxStages && kStride % 1024 == 0, "stage geometry");
+  static_assert(kSmem <= 227 * 1024, "shared memory of one block");
+};
 
 struct SwigluBwdKernelArgs {
   CUtensorMap map_a;   // a [rows, H], 128-row boxes
@@ -66,10 +83,10 @@ struct SwigluBwdKernelArgs {
 };
 
 struct BwdShared {
-  uint64_t full[kBwdStages], empty[kBwdStages];
+  uint64_t full[kBwdMaxStages], empty[kBwdMaxStages];
   // The tile a stage's first k-block belongs to: first row, its expert's end row, column
   // block; row0 < 0 marks the end of the work.
-  int stage_tile[kBwdStages][3];
+  int stage_tile[kBwdMaxStages][3];
   // Row blocks of the experts before e (tiles_before[e] * column blocks = the first tile of
   // expert e); tiles_before[L] is the total.
   int tiles_before[kBwdMaxExperts + 1];
@@ -165,7 +182,7 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
         vol(bsh.stage_tile[stage][1]) = k.ends[e];
         vol(bsh.stage_tile[stage][2]) = nb;
       }
-      uint8_t* sa = stages + stage * kStageBytes;
+      uint8_t* sa = stages + stage * BwdPipe<kMode>::kStride;
       if (kb < k_blocks) {
         const int kc = kb * OperandBf16::kTileK;
         mbar_arrive_expect_tx(&bsh.full[stage], kStageA + 2 * kBoxNB);
@@ -180,7 +197,7 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
         tma_load_2d(sa + kStageA, &k.map_w, &bsh.full[stage], kc, w_row);
         tma_load_2d(sa + 2 * kStageA, &k.map_w, &bsh.full[stage], kc, w_row + k.inter);
       }
-      if (++stage == kBwdStages) stage = 0, phase ^= 1;
+      if (++stage == BwdPipe<kMode>::kNumStages) stage = 0, phase ^= 1;
     }
   }
 }
@@ -279,9 +296,9 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
     const int end = vol(bsh.stage_tile[stage][1]);
     const int nb = vol(bsh.stage_tile[stage][2]);
     if (kMode != kSwigluSave)
-      mma_kloop<OperandBf16, kFullNB, kBwdStages>(acc0, acc1, bwd_stages(), bsh.full,
-                                                  bsh.empty, k_blocks, 0, wg, stage, prev_stage,
-                                                  phase);
+      mma_kloop<OperandBf16, kFullNB, BwdPipe<kMode>::kNumStages, false,
+                BwdPipe<kMode>::kStride>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
+                                         k_blocks, 0, wg, stage, prev_stage, phase);
     if (kMode == kSwigluRecompute) {
       // NOTE: only this thread reads its entries back (the same accumulator layout), so no
       // barrier is needed between the store and the epilogue's loads.
@@ -290,8 +307,9 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
       for (int i = 0; i < 64; ++i) dh[i * 256] = acc0[i];
     }
     if (kMode != kSwigluSaved)
-      mma_kloop<OperandBf16, kFull, kBwdStages>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
-                                                k_blocks, 0, wg, stage, prev_stage, phase);
+      mma_kloop<OperandBf16, kFull, BwdPipe<kMode>::kNumStages, true>(
+          acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage, prev_stage,
+          phase);
     swiglu_bwd_epilogue<kMode>(k, acc0, acc1, row0, end, nb, wg, warp, lane);
   }
 }
@@ -303,7 +321,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   const int n_blocks = k.inter / 128;
   if (threadIdx.x < 32) count_tiles(k);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kBwdStages; ++s) {
+    for (int s = 0; s < BwdPipe<kMode>::kNumStages; ++s) {
       mbar_init(&bsh.full[s], 1);
       mbar_init(&bsh.empty[s], 2 * 128);  // every thread of both consumer warpgroups
     }
@@ -343,7 +361,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
 // writes them out as whole 256-byte rows.
 
 constexpr int kWgradStages = 3;
-constexpr int kWgradZeroBytes = 6 * 1024;  // zero_a (2 KiB), zero_b (4 KiB): one 16-row step
+constexpr int kWgradZeroBytes = 10 * 1024;  // zero_a (2 KiB), zero_b (8 KiB): one 16-row step
 // Two staged output chunks (acc0's and acc1's columns) per consumer warpgroup.
 constexpr int kWgradSmem = 1024 + kWgradStages * kStageBytes + 4 * kEpiBytes + kWgradZeroBytes;
 

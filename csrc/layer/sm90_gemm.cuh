@@ -25,6 +25,11 @@ constexpr int kStageRowBytes = 128;
 #ifndef MOK_LAYER_STAGES
 #define MOK_LAYER_STAGES 4
 #endif
+// 1: a warpgroup's 64 x 256 k-step is one m64n256k16 (A read from shared memory once); 0: two
+// m64n128k16 over B's halves.
+#ifndef MOK_WGMMA_N256
+#define MOK_WGMMA_N256 1
+#endif
 #ifndef MOK_EPI_BUFFERS
 #define MOK_EPI_BUFFERS 1
 #endif
@@ -46,6 +51,11 @@ struct OperandBf16 {
   __device__ static __forceinline__ void mma_n128(float* d, uint64_t a, uint64_t b, int acc) {
     wgmma_m64n128k16(d, a, b, acc);
   }
+  // d0 | d1: B's two 128-column halves in one instruction (A read once).
+  __device__ static __forceinline__ void mma_n256(float* d0, float* d1, uint64_t a, uint64_t b,
+                                                  int acc) {
+    wgmma_m64n256k16_t<0, 0>(d0, d1, a, b, acc);
+  }
   __device__ static __forceinline__ void mma_n64(float* d, uint64_t a, uint64_t b, int acc) {
     wgmma_m64n64k16(d, a, b, acc);
   }
@@ -58,6 +68,10 @@ struct OperandBf16 {
   __device__ static __forceinline__ void mma_n128_ma_nb(float* d, uint64_t a, uint64_t b,
                                                         int acc) {
     wgmma_m64n128k16_ma_nb(d, a, b, acc);
+  }
+  __device__ static __forceinline__ void mma_n256_ma_nb(float* d0, float* d1, uint64_t a,
+                                                        uint64_t b, int acc) {
+    wgmma_m64n256k16_t<1, 1>(d0, d1, a, b, acc);
   }
 };
 // One consumer warpgroup's 64 x 128 bf16 output chunk: 256-byte rows whose 16-byte chunks are
@@ -172,16 +186,20 @@ __device__ __forceinline__ void kloop_done(uint64_t* empty, int k_blocks, int pr
 //   kFullNB:     rows wg * 64.., 128 columns of an N-major B (two 64-column boxes of
 //                kTileK rows after A): one m64n128 (acc0).
 // kNumStages: the pipeline's stages (the layer's kStages unless a kernel needs the memory).
+// kStride: the bytes from one stage to the next (kStageBytes unless a kernel's stages are
+// smaller). kWide (kFull only): each k step as one m64n256 (MOK_WGMMA_N256) where the kernel's registers
+// allow it; the fused forward's consumers do not (ptxas serialises its wgmma, C7511).
 enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown, kFullNB };
 constexpr int kBoxNB = 64 * kStageRowBytes;  // one 64-column box of 64 k-rows, N-major
 
-template <class Op, int kMode, int kNumStages = kStages>
+template <class Op, int kMode, int kNumStages = kStages, bool kWide = false,
+          int kStride = kStageBytes>
 __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], uint8_t* stages,
                                           uint64_t* full, uint64_t* empty, int k_blocks, int h,
                                           int wg, int& stage, int& prev_stage, uint32_t& phase) {
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
-    const uint8_t* sa = stages + stage * kStageBytes;
+    const uint8_t* sa = stages + stage * kStride;
     const uint64_t da =
         wgmma_desc(sa + ((kMode == kFull || kMode == kFullNB) ? wg : h) * 64 * 128);
     if (kMode == kFullNB) {
@@ -199,8 +217,12 @@ __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], 
 #pragma unroll
       for (int kk = 0; kk < Op::kSteps; ++kk) {
         const int accum = (kb > 0 || kk > 0) ? 1 : 0;
-        Op::mma_n128(acc0, da + Op::kDescStep * kk, db0 + Op::kDescStep * kk, accum);
-        Op::mma_n128(acc1, da + Op::kDescStep * kk, db1 + Op::kDescStep * kk, accum);
+        if (kWide && MOK_WGMMA_N256) {  // B's 256 rows are contiguous: db0 spans both
+          Op::mma_n256(acc0, acc1, da + Op::kDescStep * kk, db0 + Op::kDescStep * kk, accum);
+        } else {
+          Op::mma_n128(acc0, da + Op::kDescStep * kk, db0 + Op::kDescStep * kk, accum);
+          Op::mma_n128(acc1, da + Op::kDescStep * kk, db1 + Op::kDescStep * kk, accum);
+        }
       }
     } else if (kMode == kHalfGateUp) {
       wgmma_fence();
@@ -250,8 +272,12 @@ __device__ __forceinline__ void mma_kloop_wgrad(float (&acc0)[64], float (&acc1)
       const int accum = (kb > 0 || kk > 0) ? 1 : 0;
       const bool live = kk < steps;
       const uint64_t a = live ? da + Op::kDescStepMN * kk : zero_a;
-      Op::mma_n128_ma_nb(acc0, a, live ? db0 + Op::kDescStepMN * kk : zero_b, accum);
-      Op::mma_n128_ma_nb(acc1, a, live ? db1 + Op::kDescStepMN * kk : zero_b, accum);
+      if (MOK_WGMMA_N256) {  // the four boxes of B, kBoxNB apart (the descriptor's stride)
+        Op::mma_n256_ma_nb(acc0, acc1, a, live ? db0 + Op::kDescStepMN * kk : zero_b, accum);
+      } else {
+        Op::mma_n128_ma_nb(acc0, a, live ? db0 + Op::kDescStepMN * kk : zero_b, accum);
+        Op::mma_n128_ma_nb(acc1, a, live ? db1 + Op::kDescStepMN * kk : zero_b, accum);
+      }
     }
     kblock_done<kNumStages>(empty, kb, stage, prev_stage, phase);
   }
