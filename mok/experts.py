@@ -185,7 +185,7 @@ def swiglu_backward(
     offs: torch.Tensor | None = None,
     d_a_dtype: torch.dtype | None = None,
     kernel: bool | None = None,
-    wgrad_kernel: bool = False,
+    wgrad_kernel: bool | None = None,
     group_align: int = 1,
     saved_gu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -208,8 +208,10 @@ def swiglu_backward(
             contiguous, H a multiple of 64, I of 128, at most KERNEL_MAX_EXPERTS groups).
         wgrad_kernel: the weight gradients in mok's Hopper kernel (:func:`mok.ops.wgrad_sm90`)
             where ``kernel`` holds, every group end is a multiple of 16 (``group_align``) and
-            the output a multiple of 128 x 256; else (and by default: on the H200 it measured
-            no faster than torch's grouped GEMM, docs/perf-notes.md) torch's grouped GEMM.
+            the output a multiple of 128 x 256; else torch's GEMMs. None (the default): the
+            kernel for grouped rows (``offs``; on the H200 it runs DeepSeek-V3's per-expert
+            weight gradients at 470-550 TFLOP/s against 384-470 for torch's grouped GEMM), torch
+            for one dense expert (the shared expert: cuBLAS over thousands of rows).
         group_align: every group end is a multiple of this (the schedule's row tile; rows
             without a token must then be zero).
         saved_gu: the fp32 [R, 2I] gate / up outputs :func:`grouped_swiglu_saving` kept (the
@@ -240,7 +242,7 @@ def swiglu_backward(
     d_a = _mm32(dgu, w_gate_up, offs) if d_a_dtype == torch.float32 else _mm(dgu, w_gate_up, offs)
     if d_a_dtype is not None:
         d_a = d_a.to(d_a_dtype)
-    wk = kernel and wgrad_kernel
+    wk = kernel and (offs is not None if wgrad_kernel is None else wgrad_kernel)
     d_wgu = _wgrad(dgu, a, offs, wk, group_align)
     d_wd = _wgrad(dy, hw, offs, wk, group_align)  # sum over rows of dy (x) w h
     return d_a, d_w, d_wgu, d_wd

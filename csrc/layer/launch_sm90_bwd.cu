@@ -66,14 +66,14 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
 int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
   const int64_t M = l.m, N = l.n, L = l.num_experts;
   if (l.rows <= 0 || M <= 0 || M % kTileM != 0 || N <= 0 || N % kTileN != 0 || L < 1 ||
-      grid < 1 || l.rows > INT32_MAX || L * (M / kTileM) * (N / kTileN) > INT32_MAX)
+      grid < 1 || l.rows > INT32_MAX || L * M > INT32_MAX)
     return static_cast<int>(cudaErrorInvalidValue);
   WgradKernelArgs k{};
   if (!encode_bf16_map(&k.map_a, l.a, l.rows, M, 64, 64) ||
-      !encode_bf16_map(&k.map_b, l.b, l.rows, N, 64, 64))
+      !encode_bf16_map(&k.map_b, l.b, l.rows, N, 64, 64) ||
+      !encode_bf16_map(&k.map_c, l.c, L * M, N, 64, 64))
     return static_cast<int>(cudaErrorInvalidValue);
   k.ends = l.ends;
-  k.c = static_cast<uint16_t*>(l.c);
   k.m = static_cast<int>(M);
   k.n = static_cast<int>(N);
   k.num_experts = static_cast<int>(L);

@@ -357,10 +357,13 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
 // 16-row steps that hold the group's rows. Tiles in the order (expert, M block, N block): the
 // blocks working at a time share their expert's A and B in L2. Roles as in the kernel above,
 // plus two store warps (warps 1 and 2): each consumer warpgroup stages its 64 x 128 output
-// chunks in shared memory (two buffers) and goes on with its next tile while its store warp
-// writes them out as whole 256-byte rows.
+// chunks in shared memory (two buffers, each two 64 x 64 boxes in the 128-byte swizzle) and
+// goes on with its next tile while one lane of its store warp writes them out by TMA tensor
+// stores. (Copied out by the store warp's lanes with 16-byte stores, a chunk took ~4500
+// clocks, more than the tile's MMAs: the consumers waited for their buffers half the time.)
 
 constexpr int kWgradStages = 3;
+constexpr int kWgradBoxBytes = 64 * 128;  // one staged 64 x 64 bf16 box of C
 constexpr int kWgradZeroBytes = 10 * 1024;  // zero_a (2 KiB), zero_b (8 KiB): one 16-row step
 // Two staged output chunks (acc0's and acc1's columns) per consumer warpgroup.
 constexpr int kWgradSmem = 1024 + kWgradStages * kStageBytes + 4 * kEpiBytes + kWgradZeroBytes;
@@ -368,8 +371,8 @@ constexpr int kWgradSmem = 1024 + kWgradStages * kStageBytes + 4 * kEpiBytes + k
 struct WgradKernelArgs {
   CUtensorMap map_a;  // A [rows, M], 64-row x 64-column boxes
   CUtensorMap map_b;  // B [rows, N], 64-row x 64-column boxes
+  CUtensorMap map_c;  // C [L * M, N] bf16, 64-row x 64-column boxes (TMA stores)
   const int32_t* ends;  // [L] group ends (multiples of 16)
-  uint16_t* c;          // [L, M, N] bf16
   int m, n, num_experts;
 };
 
@@ -437,14 +440,29 @@ __device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_t
   }
 }
 
-// Warpgroup wg's 64 x 128 output chunk (columns col0.. of its rows) from `acc` into its buffer b,
-// handed to its store warp (wgrad_storer); `uses`: the buffer's earlier chunks. `zero`: an expert
-// without rows, whose chunk the store warp writes as zeros (the accumulators are never written
-// by anything but wgmma: ptxas serialises every wgmma of a kernel that does).
+// Warpgroup wg's 64 x 128 output chunk (columns col0.. of its rows) from `acc` into its buffer b
+// as two 64 x 64 boxes (columns 0..63, then 64..127) in the 128-byte swizzle that C's tensor map
+// stores from: row r at byte 128 r of its box, its 16-byte unit u at unit u ^ (r % 8) (the 8 rows
+// of a store then hit 32 distinct banks). Handed to its store warp (wgrad_storer); `uses`: the
+// buffer's earlier chunks. `zero`: an expert without rows, whose chunk the store warp writes from
+// the zero block (the accumulators are never written by anything but wgmma: ptxas serialises
+// every wgmma of a kernel that does).
 __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, int e, int mb,
                                             int col0, int wg, int b, uint32_t uses, int tid) {
-  mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);  // the store warp has read the last one
-  if (!zero) stage_chunk<false>(acc, acc, wgrad_epi(wg, b), tid / 32, tid % 32);
+  mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);  // the store warp's TMA has read the last one
+  if (!zero) {
+    const int warp = tid / 32, lane = tid % 32, x = lane / 4;  // rows warp * 16 + x (+ 8)
+    uint8_t* row = wgrad_epi(wg, b) + (warp * 16 + x) * 128 + (lane % 4) * 4;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {  // columns 8j..8j+7: box j / 8, unit j % 8
+      uint8_t* at = row + (j / 8) * kWgradBoxBytes + (((j % 8) ^ x) << 4);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        *reinterpret_cast<uint32_t*>(at + hr * 8 * 128) =
+            pack_bf16x2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+    }
+    fence_proxy_async_shared();  // these writes before the TMA's reads
+  }
   named_sync(1 + wg, 128);
   if (tid == 0) {
     vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
@@ -453,31 +471,26 @@ __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, i
   }
 }
 
-// Store warp of consumer warpgroup wg: takes its chunks in order (buffers 0, 1, 0, ...) and
-// writes each to C as whole 256-byte rows (two rows per pass), while the warpgroup runs its
-// next tile.
+// Store warp of consumer warpgroup wg (its lane 0): takes the chunks in order (buffers 0, 1, 0,
+// ...), stores each chunk's two boxes (or the zero block twice) by TMA and gives the buffer back
+// once the TMA has read it; the writes to C are waited for only at the end.
 static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs& k, int wg) {
-  const int lane = threadIdx.x % 32, ch = lane % 16;
   for (uint32_t n = 0;; ++n) {
     const int b = n & 1;
     mbar_wait(&gsh.epi_full[wg][b], (n >> 1) & 1);
     const int e = vol(gsh.jobs[wg][b][0]);
-    if (e < 0) return;
+    if (e < 0) break;
     const int mb = vol(gsh.jobs[wg][b][1]), col0 = vol(gsh.jobs[wg][b][2]);
     const bool zero = vol(gsh.jobs[wg][b][3]) != 0;
-    const uint8_t* epi = wgrad_epi(wg, b);
-    uint16_t* base = k.c + (static_cast<int64_t>(e) * k.m + mb * kTileM + wg * 64) * k.n + col0;
-#pragma unroll 4
-    for (int r0 = 0; r0 < 64; r0 += 2) {
-      const int r = r0 + lane / 16;
-      const uint4 v = zero ? uint4{0, 0, 0, 0}
-                           : *reinterpret_cast<const uint4*>(epi + r * kEpiStride +
-                                                             ((ch ^ (r % 8)) << 4));
-      *reinterpret_cast<uint4*>(base + static_cast<int64_t>(r) * k.n + ch * 8) = v;
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&gsh.epi_empty[wg][b]);
+    const uint8_t* epi = zero ? wgrad_zero() : wgrad_epi(wg, b);
+    const int row = e * k.m + mb * kTileM + wg * 64;
+    tma_store_2d(&k.map_c, epi, col0, row);
+    tma_store_2d(&k.map_c, zero ? epi : epi + kWgradBoxBytes, col0 + 64, row);
+    bulk_commit();
+    bulk_wait_read<0>();
+    mbar_arrive(&gsh.epi_empty[wg][b]);
   }
+  bulk_wait_all();  // C written before the block exits
 }
 
 __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg) {
@@ -546,7 +559,8 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
       tma_prefetch_map(&k.map_a);
       tma_prefetch_map(&k.map_b);
       wgrad_producer(k, n_tiles);
-    } else if (warp == 1 || warp == 2) {
+    } else if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
+      tma_prefetch_map(&k.map_c);
       wgrad_storer(k, warp - 1);
     }
   } else {
