@@ -52,18 +52,20 @@ constexpr int kBwdMaxStages = 6;
 // backward from those (the dh GEMM only; g / u read back).
 enum SwigluMode : int { kSwigluRecompute = 0, kSwigluSave = 1, kSwigluSaved = 2 };
 
-// The pipeline of each mode. Only the recomputing backward parks dh; the others give its memory
-// to stages. A backward from saved g / u runs only the dh k-loop, whose stages are 32 KiB (dy's
-// 128 rows, w_down's 128 columns as two N-major boxes), so six fit: with five loads in flight
-// the w_down stream from HBM stays ahead of the MMAs (three stages, two in flight, held it at
-// ~320 TFLOP/s). A saving forward runs only gate / up: four 48 KiB stages.
+// The pipeline of each mode. A backward from saved g / u runs only the dh k-loop, whose stages
+// are 32 KiB (dy's 128 rows, w_down's 128 columns as two N-major boxes), and parks no dh, so six
+// fit: with five loads in flight the w_down stream from HBM stays ahead of the MMAs (three
+// stages, two in flight, held it at ~320 TFLOP/s). The other modes keep three 48 KiB stages and
+// the dh memory. (A saving forward with four stages and the wide gate / up step ran Kimi-K2's
+// per-rank forward 1.4 ms slower, 9.45 against 8.02 ms; docs/perf-notes.md.) kWide: gate / up
+// as one m64n256 per k step, in the recomputing backward only.
 template <int kMode>
 struct BwdPipe {
-  static constexpr int kNumStages =
-      kMode == kSwigluSaved ? kBwdMaxStages : (kMode == kSwigluSave ? 4 : kBwdStages);
+  static constexpr int kNumStages = kMode == kSwigluSaved ? kBwdMaxStages : kBwdStages;
   static constexpr int kStride = kMode == kSwigluSaved ? kStageA + 2 * kBoxNB : kStageBytes;
   static constexpr int kSmem =
-      1024 + kNumStages * kStride + (kMode == kSwigluRecompute ? kBwdDhBytes : 0);
+      1024 + kNumStages * kStride + (kMode == kSwigluSaved ? 0 : kBwdDhBytes);
+  static constexpr bool kWide = kMode == kSwigluRecompute;
   static_assert(kNumStages <= kBwdMaxStages && kStride % 1024 == 0, "stage geometry");
   static_assert(kSmem <= 227 * 1024, "shared memory of one block");
 };
@@ -307,7 +309,7 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
       for (int i = 0; i < 64; ++i) dh[i * 256] = acc0[i];
     }
     if (kMode != kSwigluSaved)
-      mma_kloop<OperandBf16, kFull, BwdPipe<kMode>::kNumStages, true>(
+      mma_kloop<OperandBf16, kFull, BwdPipe<kMode>::kNumStages, BwdPipe<kMode>::kWide>(
           acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage, prev_stage,
           phase);
     swiglu_bwd_epilogue<kMode>(k, acc0, acc1, row0, end, nb, wg, warp, lane);
