@@ -187,8 +187,8 @@ __device__ __forceinline__ void kloop_done(uint64_t* empty, int k_blocks, int pr
 //                kTileK rows after A): one m64n128 (acc0).
 // kNumStages: the pipeline's stages (the layer's kStages unless a kernel needs the memory).
 // kStride: the bytes from one stage to the next (kStageBytes unless a kernel's stages are
-// smaller). kWide (kFull only): each k step as one m64n256 (MOK_WGMMA_N256) where the kernel's registers
-// allow it; the fused forward's consumers do not (ptxas serialises its wgmma, C7511).
+// smaller). kWide (kFull only): each k step as one m64n256 (MOK_WGMMA_N256) where the kernel's
+// registers allow it; the fused forward's consumers do not (ptxas serialises its wgmma, C7511).
 enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown, kFullNB };
 constexpr int kBoxNB = 64 * kStageRowBytes;  // one 64-column box of 64 k-rows, N-major
 
