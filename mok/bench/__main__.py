@@ -1,18 +1,19 @@
-"""``python -m mok.bench comm|layer|sweep|probe|train [...]`` (launch with torchrun, one process
-per GPU; ``train`` runs on one GPU).
+"""``python -m mok.bench comm|layer|sweep|probe|train|experts [...]`` (launch with torchrun, one
+process per GPU; ``train`` and ``experts`` run on one GPU).
 
 comm: dispatch/combine vs NCCL and DeepEP. layer: the whole layer forward, fused vs unfused vs
 NCCL. sweep: the fused layer over communication SMs x minibatch x mode. probe: the GPU
 microbenchmarks behind ``mok-sim calibrate`` (also runs on one GPU, without the peer parts).
 train: one training step (forward + backward) of the layer on one GPU, mok vs the best torch
-layer under autograd.
+layer under autograd. experts: the routed experts' GEMM pieces of that step, each alone, mok's
+kernels vs torch's.
 """
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("comm", "layer", "sweep", "probe", "train")
+COMMANDS = ("comm", "layer", "sweep", "probe", "train", "experts")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(
             "usage: torchrun --nproc-per-node=N -m mok.bench {comm,layer,sweep,probe} [--help]\n"
-            "       python -m mok.bench train [--help]",
+            "       python -m mok.bench {train,experts} [--help]",
             file=sys.stderr,
         )
         return 2
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from mok.bench import train
 
         return train.main(argv[1:])
+    if argv[0] == "experts":
+        from mok.bench import experts
+
+        return experts.main(argv[1:])
     from mok.bench import comm
 
     return comm.main(argv[1:])

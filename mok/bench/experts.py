@@ -1,0 +1,216 @@
+"""``python -m mok.bench experts``: the routed experts' GEMM pieces of one training step, each
+alone, on one GPU, mok's kernels against torch's on the same operands.
+
+A case is a model at the per-rank work of EP ``--emulate-ep`` (its experts / N), ``--tokens``
+tokens and a routing skew: the rows each expert gets are the routing's, each group padded to the
+layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the routed rows only):
+
+- ``dW_gate_up`` = dgu^T x and ``dW_down`` = dy^T hw per expert: mok's weight-gradient kernel
+  (``mok.ops.wgrad_sm90``) against torch's grouped GEMM over the rows
+  (``torch._grouped_mm(dgu.T, x, offs)``: of the layouts measured on the H200, MN-major operands
+  as they lie were its fastest; K-major copies were slower, docs/perf-notes.md);
+- ``gate_up_dgrad`` = dgu @ W_gu: torch's grouped GEMM (mok runs the same call);
+- ``bwd_recompute``: mok's experts' backward kernel (dh and gate / up recomputed, the SwiGLU
+  backward in the epilogue) against the torch path of ``mok.experts.swiglu_backward`` (fp32
+  GEMM outputs where torch has them, elementwise SwiGLU backward);
+- ``bwd_from_saved``: the kernel from saved fp32 g / u (the dh GEMM only);
+- ``fwd_saving``: the forward that keeps g / u (the kernel's gate / up, torch's down) against
+  torch's bf16 gate / up and down grouped GEMMs.
+
+Rows: ``model, hidden, intermediate, num_experts, num_topk, skew, tokens_per_rank, routing_seed,
+emulated_ep, rows, padded_rows, piece, impl, median_us, p20_us, p80_us, flops, tflops`` and the
+run's provenance. Speeds are printed and written, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mok.bench.common import (
+    Recorder,
+    draw_routing,
+    init_dist,
+    is_rank0,
+    provenance,
+    time_cuda,
+)
+from mok.bench.layer import MODELS, emulated_shape
+from mok.spec.rows import bench_routing_seed
+
+PIECES = (
+    "dW_gate_up",
+    "dW_down",
+    "gate_up_dgrad",
+    "bwd_recompute",
+    "bwd_from_saved",
+    "fwd_saving",
+)
+
+
+class ExpertsRecorder(Recorder):
+    """Times rounded to 0.1 us, then the provenance (one GPU: no NVLink columns)."""
+
+    def add(self, **row) -> None:
+        for k in ("median_us", "p20_us", "p80_us"):
+            row[k] = round(row[k], 1)
+        self.rows.append({**row, **self.meta})
+        if is_rank0():
+            print(self.describe(row), flush=True)
+
+    def describe(self, row: dict) -> str:
+        return (
+            f"{row['model']:>14} {row['skew']:>8} {row['piece']:>15} {row['impl']:>6} "
+            f"{row['median_us']:>9.1f} us {row['tflops']:>6.1f} TFLOP/s"
+        )
+
+
+def padded_groups(counts: torch.Tensor, align: int) -> tuple[torch.Tensor, int]:
+    """(int32 group ends of ``counts`` rows per expert, each padded up to a multiple of
+    ``align``; the padded row total)."""
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0).to(torch.int32)
+    return ends, int(padded.sum())
+
+
+def piece_flops(piece: str, rows: int, hidden: int, inter: int) -> int:
+    """Useful FLOPs of a piece over ``rows`` routed rows."""
+    gemm = 2 * rows * hidden * inter  # one [rows, H] x [H, I] GEMM
+    return {
+        "dW_gate_up": 2 * gemm,
+        "dW_down": gemm,
+        "gate_up_dgrad": 2 * gemm,
+        "bwd_recompute": 3 * gemm,
+        "bwd_from_saved": gemm,
+        "fwd_saving": 3 * gemm,
+    }[piece]
+
+
+def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device):
+    """The rows of one (model, tokens, skew): every piece of ``pieces``, mok and torch, on the
+    same operands."""
+    import mok
+    from mok import experts as me
+    from mok import ops
+    from mok.layer import unfused_row_tile
+    from mok.spec.workload import get_shape
+
+    shape = emulated_shape(get_shape(model), 1, emulate_ep)
+    E, H, inter, K = shape.num_experts, shape.hidden, shape.intermediate, shape.num_topk
+    seed = bench_routing_seed(n)
+    idx, _, _ = draw_routing(n, E, K, skew, seed=seed)
+    counts = torch.bincount(idx.reshape(-1).long(), minlength=E)
+    offs, R = padded_groups(counts, unfused_row_tile(mok.MoKConfig()))
+    real = int(counts.sum())
+    g = torch.Generator(device=device).manual_seed(13)
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, device=device, generator=g) * scale).to(torch.bfloat16)
+
+    x, dy, hw = rnd(R, H), rnd(R, H), rnd(R, inter)
+    dgu = rnd(R, 2 * inter)
+    wgu, wd = rnd(E, 2 * inter, H, scale=H**-0.5), rnd(E, H, inter, scale=inter**-0.5)
+    row_w = torch.rand(R, device=device, generator=g)
+    base = dict(model=model, hidden=H, intermediate=inter, num_experts=E, num_topk=K, skew=skew)
+    base.update(tokens_per_rank=n, routing_seed=seed, emulated_ep=emulate_ep or 1)
+    base.update(rows=real, padded_rows=R)
+    c_gu = torch.empty(E, 2 * inter, H, device=device, dtype=torch.bfloat16)
+    c_d = torch.empty(E, H, inter, device=device, dtype=torch.bfloat16)
+    saved = None
+    if "bwd_from_saved" in pieces:
+        saved = me.grouped_swiglu_saving(x, wgu, wd, offs)[1]
+    calls = {
+        "dW_gate_up": {
+            "mok": lambda: ops.wgrad_sm90(dgu, x, offs, c_gu),
+            "torch": lambda: torch._grouped_mm(dgu.T, x, offs=offs),
+        },
+        "dW_down": {
+            "mok": lambda: ops.wgrad_sm90(dy, hw, offs, c_d),
+            "torch": lambda: torch._grouped_mm(dy.T, hw, offs=offs),
+        },
+        "gate_up_dgrad": {"torch": lambda: torch._grouped_mm(dgu, wgu, offs=offs)},
+        "bwd_recompute": {
+            "mok": lambda: me._swiglu_backward_sm90(x, wgu, wd, dy, row_w, offs),
+            "torch": lambda: me._swiglu_backward_torch(x, wgu, wd, dy, row_w, offs),
+        },
+        "bwd_from_saved": {
+            "mok": lambda: me._swiglu_backward_sm90(x, wgu, wd, dy, row_w, offs, saved),
+        },
+        "fwd_saving": {
+            "mok": lambda: me.grouped_swiglu_saving(x, wgu, wd, offs),
+            "torch": lambda: me.grouped_swiglu(
+                x, wgu[:, :inter], wgu[:, inter:], wd, offs, exact=False, w_gate_up=wgu
+            ),
+        },
+    }
+    for piece in pieces:
+        flops = piece_flops(piece, real, H, inter)
+        for impl, fn in calls[piece].items():
+            t = time_cuda(fn, iters, warmup)
+            rec.add(
+                **base,
+                piece=piece,
+                impl=impl,
+                median_us=t.median_us,
+                p20_us=t.p20_us,
+                p80_us=t.p80_us,
+                flops=flops,
+                tflops=round(flops / (t.median_us * 1e6), 1),
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m mok.bench experts")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default="4096")
+    ap.add_argument("--skews", default="uniform,hot:0.5")
+    ap.add_argument("--pieces", default=",".join(PIECES), help=f"comma list of {', '.join(PIECES)}")
+    ap.add_argument(
+        "--emulate-ep",
+        type=int,
+        default=2,
+        help="the per-rank work of this EP size (the model's experts / N, same tokens)",
+    )
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--csv", default="mok-bench-experts.csv")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    from tqdm import tqdm
+
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    pieces = tuple(args.pieces.split(","))
+    unknown = sorted(set(pieces) - set(PIECES))
+    if unknown:
+        ap.error(f"unknown --pieces {', '.join(unknown)}; supported: {', '.join(PIECES)}")
+    if args.emulate_ep < 0:
+        ap.error(f"--emulate-ep must be >= 0 (found {args.emulate_ep})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        ap.error(f"runs on one GPU, not under a world of {world}")
+    dev = init_dist("mok.bench experts")
+    rec = ExpertsRecorder(args.csv, provenance())
+    jobs = list(
+        itertools.product(
+            args.models.split(","), (int(v) for v in args.tokens.split(",")), args.skews.split(",")
+        )
+    )
+    for model, n, skew in tqdm(jobs, disable=not is_rank0(), desc="experts"):
+        run_case(rec, model, n, skew, pieces, args.iters, args.warmup, args.emulate_ep, dev)
+        torch.cuda.empty_cache()
+        rec.write()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""The experts' pieces benchmark (mok.bench experts) on the CPU: its parser and refusals, the
+padded groups and FLOP counts, and one whole case run with stand-ins for the GPU (the timer, the
+routing draw and mok's kernels; torch's pieces run for real on CPU tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok
+from mok import experts as me
+from mok import ops
+from mok.bench import experts
+from mok.bench.common import Timing
+from mok.errors import MoKUnsupportedError
+from mok.layer import unfused_row_tile
+from mok.spec.rows import bench_routing_seed
+from mok.spec.workload import get_shape, make_routing
+
+META = {"gpu": "NVIDIA H200", "num_ranks": 1, "torch": "2.11", "cuda": "13.0", "git_sha": "abc"}
+
+
+def test_parser_keeps_its_defaults():
+    a = experts.build_parser().parse_args([])
+    assert (a.models, a.tokens, a.skews) == (
+        "deepseek-v3,kimi-k2,qwen3-30b-a3b",
+        "4096",
+        "uniform,hot:0.5",
+    )
+    assert a.pieces == ",".join(experts.PIECES)
+    assert (a.emulate_ep, a.iters, a.warmup, a.csv) == (2, 10, 3, "mok-bench-experts.csv")
+
+
+def test_without_a_gpu_it_refuses_and_names_the_command(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MoKUnsupportedError, match=r"^mok.bench experts needs a CUDA GPU"):
+        experts.main(["--models", "tiny"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "why"),
+    [
+        (["--pieces", "dW_down,nope"], {}, "unknown --pieces nope"),
+        (["--emulate-ep", "-1"], {}, "--emulate-ep must be >= 0"),
+        ([], {"WORLD_SIZE": "2"}, "runs on one GPU"),
+    ],
+)
+def test_bad_arguments_stop_before_any_gpu_work(argv, env, why, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(experts, "init_dist", lambda *a: pytest.fail("started the process group"))
+    with pytest.raises(SystemExit) as e:
+        experts.main(argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_groups_are_padded_to_the_row_tile():
+    ends, total = experts.padded_groups(torch.tensor([5, 0, 64, 65]), 64)
+    assert ends.tolist() == [64, 64, 128, 256] and ends.dtype == torch.int32 and total == 256
+
+
+def test_piece_flops_count_the_routed_rows_gemms():
+    g = 2 * 10 * 7168 * 2048
+    want = dict(dW_gate_up=2 * g, dW_down=g, gate_up_dgrad=2 * g, bwd_recompute=3 * g)
+    want.update(bwd_from_saved=g, fwd_saving=3 * g)
+    assert {p: experts.piece_flops(p, 10, 7168, 2048) for p in experts.PIECES} == want
+
+
+def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path, capsys):
+    calls = {"mok": []}
+
+    def draw(n, e, k, skew, seed=None):
+        t = make_routing(n, e, k, 1, skew, seed=seed)
+        return torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights), t
+
+    def time_cuda(fn, iters, warmup, then=None):
+        fn()  # torch's pieces for real; mok's through the stand-ins below
+        return Timing(100.0, 90.0, 120.0)
+
+    def wgrad(a, b, ends, c, accumulate=False):
+        calls["mok"].append(("wgrad", a.shape, b.shape, ends.tolist(), c.shape))
+
+    def bwd(a, wgu, wd, dy, row_w, offs, saved=None):
+        calls["mok"].append(("bwd", saved is not None, offs.tolist()))
+
+    def saving(a, wgu, wd, offs):
+        calls["mok"].append(("saving", offs.tolist()))
+        return None, "saved"
+
+    monkeypatch.setattr(experts, "draw_routing", draw)
+    monkeypatch.setattr(experts, "time_cuda", time_cuda)
+    monkeypatch.setattr(ops, "wgrad_sm90", wgrad)
+    monkeypatch.setattr(me, "_swiglu_backward_sm90", bwd)
+    monkeypatch.setattr(me, "grouped_swiglu_saving", saving)
+    rec = experts.ExpertsRecorder(str(tmp_path / "experts.csv"), META)
+    experts.run_case(rec, "tiny", 40, "uniform", experts.PIECES, 2, 1, 2, "cpu")
+    got = [(r["piece"], r["impl"]) for r in rec.rows]
+    assert got == [
+        ("dW_gate_up", "mok"),
+        ("dW_gate_up", "torch"),
+        ("dW_down", "mok"),
+        ("dW_down", "torch"),
+        ("gate_up_dgrad", "torch"),
+        ("bwd_recompute", "mok"),
+        ("bwd_recompute", "torch"),
+        ("bwd_from_saved", "mok"),
+        ("fwd_saving", "mok"),
+        ("fwd_saving", "torch"),
+    ]
+    tiny = get_shape("tiny")  # 16 experts (8 at EP2), 256 x 128, top-4
+    E, H, inter = tiny.num_experts // 2, tiny.hidden, tiny.intermediate
+    idx = draw(40, E, tiny.num_topk, "uniform", bench_routing_seed(40))[0]
+    counts = torch.bincount(idx.reshape(-1).long(), minlength=E)
+    ends, total = experts.padded_groups(counts, unfused_row_tile(mok.MoKConfig()))
+    for r in rec.rows:
+        assert (r["model"], r["num_experts"], r["hidden"], r["intermediate"]) == (
+            "tiny",
+            E,
+            H,
+            inter,
+        )
+        assert (r["rows"], r["padded_rows"], r["emulated_ep"]) == (40 * tiny.num_topk, total, 2)
+        assert r["routing_seed"] == bench_routing_seed(40) and r["git_sha"] == "abc"
+        assert (r["median_us"], r["p20_us"], r["p80_us"]) == (100.0, 90.0, 120.0)
+        assert r["flops"] == experts.piece_flops(r["piece"], 40 * tiny.num_topk, H, inter)
+        assert r["tflops"] == round(r["flops"] / 100e6, 1)
+    # mok's kernels got the padded groups, the weight gradients their [L, M, N] outputs
+    assert ("wgrad", (total, 2 * inter), (total, H), ends.tolist(), (E, 2 * inter, H)) in calls[
+        "mok"
+    ]
+    assert ("wgrad", (total, H), (total, inter), ends.tolist(), (E, H, inter)) in calls["mok"]
+    assert ("bwd", True, ends.tolist()) in calls["mok"]  # from the saved g / u
+    assert "tiny  uniform      dW_gate_up    mok     100.0 us" in capsys.readouterr().out
+    rec.write()
+    lines = (tmp_path / "experts.csv").read_text().splitlines()
+    assert lines[0].startswith("model,hidden,intermediate,num_experts,num_topk,skew,")
+    assert lines[0].endswith(",tflops,gpu,num_ranks,torch,cuda,git_sha")
+    assert len(lines) == 1 + len(rec.rows)
