@@ -35,6 +35,7 @@ import functools
 from pathlib import Path
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from mok.comm import combine, dispatch
 from mok.errors import MoKInputError, MoKUnsupportedError
@@ -268,6 +269,7 @@ class _MoE(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # its kernels are not recorded: a second derivative would be wrong
     def backward(ctx, grad_out):
         topk_idx, x, topk_weights, *leaves, saved_gu = ctx.saved_tensors
         grads = _backward(

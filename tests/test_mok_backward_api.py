@@ -60,3 +60,28 @@ def test_a_grad_out_unlike_the_output_is_refused():
     x, idx, tw, w, grad_out = _inputs(torch.float32)
     with pytest.raises(MoKInputError, match=r"grad_out must be like the layer's output, \(9, 16\)"):
         mf.moe_backward(grad_out[:, :8], x, idx, tw, w, SHAPE.num_experts)
+
+
+def test_the_eager_cuda_function_refuses_a_second_derivative(monkeypatch):
+    """The eager CUDA path's autograd.Function (mok.autograd._MoE), with its forward and
+    backward stood in on CPU tensors: one backward gives the backward's gradients; a backward
+    through those gradients (create_graph=True) raises instead of differentiating kernels that
+    autograd never saw."""
+    import mok.autograd as ma
+
+    monkeypatch.setattr(ma, "moe_forward", lambda x, *a, **k: 2 * x)
+
+    def backward(grad_out, x, idx, tw, routed, shared, *rest):
+        zeros = [None if t is None else torch.zeros_like(t) for t in (*routed, *shared)]
+        return (2 * grad_out, torch.zeros_like(tw), *zeros)
+
+    monkeypatch.setattr(ma, "_backward", backward)
+    x, idx, tw, w, grad_out = _inputs(torch.float64)
+    x.requires_grad_(True)
+    leaves = [w.w_gate, w.w_up, w.w_down, None, None, None]
+    out = ma._MoE.apply(idx, w, SHAPE.num_experts, None, None, False, True, x, tw, *leaves)
+    grad_out.requires_grad_(True)  # as in a gradient penalty: the seed is itself differentiable
+    (g,) = torch.autograd.grad(out, x, grad_out, create_graph=True)
+    assert torch.equal(g, 2 * grad_out)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
