@@ -26,6 +26,7 @@ import torch.distributed as dist
 from mok.bench.common import (
     CEILING_GBPS,
     Recorder,
+    close_dist,
     draw_routing,
     init_dist,
     max_over_ranks,
@@ -412,9 +413,7 @@ def main(argv: list[str]) -> int:
                     )
                 rec.write()
     rec.write()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return close_dist()
 
 
 if __name__ == "__main__":

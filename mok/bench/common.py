@@ -10,7 +10,12 @@
   us, each the max over ranks (:func:`max_over_ranks`); :func:`time_cuda_local` for one rank
   alone.
 - :class:`Recorder`: the rows of one CSV (GB/s over NVLink bytes, fraction of
-  :data:`CEILING_GBPS`, provenance), printed as they come and written by rank 0.
+  :data:`CEILING_GBPS`, provenance), printed as they come and written by rank 0;
+  :class:`OneGpuRecorder` for the one-GPU benchmarks (no NVLink columns).
+- the command lines' shared parts: :func:`parse_choices` (a comma list from a fixed set),
+  :func:`check_one_gpu` (the one-GPU benchmarks' refusals), :func:`case_jobs` (models x tokens
+  x skews), :func:`run_cases` (each case in turn, a progress bar, the CSV rewritten after
+  each) and :func:`close_dist`.
 - :func:`draw_routing`: the routing a benchmark runs on, drawn with
   :func:`mok.spec.workload.make_routing` (seed :func:`mok.spec.rows.bench_routing_seed`).
 - :func:`compiled`: ``torch.compile`` of a baseline, once per function, or None where it does
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import itertools
 import os
 import socket
 import subprocess
@@ -40,15 +46,21 @@ from mok.spec.rows import PROVENANCE_COLUMNS, bench_routing_seed, git_sha
 __all__ = [
     "CEILING_GBPS",
     "PROVENANCE",
+    "OneGpuRecorder",
     "Recorder",
     "Timing",
+    "case_jobs",
+    "check_one_gpu",
+    "close_dist",
     "compiled",
     "draw_routing",
     "driver_version",
     "init_dist",
     "is_rank0",
     "max_over_ranks",
+    "parse_choices",
     "provenance",
+    "run_cases",
     "time_cuda",
     "time_cuda_local",
     "world_size",
@@ -224,6 +236,67 @@ class Recorder:
             w.writeheader()
             w.writerows(self.rows)
         print(f"wrote {self.path}", flush=True)
+
+
+class OneGpuRecorder(Recorder):
+    """The rows of a one-GPU benchmark's CSV: its ``times`` columns rounded to 0.1 us, then the
+    run's provenance (no NVLink columns)."""
+
+    times: tuple[str, ...] = ("median_us", "p20_us", "p80_us")
+
+    def add(self, **row) -> None:
+        for k in self.times:
+            row[k] = round(row[k], 1)
+        self.rows.append({**row, **self.meta})
+        if is_rank0():
+            print(self.describe(row), flush=True)
+
+
+# ---- command lines -----------------------------------------------------------------------------
+def parse_choices(ap, text: str, allowed: Sequence[str], flag: str) -> tuple[str, ...]:
+    """The comma list ``text`` of ``flag``; ``ap.error`` (exit 2) naming any value not in
+    ``allowed``."""
+    values = tuple(text.split(","))
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        ap.error(f"unknown {flag} {', '.join(unknown)}; supported: {', '.join(allowed)}")
+    return values
+
+
+def check_one_gpu(ap, emulate_ep: int, why: str = "", hint: str = "") -> None:
+    """The one-GPU benchmarks' refusals, before any GPU work: a negative ``--emulate-ep``, a
+    torchrun world of more than one process (``why`` / ``hint``: the benchmark's reason and
+    advice, around the world size)."""
+    if emulate_ep < 0:
+        ap.error(f"--emulate-ep must be >= 0 (found {emulate_ep})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        ap.error(f"runs on one GPU{why}, not under a world of {world}{hint}")
+
+
+def case_jobs(args) -> list[tuple[str, int, str]]:
+    """The (model, tokens per rank, skew) cases of ``--models`` x ``--tokens`` x ``--skews``."""
+    tokens = (int(v) for v in args.tokens.split(","))
+    return list(itertools.product(args.models.split(","), tokens, args.skews.split(",")))
+
+
+def run_cases(rec: Recorder, jobs, desc: str, run: Callable[..., None]) -> int:
+    """``run(*job)`` for each job (a progress bar on rank 0), the caching allocator emptied and
+    the CSV rewritten after each; then :func:`close_dist`."""
+    from tqdm import tqdm
+
+    for job in tqdm(jobs, disable=not is_rank0(), desc=desc):
+        run(*job)
+        torch.cuda.empty_cache()
+        rec.write()
+    return close_dist()
+
+
+def close_dist() -> int:
+    """All ranks done, the process group destroyed; the benchmark's exit status (0)."""
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
 
 
 # ---- routing -----------------------------------------------------------------------------------

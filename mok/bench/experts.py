@@ -11,11 +11,14 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
   as they lie were its fastest; K-major copies were slower, docs/perf-notes.md);
 - ``gate_up_dgrad`` = dgu @ W_gu: torch's grouped GEMM (mok runs the same call);
 - ``bwd_recompute``: mok's experts' backward kernel (dh and gate / up recomputed, the SwiGLU
-  backward in the epilogue) against the torch path of ``mok.experts.swiglu_backward`` (fp32
-  GEMM outputs where torch has them, elementwise SwiGLU backward);
-- ``bwd_from_saved``: the kernel from saved fp32 g / u (the dh GEMM only);
+  backward in the epilogue) against the torch path of ``mok.experts.swiglu_backward`` (on the
+  GPU bf16 grouped GEMMs, which have no fp32 output in torch, with the fused [L, 2I, H] gate /
+  up weight, then the SwiGLU backward as elementwise ops);
+- ``bwd_from_saved``: the kernel from saved fp32 g / u (the dh GEMM only; torch has no
+  counterpart that keeps fp32 g / u);
 - ``fwd_saving``: the forward that keeps g / u (the kernel's gate / up, torch's down) against
-  torch's bf16 gate / up and down grouped GEMMs.
+  torch-best's forward experts: bf16 grouped GEMMs on the fused gate / up weight, prepared once
+  (``mok.experts.grouped_swiglu``, ``exact=False``).
 
 Rows: ``model, hidden, intermediate, num_experts, num_topk, skew, tokens_per_rank, routing_seed,
 emulated_ep, rows, padded_rows, piece, impl, median_us, p20_us, p80_us, flops, tflops`` and the
@@ -25,19 +28,19 @@ run's provenance. Speeds are printed and written, never asserted.
 from __future__ import annotations
 
 import argparse
-import itertools
-import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from mok.bench.common import (
-    Recorder,
+    OneGpuRecorder,
+    case_jobs,
+    check_one_gpu,
     draw_routing,
     init_dist,
-    is_rank0,
+    parse_choices,
     provenance,
+    run_cases,
     time_cuda,
 )
 from mok.bench.layer import MODELS, emulated_shape
@@ -53,15 +56,8 @@ PIECES = (
 )
 
 
-class ExpertsRecorder(Recorder):
-    """Times rounded to 0.1 us, then the provenance (one GPU: no NVLink columns)."""
-
-    def add(self, **row) -> None:
-        for k in ("median_us", "p20_us", "p80_us"):
-            row[k] = round(row[k], 1)
-        self.rows.append({**row, **self.meta})
-        if is_rank0():
-            print(self.describe(row), flush=True)
+class ExpertsRecorder(OneGpuRecorder):
+    """The rows of the experts CSV."""
 
     def describe(self, row: dict) -> str:
         return (
@@ -183,33 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from tqdm import tqdm
-
     ap = build_parser()
     args = ap.parse_args(argv)
-    pieces = tuple(args.pieces.split(","))
-    unknown = sorted(set(pieces) - set(PIECES))
-    if unknown:
-        ap.error(f"unknown --pieces {', '.join(unknown)}; supported: {', '.join(PIECES)}")
-    if args.emulate_ep < 0:
-        ap.error(f"--emulate-ep must be >= 0 (found {args.emulate_ep})")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        ap.error(f"runs on one GPU, not under a world of {world}")
+    pieces = parse_choices(ap, args.pieces, PIECES, "--pieces")
+    check_one_gpu(ap, args.emulate_ep)
     dev = init_dist("mok.bench experts")
     rec = ExpertsRecorder(args.csv, provenance())
-    jobs = list(
-        itertools.product(
-            args.models.split(","), (int(v) for v in args.tokens.split(",")), args.skews.split(",")
-        )
-    )
-    for model, n, skew in tqdm(jobs, disable=not is_rank0(), desc="experts"):
+
+    def run(model, n, skew):
         run_case(rec, model, n, skew, pieces, args.iters, args.warmup, args.emulate_ep, dev)
-        torch.cuda.empty_cache()
-        rec.write()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+
+    return run_cases(rec, case_jobs(args), "experts", run)
 
 
 if __name__ == "__main__":

@@ -49,10 +49,12 @@ import torch.distributed as dist
 
 from mok.bench.common import (
     Recorder,
+    case_jobs,
     compiled,
     draw_routing,
     init_dist,
     provenance,
+    run_cases,
     time_cuda,
 )
 from mok.experts import clear_cache, dense_swiglu, gate_up_weight, grouped_swiglu
@@ -422,8 +424,6 @@ def build_parser(sweep: bool = False) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], sweep: bool = False) -> int:
-    from tqdm import tqdm
-
     ap = build_parser(sweep)
     args = ap.parse_args(argv)
     init_dist(f"mok.bench {'sweep' if sweep else 'layer'}")
@@ -441,13 +441,9 @@ def main(argv: list[str], sweep: bool = False) -> int:
             (int(v) for v in args.minibatch.split(",")),
         )
     ]
-    jobs = list(
-        itertools.product(
-            args.models.split(","), (int(v) for v in args.tokens.split(",")), args.skews.split(",")
-        )
-    )
     deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
-    for model, n, skew in tqdm(jobs, disable=dist.get_rank() != 0, desc="layer"):
+
+    def run(model, n, skew):
         run_model(
             rec,
             model,
@@ -461,11 +457,8 @@ def main(argv: list[str], sweep: bool = False) -> int:
             args.trace_dir,
             args.emulate_ep,
         )
-        torch.cuda.empty_cache()
-        rec.write()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+
+    return run_cases(rec, case_jobs(args), "layer", run)
 
 
 if __name__ == "__main__":

@@ -51,22 +51,23 @@ the routing draw are the benchmarks' shared ones (:mod:`mok.bench.common`).
 from __future__ import annotations
 
 import argparse
-import itertools
-import os
 import sys
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from mok.bench.common import (
-    Recorder,
+    OneGpuRecorder,
+    case_jobs,
+    check_one_gpu,
     compiled,
     draw_routing,
     init_dist,
     is_rank0,
+    parse_choices,
     provenance,
+    run_cases,
     time_cuda,
 )
 from mok.bench.layer import MODELS, emulated_shape, permuted_layer
@@ -79,16 +80,10 @@ TIMES = ("fwd_us", "bwd_us", "step_us", "p20_us", "p80_us")
 GIB = float(2**30)
 
 
-class TrainRecorder(Recorder):
-    """The rows of the train CSV: times rounded to 0.1 us, then the run's provenance (no NVLink
-    columns: one GPU)."""
+class TrainRecorder(OneGpuRecorder):
+    """The rows of the train CSV."""
 
-    def add(self, **row) -> None:
-        for k in TIMES:
-            row[k] = round(row[k], 1)
-        self.rows.append({**row, **self.meta})
-        if is_rank0():
-            print(self.describe(row), flush=True)
+    times = TIMES
 
     def describe(self, row: dict) -> str:
         return (
@@ -290,17 +285,16 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
     if "torch-best" in impls:
         add("torch-best", "eager", 0, torch_best("eager"), 0)
         add("torch-best", "compile", 0, torch_best("compile"), 0)
+    # the unfused rows say what ran: the unfused path's own SMs and mode (unfused_config)
+    sms_count = torch.cuda.get_device_properties(device).multi_processor_count
+    ran = mf.unfused_config(mok.MoKConfig(), sms_count)
     if "mok-unfused" in impls:
-        # the row says what ran: the unfused path's own SMs and mode (unfused_config)
-        sms_count = torch.cuda.get_device_properties(device).multi_processor_count
-        ran = mf.unfused_config(mok.MoKConfig(), sms_count)
         add("mok-unfused", ran.dispatch_mode, ran.num_comm_sms, mok_layer(False), flops_again)
         mok.clear_workspaces()
     if "mok-saved" in impls:
-        # the unfused forward keeping the routed experts' fp32 gate / up for the backward
-        sms_count = torch.cuda.get_device_properties(device).multi_processor_count
-        ran = mf.unfused_config(mok.MoKConfig(), sms_count)
-        shared_again = n * 4 * H * shape.shared_intermediate  # the shared expert still recomputes
+        # the unfused forward keeping the routed experts' fp32 gate / up for the backward; the
+        # shared expert still recomputes its gate / up (4 of its 6 H Is per token)
+        shared_again = n * shape.shared_flops_per_token() // 3 * 2
         add("mok-saved", ran.dispatch_mode, ran.num_comm_sms, mok_layer(False, None, False),
             shared_again)  # fmt: skip
         mok.clear_workspaces()
@@ -337,39 +331,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from tqdm import tqdm
-
     ap = build_parser()
     args = ap.parse_args(argv)
-    impls = tuple(args.impls.split(","))
-    unknown = sorted(set(impls) - set(IMPLS))
-    if unknown:
-        ap.error(f"unknown --impls {', '.join(unknown)}; supported: {', '.join(IMPLS)}")
-    if args.emulate_ep < 0:
-        ap.error(f"--emulate-ep must be >= 0 (found {args.emulate_ep})")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        ap.error(
-            f"runs on one GPU (mok's backward runs at one rank), not under a world of {world}; "
-            "--emulate-ep N runs the per-rank work of EP N"
-        )
+    impls = parse_choices(ap, args.impls, IMPLS, "--impls")
+    check_one_gpu(
+        ap,
+        args.emulate_ep,
+        " (mok's backward runs at one rank)",
+        "; --emulate-ep N runs the per-rank work of EP N",
+    )
     dev = init_dist("mok.bench train")
     rec = TrainRecorder(args.csv, provenance())
     sms = tuple(int(v) for v in args.sms.split(","))
-    jobs = list(
-        itertools.product(
-            args.models.split(","), (int(v) for v in args.tokens.split(",")), args.skews.split(",")
-        )
-    )
-    for model, n, skew in tqdm(jobs, disable=not is_rank0(), desc="train"):
+
+    def run(model, n, skew):
         run_model(
             rec, model, n, skew, impls, sms, args.iters, args.warmup, args.emulate_ep, device=dev
         )
-        torch.cuda.empty_cache()
-        rec.write()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+
+    return run_cases(rec, case_jobs(args), "train", run)
 
 
 if __name__ == "__main__":
