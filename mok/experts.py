@@ -255,14 +255,10 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: in
     aligned = group_align % 16 == 0 if offs is not None else rows % 16 == 0
     if not (kernel and aligned and rows > 0 and m % 128 == 0 and n % 256 == 0):
         return _mm(a.T, b, offs)
-    if offs is None:
-        ends = torch.full((1,), rows, dtype=torch.int32, device=a.device)
-        c = torch.empty(1, m, n, dtype=a.dtype, device=a.device)
-        ops.wgrad_sm90(a, b, ends, c)
-        return c[0]
-    c = torch.empty(offs.shape[0], m, n, dtype=a.dtype, device=a.device)
-    ops.wgrad_sm90(a, b, offs, c)
-    return c
+    ends = _group_ends(offs, rows, a.device)
+    c = torch.empty(ends.shape[0], m, n, dtype=a.dtype, device=a.device)
+    ops.wgrad_sm90(a, b, ends, c)
+    return c if offs is not None else c[0]
 
 
 def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:
@@ -283,11 +279,15 @@ def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:
 _RECOMPUTE, _SAVE, _SAVED = 0, 1, 2
 
 
+def _group_ends(offs, rows: int, device) -> torch.Tensor:
+    """``offs``, or one group of all ``rows`` rows (a dense expert) without it."""
+    return offs if offs is not None else torch.full((1,), rows, dtype=torch.int32, device=device)
+
+
 def _groups(offs, rows, w_gate_up, w_down, device):
     """(group ends, [L, 2I, H], [L, H, I]): one group of every row without ``offs``."""
     if offs is None:
-        ends = torch.full((1,), rows, dtype=torch.int32, device=device)
-        return ends, w_gate_up[None], w_down[None]
+        return _group_ends(None, rows, device), w_gate_up[None], w_down[None]
     return offs, w_gate_up, w_down
 
 
