@@ -25,11 +25,6 @@ constexpr int kStageRowBytes = 128;
 #ifndef MOK_LAYER_STAGES
 #define MOK_LAYER_STAGES 4
 #endif
-// 1: a warpgroup's 64 x 256 k-step is one m64n256k16 (A read from shared memory once); 0: two
-// m64n128k16 over B's halves.
-#ifndef MOK_WGMMA_N256
-#define MOK_WGMMA_N256 1
-#endif
 #ifndef MOK_EPI_BUFFERS
 #define MOK_EPI_BUFFERS 1
 #endif
@@ -64,11 +59,7 @@ struct OperandBf16 {
   __device__ static __forceinline__ void mma_n128_nb(float* d, uint64_t a, uint64_t b, int acc) {
     wgmma_m64n128k16_nb(d, a, b, acc);
   }
-  // A M-major and B N-major (both wgmma_desc_mn): the weight gradients' operands.
-  __device__ static __forceinline__ void mma_n128_ma_nb(float* d, uint64_t a, uint64_t b,
-                                                        int acc) {
-    wgmma_m64n128k16_ma_nb(d, a, b, acc);
-  }
+  // A M-major and B N-major (both wgmma_desc_mn): the weight gradients' operands, 256 columns.
   __device__ static __forceinline__ void mma_n256_ma_nb(float* d0, float* d1, uint64_t a,
                                                         uint64_t b, int acc) {
     wgmma_m64n256k16_t<1, 1>(d0, d1, a, b, acc);
@@ -187,8 +178,9 @@ __device__ __forceinline__ void kloop_done(uint64_t* empty, int k_blocks, int pr
 //                kTileK rows after A): one m64n128 (acc0).
 // kNumStages: the pipeline's stages (the layer's kStages unless a kernel needs the memory).
 // kStride: the bytes from one stage to the next (kStageBytes unless a kernel's stages are
-// smaller). kWide (kFull only): each k step as one m64n256 (MOK_WGMMA_N256) where the kernel's
-// registers allow it; the fused forward's consumers do not (ptxas serialises its wgmma, C7511).
+// smaller). kWide (kFull only): each k step as one m64n256 (A read from shared memory once, not
+// once per 128-column half) where the kernel's registers allow it; the fused forward's consumers
+// do not (ptxas serialises its wgmma, C7511).
 enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown, kFullNB };
 constexpr int kBoxNB = 64 * kStageRowBytes;  // one 64-column box of 64 k-rows, N-major
 
@@ -217,7 +209,7 @@ __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], 
 #pragma unroll
       for (int kk = 0; kk < Op::kSteps; ++kk) {
         const int accum = (kb > 0 || kk > 0) ? 1 : 0;
-        if (kWide && MOK_WGMMA_N256) {  // B's 256 rows are contiguous: db0 spans both
+        if (kWide) {  // B's 256 rows are contiguous: db0 spans both halves
           Op::mma_n256(acc0, acc1, da + Op::kDescStep * kk, db0 + Op::kDescStep * kk, accum);
         } else {
           Op::mma_n128(acc0, da + Op::kDescStep * kk, db0 + Op::kDescStep * kk, accum);
@@ -250,9 +242,10 @@ __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], 
 
 // One tile's k-loop of a weight gradient C = A^T B, the k axis along the rows of A and B: A
 // M-major (two 64-column boxes of kTileK rows per stage, warpgroup wg's 64 M rows in box wg), B
-// N-major (four 64-column boxes after A: acc0 gets columns 0..127, acc1 128..255). The last
-// k-block runs `last_steps` of its kSteps 16-row steps; the others multiply zeros (descriptors
-// zero_a / zero_b, selected without a branch), so rows past a group's end add nothing.
+// N-major (four 64-column boxes after A, one m64n256 per step: acc0 gets columns 0..127, acc1
+// 128..255). The last k-block runs `last_steps` of its kSteps 16-row steps; the others multiply
+// zeros (descriptors zero_a / zero_b, selected without a branch), so rows past a group's end add
+// nothing.
 template <class Op, int kNumStages>
 __device__ __forceinline__ void mma_kloop_wgrad(float (&acc0)[64], float (&acc1)[64],
                                                 uint8_t* stages, uint64_t* full, uint64_t* empty,
@@ -263,8 +256,7 @@ __device__ __forceinline__ void mma_kloop_wgrad(float (&acc0)[64], float (&acc1)
     mbar_wait(&full[stage], phase);
     const uint8_t* sa = stages + stage * kStageBytes;
     const uint64_t da = wgmma_desc_mn(sa + wg * kBoxNB, kBoxNB);
-    const uint64_t db0 = wgmma_desc_mn(sa + kStageA, kBoxNB);
-    const uint64_t db1 = wgmma_desc_mn(sa + kStageA + 2 * kBoxNB, kBoxNB);
+    const uint64_t db = wgmma_desc_mn(sa + kStageA, kBoxNB);  // four boxes, kBoxNB apart
     const int steps = kb == k_blocks - 1 ? last_steps : Op::kSteps;
     wgmma_fence();
 #pragma unroll
@@ -272,12 +264,7 @@ __device__ __forceinline__ void mma_kloop_wgrad(float (&acc0)[64], float (&acc1)
       const int accum = (kb > 0 || kk > 0) ? 1 : 0;
       const bool live = kk < steps;
       const uint64_t a = live ? da + Op::kDescStepMN * kk : zero_a;
-      if (MOK_WGMMA_N256) {  // the four boxes of B, kBoxNB apart (the descriptor's stride)
-        Op::mma_n256_ma_nb(acc0, acc1, a, live ? db0 + Op::kDescStepMN * kk : zero_b, accum);
-      } else {
-        Op::mma_n128_ma_nb(acc0, a, live ? db0 + Op::kDescStepMN * kk : zero_b, accum);
-        Op::mma_n128_ma_nb(acc1, a, live ? db1 + Op::kDescStepMN * kk : zero_b, accum);
-      }
+      Op::mma_n256_ma_nb(acc0, acc1, a, live ? db + Op::kDescStepMN * kk : zero_b, accum);
     }
     kblock_done<kNumStages>(empty, kb, stage, prev_stage, phase);
   }

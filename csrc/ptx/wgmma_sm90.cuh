@@ -121,11 +121,6 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t a, uint64_t 
 __device__ __forceinline__ void wgmma_m64n128k16_nb(float* d, uint64_t a, uint64_t b, int acc) {
   wgmma_m64n128k16_t<0, 1>(d, a, b, acc);
 }
-// A M-major and B N-major (both wgmma_desc_mn).
-__device__ __forceinline__ void wgmma_m64n128k16_ma_nb(float* d, uint64_t a, uint64_t b,
-                                                       int acc) {
-  wgmma_m64n128k16_t<1, 1>(d, a, b, acc);
-}
 
 // d0[64] | d1[64] (+)= A (64 x 16) * B (16 x 256): one m64n256k16, the same work as two m64n128k16
 // over B's two 128-column halves (d0 columns 0..127, d1 128..255: the accumulator layout above
