@@ -57,6 +57,7 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
     case kSwigluSave:
       return launch_swiglu_mode<kSwigluSave>(k, grid, stream);
     case kSwigluSaved:
+      if (I % 256 == 0) return launch_swiglu_mode<kSwigluSavedWide>(k, grid, stream);
       return launch_swiglu_mode<kSwigluSaved>(k, grid, stream);
     default:
       return launch_swiglu_mode<kSwigluRecompute>(k, grid, stream);

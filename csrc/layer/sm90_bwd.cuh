@@ -50,7 +50,23 @@ constexpr int kBwdMaxStages = 6;
 // What a launch of swiglu_bwd_kernel computes: kSwigluRecompute the backward above; kSwigluSave a
 // forward that keeps g / u (gate / up GEMM only; h and the fp32 [g | u] out); kSwigluSaved the
 // backward from those (the dh GEMM only; g / u read back).
-enum SwigluMode : int { kSwigluRecompute = 0, kSwigluSave = 1, kSwigluSaved = 2 };
+// kSwigluSavedWide (internal, chosen by the launcher for kSwigluSaved where I is a multiple of
+// 256): the same with tiles of 128 rows x 256 columns, one m64n256 per k step (the 128-column
+// tile's two warpgroups each read the same B: 156 bytes of shared memory per clock at the MMA
+// rate against 128 available, and A comes from L2 twice as often).
+enum SwigluMode : int {
+  kSwigluRecompute = 0,
+  kSwigluSave = 1,
+  kSwigluSaved = 2,
+  kSwigluSavedWide = 3
+};
+// Whether a mode runs only the dh k-loop (g / u read back), and its tiles' intermediate columns.
+__host__ __device__ constexpr bool dh_only(int mode) {
+  return mode == kSwigluSaved || mode == kSwigluSavedWide;
+}
+__host__ __device__ constexpr int tile_cols(int mode) {
+  return mode == kSwigluSavedWide ? 256 : 128;
+}
 
 // The pipeline of each mode. A backward from saved g / u runs only the dh k-loop, whose stages
 // are 32 KiB (dy's 128 rows, w_down's 128 columns as two N-major boxes), and parks no dh, so six
@@ -61,10 +77,10 @@ enum SwigluMode : int { kSwigluRecompute = 0, kSwigluSave = 1, kSwigluSaved = 2 
 // as one m64n256 per k step, in the recomputing backward only.
 template <int kMode>
 struct BwdPipe {
-  static constexpr int kNumStages = kMode == kSwigluSaved ? kBwdMaxStages : kBwdStages;
+  static constexpr int kNumStages =
+      kMode == kSwigluSaved ? kBwdMaxStages : (kMode == kSwigluSavedWide ? 4 : kBwdStages);
   static constexpr int kStride = kMode == kSwigluSaved ? kStageA + 2 * kBoxNB : kStageBytes;
-  static constexpr int kSmem =
-      1024 + kNumStages * kStride + (kMode == kSwigluSaved ? 0 : kBwdDhBytes);
+  static constexpr int kSmem = 1024 + kNumStages * kStride + (dh_only(kMode) ? 0 : kBwdDhBytes);
   static constexpr bool kWide = kMode == kSwigluRecompute;
   static_assert(kNumStages <= kBwdMaxStages && kStride % 1024 == 0, "stage geometry");
   static_assert(kSmem <= 227 * 1024, "shared memory of one block");
@@ -176,7 +192,7 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
     // dh's k-blocks (dy rows, w_down's 128 columns as two N-major boxes), then gate/up's; a
     // saving forward runs only gate/up's, a backward from saved g / u only dh's.
     const int kb0 = kMode == kSwigluSave ? k_blocks : 0;
-    const int kb1 = kMode == kSwigluSaved ? k_blocks : 2 * k_blocks;
+    const int kb1 = dh_only(kMode) ? k_blocks : 2 * k_blocks;
     for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&bsh.empty[stage], phase ^ 1);
       if (kb == kb0) {
@@ -187,11 +203,13 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
       uint8_t* sa = stages + stage * BwdPipe<kMode>::kStride;
       if (kb < k_blocks) {
         const int kc = kb * OperandBf16::kTileK;
-        mbar_arrive_expect_tx(&bsh.full[stage], kStageA + 2 * kBoxNB);
+        constexpr int kBoxes = tile_cols(kMode) / 64;
+        mbar_arrive_expect_tx(&bsh.full[stage], kStageA + kBoxes * kBoxNB);
         tma_load_2d(sa, &k.map_dy, &bsh.full[stage], kc, row0);
-        tma_load_2d(sa + kStageA, &k.map_wd, &bsh.full[stage], nb * 128, wd_row + kc);
-        tma_load_2d(sa + kStageA + kBoxNB, &k.map_wd, &bsh.full[stage], nb * 128 + 64,
-                    wd_row + kc);
+#pragma unroll
+        for (int q = 0; q < kBoxes; ++q)
+          tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_wd, &bsh.full[stage],
+                      nb * tile_cols(kMode) + 64 * q, wd_row + kc);
       } else {
         const int kc = (kb - k_blocks) * OperandBf16::kTileK;
         mbar_arrive_expect_tx(&bsh.full[stage], kStageBytes);
@@ -212,8 +230,9 @@ __device__ __forceinline__ float round_bf16(float v) {
 // (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) and columns 8j + 2 (lane % 4) (+ 1) for
 // j = 0..15). kSwigluRecompute: gate in acc0, up in acc1, dh parked in shared memory; the SwiGLU
 // backward. kSwigluSave: gate in acc0, up in acc1; h and the fp32 g / u out. kSwigluSaved: dh in
-// acc0, g / u read back; the SwiGLU backward. (The accumulators are only read here: ptxas
-// serialises a kernel's wgmma when anything but wgmma writes them.)
+// acc0, g / u read back; the SwiGLU backward (kSwigluSavedWide: once per 128-column half). (The
+// accumulators are only read here: ptxas serialises a kernel's wgmma when anything but wgmma
+// writes them.)
 template <int kMode>
 __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k,
                                                     const float (&acc0)[64],
@@ -233,7 +252,7 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       float gv[2], uv[2];
-      if (kMode == kSwigluSaved) {
+      if (dh_only(kMode)) {
         float2 g2 = make_float2(0.0f, 0.0f), u2 = g2;
         if (valid) {
           g2 = *reinterpret_cast<const float2*>(k.gu32 + gat + 8 * j);
@@ -258,7 +277,7 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
       for (int q = 0; q < 2; ++q) {
         const float g = gv[q], u = uv[q];
         const float d =
-            kMode == kSwigluSaved ? acc0[4 * j + 2 * hr + q] : dh[(4 * j + 2 * hr + q) * 256];
+            dh_only(kMode) ? acc0[4 * j + 2 * hr + q] : dh[(4 * j + 2 * hr + q) * 256];
         const float sig = __fdividef(1.0f, 1.0f + __expf(-g));
         const float s = g * sig;
         const float hv = s * u;
@@ -297,7 +316,11 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
     if (row0 < 0) break;
     const int end = vol(bsh.stage_tile[stage][1]);
     const int nb = vol(bsh.stage_tile[stage][2]);
-    if (kMode != kSwigluSave)
+    if (kMode == kSwigluSavedWide)
+      mma_kloop<OperandBf16, kFullNBWide, BwdPipe<kMode>::kNumStages>(
+          acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage, prev_stage,
+          phase);
+    else if (kMode != kSwigluSave)
       mma_kloop<OperandBf16, kFullNB, BwdPipe<kMode>::kNumStages, false,
                 BwdPipe<kMode>::kStride>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
                                          k_blocks, 0, wg, stage, prev_stage, phase);
@@ -308,11 +331,16 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
 #pragma unroll
       for (int i = 0; i < 64; ++i) dh[i * 256] = acc0[i];
     }
-    if (kMode != kSwigluSaved)
+    if (!dh_only(kMode))
       mma_kloop<OperandBf16, kFull, BwdPipe<kMode>::kNumStages, BwdPipe<kMode>::kWide>(
           acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage, prev_stage,
           phase);
-    swiglu_bwd_epilogue<kMode>(k, acc0, acc1, row0, end, nb, wg, warp, lane);
+    if (kMode == kSwigluSavedWide) {  // dh of columns 256 nb.. in acc0, of 256 nb + 128.. in acc1
+      swiglu_bwd_epilogue<kMode>(k, acc0, acc1, row0, end, 2 * nb, wg, warp, lane);
+      swiglu_bwd_epilogue<kMode>(k, acc1, acc0, row0, end, 2 * nb + 1, wg, warp, lane);
+    } else {
+      swiglu_bwd_epilogue<kMode>(k, acc0, acc1, row0, end, nb, wg, warp, lane);
+    }
   }
 }
 
@@ -320,7 +348,7 @@ template <int kMode>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     swiglu_bwd_kernel(const __grid_constant__ SwigluBwdKernelArgs k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const int n_blocks = k.inter / 128;
+  const int n_blocks = k.inter / tile_cols(kMode);
   if (threadIdx.x < 32) count_tiles(k);
   if (threadIdx.x == 0) {
     for (int s = 0; s < BwdPipe<kMode>::kNumStages; ++s) {
@@ -337,7 +365,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   if (wg == 0) {
     setmaxnreg_dec<56>();
     if (threadIdx.x == 0) {
-      if (kMode != kSwigluSaved) tma_prefetch_map(&k.map_a), tma_prefetch_map(&k.map_w);
+      if (!dh_only(kMode)) tma_prefetch_map(&k.map_a), tma_prefetch_map(&k.map_w);
       if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
       bwd_producer<kMode>(k, n_tiles, n_blocks);
     }

@@ -59,6 +59,10 @@ struct OperandBf16 {
   __device__ static __forceinline__ void mma_n128_nb(float* d, uint64_t a, uint64_t b, int acc) {
     wgmma_m64n128k16_nb(d, a, b, acc);
   }
+  __device__ static __forceinline__ void mma_n256_nb(float* d0, float* d1, uint64_t a,
+                                                     uint64_t b, int acc) {
+    wgmma_m64n256k16_t<0, 1>(d0, d1, a, b, acc);
+  }
   // A M-major and B N-major (both wgmma_desc_mn): the weight gradients' operands, 256 columns.
   __device__ static __forceinline__ void mma_n256_ma_nb(float* d0, float* d1, uint64_t a,
                                                         uint64_t b, int acc) {
@@ -175,13 +179,14 @@ __device__ __forceinline__ void kloop_done(uint64_t* empty, int k_blocks, int pr
 //                m64n64 MMAs (acc0[0..31] gate, acc0[32..63] up);
 //   kHalfDown:   rows 64h.., warpgroup wg's 128 of the 256 columns: one m64n128 (acc0);
 //   kFullNB:     rows wg * 64.., 128 columns of an N-major B (two 64-column boxes of
-//                kTileK rows after A): one m64n128 (acc0).
+//                kTileK rows after A): one m64n128 (acc0);
+//   kFullNBWide: the same over 256 columns (four boxes): one m64n256 (acc0 | acc1).
 // kNumStages: the pipeline's stages (the layer's kStages unless a kernel needs the memory).
 // kStride: the bytes from one stage to the next (kStageBytes unless a kernel's stages are
 // smaller). kWide (kFull only): each k step as one m64n256 (A read from shared memory once, not
 // once per 128-column half) where the kernel's registers allow it; the fused forward's consumers
 // do not (ptxas serialises its wgmma, C7511).
-enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown, kFullNB };
+enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown, kFullNB, kFullNBWide };
 constexpr int kBoxNB = 64 * kStageRowBytes;  // one 64-column box of 64 k-rows, N-major
 
 template <class Op, int kMode, int kNumStages = kStages, bool kWide = false,
@@ -193,8 +198,16 @@ __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], 
     mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
     const uint8_t* sa = stages + stage * kStride;
     const uint64_t da =
-        wgmma_desc(sa + ((kMode == kFull || kMode == kFullNB) ? wg : h) * 64 * 128);
-    if (kMode == kFullNB) {
+        wgmma_desc(sa + ((kMode == kFull || kMode >= kFullNB) ? wg : h) * 64 * 128);
+    if (kMode == kFullNBWide) {
+      const uint64_t db = wgmma_desc_mn(sa + kStageA, kBoxNB);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Op::kSteps; ++kk) {
+        const int accum = (kb > 0 || kk > 0) ? 1 : 0;
+        Op::mma_n256_nb(acc0, acc1, da + Op::kDescStep * kk, db + Op::kDescStepMN * kk, accum);
+      }
+    } else if (kMode == kFullNB) {
       const uint64_t db = wgmma_desc_mn(sa + kStageA, kBoxNB);
       wgmma_fence();
 #pragma unroll
