@@ -56,6 +56,8 @@ struct WgradLaunch {
   const int32_t* ends;
   void* c;
   int64_t rows, m, n, num_experts;
+  // 0: C bf16; 1: C fp32; 2: fp32, added onto what C holds (WgradOut in layer/sm90_bwd.cuh).
+  int64_t out;
 };
 
 // Launches it with at most `grid` blocks on `stream`. Returns a cudaError_t value

@@ -69,6 +69,7 @@ def moe(
     group=None,
     fused: bool = False,
     recompute: bool = True,
+    main_grad: bool = False,
 ) -> torch.Tensor:
     """:func:`mok.functional.moe_forward` (same arguments, same result), differentiable: when
     autograd records (grad mode on and x, topk_weights or a weight requires grad), the backward
@@ -86,6 +87,14 @@ def moe(
     (``mok.MoE``'s ``gate_up``), that tensor is what autograd differentiates: its gradient is
     the backward's one [L, 2I, H] weight gradient, not two half gradients scattered into it.
 
+    ``main_grad=True``: a weight that has a ``main_grad`` attribute (an fp32 tensor of its
+    shape, as Megatron's optimizer keeps) gets its gradient added there instead of into
+    ``.grad`` (which stays None; ``grad_added_to_main_grad`` is set where the weight has that
+    attribute). On CUDA the routed experts' one gate_up tensor and w_down get the weight-gradient
+    kernel's fp32 sums added directly (one add per element, never rounded to bf16); any other
+    such weight gets its gradient added after it is formed. Eager only (MoKUnsupportedError
+    under torch.compile).
+
     Off CUDA (any float dtype) it is the reference layer on one device, which needs every expert
     (MoKInputError otherwise). ``torch.compile`` traces it, ``fullgraph=True`` included, as the
     ops ``mok::moe`` / ``mok::moe_backward``: compiled and eager results are bitwise equal.
@@ -99,8 +108,9 @@ def moe(
     if getattr(w, "shared_w_gate", None) is not None:
         leaves[3:] = [*pair(w.shared_w_gate, w.shared_w_up), w.shared_w_down]
     return moe_on_leaves(
-        x, topk_idx, topk_weights, w, leaves, num_experts, config, group, fused, recompute
-    )
+        x, topk_idx, topk_weights, w, leaves, num_experts, config, group, fused, recompute,
+        main_grad,
+    )  # fmt: skip
 
 
 def moe_on_leaves(
@@ -114,12 +124,22 @@ def moe_on_leaves(
     group=None,
     fused: bool = False,
     recompute: bool = True,
+    main_grad: bool = False,
 ) -> torch.Tensor:
     """:func:`moe` with the tensors autograd differentiates named: ``leaves`` is [w_gate, w_up,
     w_down, shared_w_gate, shared_w_up, shared_w_down] (None for no shared expert) where a
     gate_up tensor whose halves ``weights``' w_gate and w_up are takes the w_gate place (and
     None the w_up place); see :func:`_leaves`."""
     tensors = [x, topk_weights, *leaves]
+    into = None
+    if main_grad:
+        if traced([topk_idx, *tensors]):
+            raise MoKUnsupportedError(
+                "main_grad=True adds gradients into main_grad eagerly; under torch.compile "
+                "leave it False and add the .grad of each weight yourself"
+            )
+        leaves, into = _main_grad_leaves(leaves, x.is_cuda)
+        tensors = [x, topk_weights, *leaves]
     if traced([topk_idx, *tensors]) or not x.is_cuda:
         out, _ = _moe_op(
             x, topk_idx, topk_weights, *leaves, num_experts, _config_text(config),
@@ -129,7 +149,54 @@ def moe_on_leaves(
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
         return moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused)
     _check_saving(x, weights, fused, recompute)
-    return _MoE.apply(topk_idx, weights, num_experts, config, group, fused, recompute, *tensors)
+    return _MoE.apply(
+        topk_idx, weights, num_experts, config, group, fused, recompute, into, *tensors
+    )
+
+
+def _main_grad_leaves(leaves: list, cuda: bool) -> tuple[list, tuple | None]:
+    """(the leaves autograd differentiates, the fp32 accumulators mok's backward adds the
+    routed gate_up / w_down weight gradients into (None where it adds none)): on CUDA the one
+    gate_up leaf and w_down keep their place and their ``main_grad`` goes to the backward;
+    every other leaf with a ``main_grad`` is wrapped so that its gradient is added there."""
+    leaves, into = list(leaves), [None, None]
+    for i, t in enumerate(leaves):
+        acc = None if t is None else getattr(t, "main_grad", None)
+        if acc is None:
+            continue
+        if acc.dtype != torch.float32 or acc.shape != t.shape:
+            raise MoKInputError(
+                f"main_grad must be an fp32 tensor of its weight's shape {tuple(t.shape)} "
+                f"(found {acc.dtype} {tuple(acc.shape)})"
+            )
+        slot = {0: 0, 2: 1}.get(i) if cuda and (i != 0 or leaves[1] is None) else None
+        if slot is None:
+            leaves[i] = _AddToMainGrad.apply(t)
+        else:
+            into[slot] = acc
+    return leaves, (None if into == [None, None] else tuple(into))
+
+
+class _AddToMainGrad(torch.autograd.Function):
+    """The identity; its backward adds the gradient (as fp32) onto the weight's main_grad and
+    gives the weight none."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.w = w
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _added(ctx.w).main_grad.add_(grad.float())
+        return None
+
+
+def _added(w: torch.Tensor) -> torch.Tensor:
+    """``w``, marked as having its gradient in main_grad (Megatron's flag, where it has one)."""
+    if hasattr(w, "grad_added_to_main_grad"):
+        w.grad_added_to_main_grad = True
+    return w
 
 
 def moe_backward(
@@ -258,14 +325,16 @@ def _reference_check(weights, num_experts, group) -> None:
 
 class _MoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, topk_idx, weights, num_experts, config, group, fused, recompute, *tensors):
+    def forward(
+        ctx, topk_idx, weights, num_experts, config, group, fused, recompute, into, *tensors
+    ):
         saved = None if recompute else []
         out = moe_forward(
             tensors[0], topk_idx, tensors[1], weights, num_experts, config, group, fused,
             _saved=saved,
         )  # fmt: skip
         ctx.save_for_backward(topk_idx, *tensors, *(saved or [None]))
-        ctx.args = (num_experts, config, group)
+        ctx.args, ctx.into = (num_experts, config, group), into
         return out
 
     @staticmethod
@@ -273,16 +342,20 @@ class _MoE(torch.autograd.Function):
     def backward(ctx, grad_out):
         topk_idx, x, topk_weights, *leaves, saved_gu = ctx.saved_tensors
         grads = _backward(
-            grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], *ctx.args, saved_gu
-        )
-        return (None,) * 7 + grads
+            grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], *ctx.args, saved_gu,
+            ctx.into,
+        )  # fmt: skip
+        return (None,) * 8 + grads
 
 
 def _backward(
-    grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group, saved_gu=None
-):
+    grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group,
+    saved_gu=None, into=None,
+):  # fmt: skip
     """Gradients for (x, topk_weights, *routed, *shared), the leaves of :func:`_leaves`: one
-    [L, 2I, H] gradient (and None) where gate and up came as one tensor."""
+    [L, 2I, H] gradient (and None) where gate and up came as one tensor. ``into``: the fp32
+    accumulators of the one gate_up leaf and of w_down (either None) that their weight
+    gradients are added onto; those leaves then get None."""
     wd = routed[2]
     num_tokens, hidden = x.shape
     cfg = unfused_config(
@@ -296,8 +369,13 @@ def _backward(
             f"mok's backward runs at one rank so far (this group has {ws.num_ranks}); the "
             "reference layer (reference.ep) differentiates the expert-parallel layer"
         )
-    if num_tokens == 0:  # no rows: zero weight gradients, empty input gradients
+    into = (None, None) if into is None else into
+    if num_tokens == 0:  # no rows: zero weight gradients (nothing to add), empty input gradients
         zeros = [None if t is None else torch.zeros_like(t) for t in (*routed, *shared)]
+        for i, acc in zip((0, 2), into, strict=True):
+            if acc is not None:
+                zeros[i] = None
+                _added(routed[i])
         return (torch.zeros_like(x), torch.zeros_like(topk_weights), *zeros)
     # NOTE: one schedule, of unit weights: the reverse dispatch's combine must sum the row
     # gradients unweighted (the dedup combine reads the weights the schedule was built with);
@@ -321,12 +399,19 @@ def _backward(
     gu = _gate_up(routed[0], routed[1])
     d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
         recv, gu, wd, dy, row_w, sched.group_ends, group_align=cfg.row_tile,
-        saved_gu=saved_gu,
+        saved_gu=saved_gu, wgrad_into=into,
     )  # fmt: skip
     del recv, dy
     # router weights: each (token, k) has its own receive row at one rank
     d_topk = d_row_w[sched.dst_index.long()].to(topk_weights.dtype)
-    d_routed = _split(d_wgu, routed) + (d_wd,)
+    d_routed = (
+        (None, None) if into[0] is not None else _split(d_wgu, routed),
+        None if into[1] is not None else d_wd,
+    )
+    d_routed = (*d_routed[0], d_routed[1])
+    for i, acc in zip((0, 2), into, strict=True):
+        if acc is not None:
+            _added(routed[i])
     # the shared expert, its input gradient kept fp32 for the reverse dispatch's sum
     dx_shared, d_shared = None, (None, None, None)
     if shared[2] is not None:

@@ -188,6 +188,7 @@ def swiglu_backward(
     wgrad_kernel: bool | None = None,
     group_align: int = 1,
     saved_gu: torch.Tensor | None = None,
+    wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The backward of SwiGLU experts, recomputing their activations, with explicit GEMMs.
 
@@ -216,6 +217,10 @@ def swiglu_backward(
             without a token must then be zero).
         saved_gu: the fp32 [R, 2I] gate / up outputs :func:`grouped_swiglu_saving` kept (the
             kernel then runs only the dh GEMM); needs the kernel.
+        wgrad_into: fp32 accumulators (like ``w_gate_up``, like ``w_down``; ``main_grad`` in
+            Megatron) that the weight gradients are added onto, from their fp32 sums (never
+            rounded to bf16); they are then the gradients returned. The kernel adds each element
+            once (deterministic); elsewhere the fp32 GEMM result is added.
 
     Returns:
         (d_a [R, H], d_row_weight [R] fp32 or None, d_w_gate_up like ``w_gate_up``, d_w_down
@@ -243,20 +248,34 @@ def swiglu_backward(
     if d_a_dtype is not None:
         d_a = d_a.to(d_a_dtype)
     wk = kernel and (offs is not None if wgrad_kernel is None else wgrad_kernel)
-    d_wgu = _wgrad(dgu, a, offs, wk, group_align)
-    d_wd = _wgrad(dy, hw, offs, wk, group_align)  # sum over rows of dy (x) w h
+    into = (None, None) if wgrad_into is None else wgrad_into
+    for acc, w in zip(into, (w_gate_up, w_down), strict=True):
+        if acc is not None and (acc.dtype != torch.float32 or acc.shape != w.shape):
+            raise ValueError(
+                f"wgrad_into: fp32 tensors of the weights' shapes, got {acc.dtype} "
+                f"{tuple(acc.shape)} for a weight of {tuple(w.shape)}"
+            )
+    d_wgu = _wgrad(dgu, a, offs, wk, group_align, into[0])
+    d_wd = _wgrad(dy, hw, offs, wk, group_align, into[1])  # sum over rows of dy (x) w h
     return d_a, d_w, d_wgu, d_wd
 
 
-def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: int):
+def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: int, into=None):
     """``a[e]^T b[e]`` per group (one [M, N] without ``offs``): mok's Hopper kernel where the
-    shapes and the groups' alignment allow it, else torch's grouped GEMM."""
+    shapes and the groups' alignment allow it, else torch's grouped GEMM. ``into``: an fp32
+    accumulator the fp32 sums are added onto (and returned)."""
     rows, m, n = a.shape[0], a.shape[1], b.shape[1]
     aligned = group_align % 16 == 0 if offs is not None else rows % 16 == 0
     if not (kernel and aligned and rows > 0 and m % 128 == 0 and n % 256 == 0):
-        return _mm(a.T, b, offs)
+        if into is None:
+            return _mm(a.T, b, offs)
+        return into.add_(_mm32(a.T, b, offs))
     ends = _group_ends(offs, rows, a.device)
-    c = torch.empty(ends.shape[0], m, n, dtype=a.dtype, device=a.device)
+    groups = ends.shape[0]
+    if into is not None:
+        ops.wgrad_sm90(a, b, ends, into.view(groups, m, n), True)
+        return into
+    c = torch.empty(groups, m, n, dtype=a.dtype, device=a.device)
     ops.wgrad_sm90(a, b, ends, c)
     return c if offs is not None else c[0]
 

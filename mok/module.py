@@ -45,6 +45,10 @@ class MoE(nn.Module):
         recompute: the backward computes the routed experts' gate / up again (True) or the
             unfused forward keeps them in fp32 (False: Hopper, ``fused=False``; see
             :func:`mok.functional.moe`).
+        main_grad: Parameters with a ``main_grad`` attribute (fp32, their shape; Megatron's
+            optimizer sets it) get their gradients added there, not into ``.grad``; on CUDA
+            ``gate_up`` and ``down`` from the weight-gradient kernel's fp32 sums (see
+            :func:`mok.functional.moe`). Eager only.
         dtype, device: of the Parameters (bf16 for the CUDA path).
     """
 
@@ -60,6 +64,7 @@ class MoE(nn.Module):
         group=None,
         fused: bool = False,
         recompute: bool = True,
+        main_grad: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
     ) -> None:
@@ -84,7 +89,7 @@ class MoE(nn.Module):
             )
         kw = {"dtype": dtype, "device": device}
         self.num_experts, self.config, self.group, self.fused = num_experts, config, group, fused
-        self.recompute = recompute
+        self.recompute, self.main_grad = recompute, main_grad
         self.gate_up = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, **kw))
         self.down = nn.Parameter(torch.empty(local, hidden, intermediate, **kw))
         if shared_intermediate:
@@ -106,7 +111,8 @@ class MoE(nn.Module):
     ) -> MoE:
         """A module on existing weights, not copied: ``gate_up`` ``[L, 2I, H]``, ``down``
         ``[L, H, I]``, optional ``shared_gate_up`` ``[2Is, H]`` / ``shared_down`` ``[H, Is]``
-        (the module's Parameters share their storage). ``kw``: config, group, fused, recompute."""
+        (the module's Parameters share their storage). ``kw``: config, group, fused, recompute,
+        main_grad."""
         if gate_up.ndim != 3 or gate_up.shape[1] % 2 or down.ndim != 3:
             raise MoKInputError(
                 f"gate_up must be [L, 2I, H] and down [L, H, I] (found {tuple(gate_up.shape)} and "
@@ -127,7 +133,7 @@ class MoE(nn.Module):
         nn.Module.__init__(m)
         m.num_experts = num_experts
         m.config, m.group, m.fused = kw.get("config"), kw.get("group"), kw.get("fused", False)
-        m.recompute = kw.get("recompute", True)
+        m.recompute, m.main_grad = kw.get("recompute", True), kw.get("main_grad", False)
         m.gate_up = gate_up if isinstance(gate_up, nn.Parameter) else nn.Parameter(gate_up)
         m.down = down if isinstance(down, nn.Parameter) else nn.Parameter(down)
         if si:
@@ -179,7 +185,7 @@ class MoE(nn.Module):
         leaves = [self.gate_up, None, self.down, self.shared_gate_up, None, self.shared_down]
         return moe_on_leaves(
             x, topk_idx, topk_weights, self.weights(), leaves, self.num_experts, self.config,
-            self.group, self.fused, self.recompute,
+            self.group, self.fused, self.recompute, self.main_grad,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -188,5 +194,5 @@ class MoE(nn.Module):
         return (
             f"num_experts={self.num_experts}, local={local}, hidden={hidden}, "
             f"intermediate={two_i // 2}, shared_intermediate={si}, fused={self.fused}, "
-            f"recompute={self.recompute}"
+            f"recompute={self.recompute}" + (", main_grad=True" if self.main_grad else "")
         )

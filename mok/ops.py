@@ -15,7 +15,7 @@ import inspect
 import torch
 
 from mok import _ext
-from mok.errors import MoKInputError
+from mok.errors import MoKInputError, MoKUnsupportedError
 from mok.workspace import workspace_by_id
 
 __all__ = [
@@ -420,10 +420,19 @@ def wgrad_sm90(
     a: torch.Tensor,  # [R, M] bf16, rows grouped by expert
     b: torch.Tensor,  # [R, N] bf16
     group_ends: torch.Tensor,  # [L] int32, multiples of 16
-    c: torch.Tensor,  # [L, M, N] bf16 out: c[e] = a[e]^T b[e] (zero for an empty group)
+    c: torch.Tensor,  # [L, M, N] bf16 or fp32 out: c[e] = a[e]^T b[e] (zero for an empty group)
+    accumulate: bool = False,  # fp32 c only: c[e] += a[e]^T b[e] (an fp32 gradient accumulator)
 ) -> None:
     """The experts' weight-gradient kernel (csrc/layer/sm90_bwd.cuh wgrad_kernel), over every
-    SM of the GPU."""
+    SM of the GPU. With ``accumulate`` each element of ``c`` gets one fp32 add of its tile's sum
+    (no split-K), so the result does not depend on the order of the tiles."""
+    if c.dtype not in (torch.bfloat16, torch.float32):
+        raise MoKUnsupportedError(f"wgrad_sm90: c must be bf16 or fp32, got {c.dtype}")
+    if accumulate and c.dtype != torch.float32:
+        raise MoKUnsupportedError(
+            f"wgrad_sm90: accumulate=True adds into an fp32 c (a main_grad buffer), got {c.dtype}"
+        )
+    out = 0 if c.dtype == torch.bfloat16 else (2 if accumulate else 1)
     dev = a.device
     _ext.load().launch_wgrad(
         a.data_ptr(),
@@ -434,11 +443,12 @@ def wgrad_sm90(
         a.shape[1],
         b.shape[1],
         c.shape[0],
+        out,
         torch.cuda.get_device_properties(dev).multi_processor_count,
         torch.cuda.current_stream(dev).cuda_stream,
     )
 
 
 @wgrad_sm90.register_fake
-def _(a, b, group_ends, c) -> None:
+def _(a, b, group_ends, c, accumulate=False) -> None:
     return None

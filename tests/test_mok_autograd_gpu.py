@@ -346,3 +346,41 @@ def test_explicit_backward_is_the_autograd_backward():
     got = mf.moe_backward(grad_out, x, idx, tw, w, shape.num_experts, cfg)
     for name, t in want.items():
         assert torch.equal(getattr(got, name), t), name
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("recompute", [True, False])
+def test_main_grad_gets_the_kernels_fp32_sums(recompute):
+    """mok.MoE(main_grad=True) on CUDA: gate_up and down get the weight-gradient kernel's fp32
+    sums added to their (zero) main_grad, whose bf16 rounding is the plain call's gradient,
+    bitwise; the shared expert's gate_up gets its bf16 gradient added; .grad stays None; x's
+    and the routing weights' gradients are the plain call's."""
+    import mok
+
+    shape, n, skew = CASES[0]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=8)
+    ws = (
+        torch.cat([w.w_gate, w.w_up], 1),
+        w.w_down,
+        torch.cat([w.shared_w_gate, w.shared_w_up], 0),
+        w.shared_w_down,
+    )
+    runs = {}
+    for main in (False, True):
+        m = mok.MoE.from_weights(
+            shape.num_experts, *(t.clone() for t in ws), recompute=recompute, main_grad=main
+        )
+        if main:
+            for name in ("gate_up", "down", "shared_gate_up"):
+                getattr(m, name).main_grad = torch.zeros(getattr(m, name).shape, device="cuda")
+        xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
+        m(xs, idx, tws).backward(grad_out)
+        runs[main] = (m, xs.grad, tws.grad)
+    (plain, dx, dtw), (m, dx2, dtw2) = runs[False], runs[True]
+    assert torch.equal(dx, dx2) and torch.equal(dtw, dtw2)
+    for name in ("gate_up", "down", "shared_gate_up"):
+        p = getattr(m, name)
+        assert p.grad is None and p.main_grad.dtype == torch.float32, name
+        assert torch.equal(p.main_grad.bfloat16(), getattr(plain, name).grad), name
+    assert torch.equal(m.shared_down.grad, plain.shared_down.grad)

@@ -79,7 +79,7 @@ def test_the_eager_cuda_function_refuses_a_second_derivative(monkeypatch):
     x, idx, tw, w, grad_out = _inputs(torch.float64)
     x.requires_grad_(True)
     leaves = [w.w_gate, w.w_up, w.w_down, None, None, None]
-    out = ma._MoE.apply(idx, w, SHAPE.num_experts, None, None, False, True, x, tw, *leaves)
+    out = ma._MoE.apply(idx, w, SHAPE.num_experts, None, None, False, True, None, x, tw, *leaves)
     grad_out.requires_grad_(True)  # as in a gradient penalty: the seed is itself differentiable
     (g,) = torch.autograd.grad(out, x, grad_out, create_graph=True)
     assert torch.equal(g, 2 * grad_out)

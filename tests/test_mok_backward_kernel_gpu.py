@@ -194,3 +194,61 @@ def test_saving_forward_and_the_backward_from_it():
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         g, w = (g[:n], w[:n]) if i < 2 else (g, w)
         assert torch.equal(g, w), f"output {i} differs from the recomputing backward"
+
+
+@pytest.mark.parametrize(("m", "n", "sizes"), WGRAD_CASES)
+def test_wgrad_kernel_fp32_out_and_accumulate(m, n, sizes):
+    """fp32 c: an fp32 accumulation against the fp64 oracle (tests/tolerances.assert_fp32_gemm),
+    whose bf16 rounding is the bf16 output; accumulate=True adds the same sums onto what c
+    holds (a main_grad buffer): bitwise c0 + the fp32 result, empty groups adding nothing,
+    bitwise repeatable; a bf16 c refuses it."""
+    from mok import ops
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows = sum(sizes) + 40
+    a = torch.randn(rows, m, device="cuda", generator=g).bfloat16()
+    b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    c = torch.full((len(sizes), m, n), float("nan"), device="cuda")
+    ops.wgrad_sm90(a, b, offs, c)
+    bf = torch.empty(len(sizes), m, n, device="cuda", dtype=torch.bfloat16)
+    ops.wgrad_sm90(a, b, offs, bf)
+    assert torch.equal(c.bfloat16(), bf), "the bf16 output is the fp32 one rounded"
+    base = torch.randn(len(sizes), m, n, device="cuda", generator=g)
+    acc = base.clone()
+    ops.wgrad_sm90(a, b, offs, acc, True)
+    assert torch.equal(acc, base + c)
+    r = 0
+    for e, k in enumerate(sizes):
+        ae, be = a[r : r + k].double(), b[r : r + k].double()
+        if k == 0:
+            assert not c[e].any(), f"group {e} is empty: zeros"
+        else:
+            tol.assert_fp32_gemm(c[e], ae.T @ be, ae.abs().T @ be.abs())
+        r += k
+    again = base.clone()
+    ops.wgrad_sm90(a, b, offs, again, True)
+    assert torch.equal(acc, again)
+    with pytest.raises(Exception, match="fp32 c"):
+        ops.wgrad_sm90(a, b, offs, bf, True)
+
+
+def test_swiglu_backward_adds_the_kernels_fp32_sums_into_main_grad():
+    """swiglu_backward(wgrad_into=...) with the kernel: each buffer becomes its start plus the
+    kernel's fp32 weight gradient (bitwise), and the other gradients are the plain call's."""
+    from mok import ops
+
+    a, wgu, wd, dy, row_w, offs = _operands(1024, 256, [32, 0, 112, 64], False, seed=6)
+    plain = swiglu_backward(a, wgu, wd, dy, row_w, offs, wgrad_kernel=True, group_align=16)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    acc = tuple(torch.randn(w.shape, device="cuda", generator=g) for w in (wgu, wd))
+    start = tuple(t.clone() for t in acc)
+    got = swiglu_backward(
+        a, wgu, wd, dy, row_w, offs, wgrad_kernel=True, group_align=16, wgrad_into=acc
+    )
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    hw, dgu, _ = _swiglu_backward_sm90(a, wgu, wd, dy, row_w, offs)
+    for added, s0, (x, y) in zip(acc, start, ((dgu, a), (dy, hw)), strict=True):
+        f32 = torch.empty_like(s0)
+        ops.wgrad_sm90(x, y, offs, f32)
+        assert torch.equal(added, s0 + f32)

@@ -87,3 +87,30 @@ def test_bf16_meets_the_rule_against_the_reference(seed):
 
     for mine, r16, r64 in zip(got, ref(torch.bfloat16), ref(torch.float64), strict=True):
         tol.assert_bf16_rule(mine.double(), r16.double(), r64)
+
+
+def test_weight_gradients_added_into_fp32_accumulators():
+    """wgrad_into (main_grad): the weight gradients' fp32 sums added onto the given buffers,
+    which are returned; the other gradients unchanged; a buffer of the wrong dtype or shape is
+    refused."""
+    g = torch.Generator().manual_seed(2)
+    rows = sum(SIZES)
+    a = torch.randn(rows, H, generator=g).bfloat16()
+    dy = torch.randn(rows, H, generator=g).bfloat16()
+    row_w = torch.rand(rows, generator=g)
+    wgu = (torch.randn(L, 2 * INTER, H, generator=g) / 4).bfloat16()
+    wd = (torch.randn(L, H, INTER, generator=g) / 3).bfloat16()
+    offs = torch.tensor(SIZES, dtype=torch.int32).cumsum(0).to(torch.int32)
+    plain = swiglu_backward(a, wgu, wd, dy, row_w, offs)
+    acc = (torch.randn(wgu.shape, generator=g), torch.randn(wd.shape, generator=g))
+    start = tuple(t.clone() for t in acc)
+    got = swiglu_backward(a, wgu, wd, dy, row_w, offs, wgrad_into=acc)
+    assert got[2] is acc[0] and got[3] is acc[1]
+    for i in (0, 1):
+        assert torch.equal(got[i], plain[i])
+    for added, s0, bf in zip(acc, start, plain[2:], strict=True):
+        # the fp32 sums, which the plain call rounds to bf16 (within half a bf16 ulp of it)
+        assert added.dtype == torch.float32
+        torch.testing.assert_close(added - s0, bf.float(), rtol=tol.BF16_ULP, atol=tol.FP32_ATOL)
+    with pytest.raises(ValueError, match="fp32 tensors of the weights' shapes"):
+        swiglu_backward(a, wgu, wd, dy, row_w, offs, wgrad_into=(acc[0].bfloat16(), acc[1]))

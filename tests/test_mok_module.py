@@ -122,3 +122,35 @@ def test_repr_names_the_layer_and_its_options():
         f"MoE(num_experts={E}, local={E}, hidden={H}, intermediate={INTER}, "
         f"shared_intermediate={IS}, fused=False, recompute=False)"
     )
+
+
+def test_main_grad_takes_the_gradients_of_the_weights_that_have_one():
+    """main_grad=True: each Parameter with a main_grad (fp32, its shape) gets its gradient added
+    there (bitwise start + the plain call's gradient, fp32 here) and keeps .grad None, Megatron's
+    grad_added_to_main_grad flag set; the others get .grad as usual; a main_grad of the wrong
+    dtype is refused; under torch.compile it is refused."""
+    torch.manual_seed(3)
+    plain = mok.MoE(E, H, INTER, IS, dtype=torch.float32)
+    m = mok.MoE.from_weights(E, *(p.detach().clone() for p in plain.parameters()), main_grad=True)
+    idx, tw = _routing(seed=3)
+    x = torch.randn(N, H)
+    plain(x, idx, tw.float()).square().sum().backward()
+    start = {}
+    for name in ("gate_up", "down", "shared_down"):  # not shared_gate_up: .grad as usual
+        p = getattr(m, name)
+        p.main_grad = torch.randn(p.shape)
+        p.grad_added_to_main_grad = False
+        start[name] = p.main_grad.clone()
+    m(x, idx, tw.float()).square().sum().backward()
+    for name, s0 in start.items():
+        p = getattr(m, name)
+        assert p.grad is None and p.grad_added_to_main_grad, name
+        assert torch.equal(p.main_grad, s0 + getattr(plain, name).grad), name
+    assert torch.equal(m.shared_gate_up.grad, plain.shared_gate_up.grad)
+    assert "main_grad=True" in repr(m)
+    m.down.main_grad = torch.zeros(m.down.shape, dtype=torch.float64)
+    with pytest.raises(MoKInputError, match="main_grad must be an fp32 tensor"):
+        m(x, idx, tw.float())
+    m.down.main_grad = torch.zeros(m.down.shape)
+    with pytest.raises(Exception, match="main_grad=True adds gradients into main_grad eagerly"):
+        torch.compile(m, backend="aot_eager", fullgraph=True)(x, idx, tw.float())

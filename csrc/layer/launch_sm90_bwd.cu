@@ -64,15 +64,30 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   }
 }
 
+namespace {
+
+template <int kOut>
+int launch_wgrad_out(const WgradKernelArgs& k, int grid, cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(wgrad_kernel<kOut>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradSmem);
+  if (e != cudaSuccess) return finish_launch(e);
+  wgrad_kernel<kOut><<<grid, kLayerThreads, kWgradSmem, stream>>>(k);
+  return finish_launch(cudaGetLastError());
+}
+
+}  // namespace
+
 int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
   const int64_t M = l.m, N = l.n, L = l.num_experts;
   if (l.rows <= 0 || M <= 0 || M % kTileM != 0 || N <= 0 || N % kTileN != 0 || L < 1 ||
-      grid < 1 || l.rows > INT32_MAX || L * M > INT32_MAX)
+      grid < 1 || l.rows > INT32_MAX || L * M > INT32_MAX || l.out < kWgradBf16 ||
+      l.out > kWgradF32Add)
     return static_cast<int>(cudaErrorInvalidValue);
   WgradKernelArgs k{};
   if (!encode_bf16_map(&k.map_a, l.a, l.rows, M, 64, 64) ||
       !encode_bf16_map(&k.map_b, l.b, l.rows, N, 64, 64) ||
-      !encode_bf16_map(&k.map_c, l.c, L * M, N, 64, 64))
+      !(l.out == kWgradBf16 ? encode_bf16_map(&k.map_c, l.c, L * M, N, 64, 64)
+                            : encode_f32_map(&k.map_c, l.c, L * M, N, 64, 32)))
     return static_cast<int>(cudaErrorInvalidValue);
   k.ends = l.ends;
   k.m = static_cast<int>(M);
@@ -80,11 +95,10 @@ int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
   k.num_experts = static_cast<int>(L);
   const int64_t tiles = L * (M / kTileM) * (N / kTileN);
   if (tiles < grid) grid = static_cast<int>(tiles);
-  cudaError_t e = cudaFuncSetAttribute(wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       kWgradSmem);
-  if (e != cudaSuccess) return finish_launch(e);
-  wgrad_kernel<<<grid, kLayerThreads, kWgradSmem, static_cast<cudaStream_t>(stream_ptr)>>>(k);
-  return finish_launch(cudaGetLastError());
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  if (l.out == kWgradF32) return launch_wgrad_out<kWgradF32>(k, grid, stream);
+  if (l.out == kWgradF32Add) return launch_wgrad_out<kWgradF32Add>(k, grid, stream);
+  return launch_wgrad_out<kWgradBf16>(k, grid, stream);
 }
 
 }  // namespace mok

@@ -392,8 +392,13 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
 // stores. (Copied out by the store warp's lanes with 16-byte stores, a chunk took ~4500
 // clocks, more than the tile's MMAs: the consumers waited for their buffers ~40 % of the time.)
 
+// What the kernel writes: bf16 C; fp32 C; or fp32 C added onto what C holds (a caller's fp32
+// gradient accumulator, as `main_grad` in Megatron: one TMA reduce-add per element, from the
+// one tile that owns it, so the sum is the same bits whatever the order of the tiles).
+enum WgradOut : int { kWgradBf16 = 0, kWgradF32 = 1, kWgradF32Add = 2 };
+
 constexpr int kWgradStages = 3;
-constexpr int kWgradBoxBytes = 64 * 128;  // one staged 64 x 64 bf16 box of C
+constexpr int kWgradBoxBytes = 64 * 128;  // one staged box of C: 64 rows of 128 bytes
 constexpr int kWgradZeroBytes = 10 * 1024;  // zero_a (2 KiB), zero_b (8 KiB): one 16-row step
 // Two staged output chunks (acc0's and acc1's columns) per consumer warpgroup.
 constexpr int kWgradSmem = 1024 + kWgradStages * kStageBytes + 4 * kEpiBytes + kWgradZeroBytes;
@@ -401,7 +406,7 @@ constexpr int kWgradSmem = 1024 + kWgradStages * kStageBytes + 4 * kEpiBytes + k
 struct WgradKernelArgs {
   CUtensorMap map_a;  // A [rows, M], 64-row x 64-column boxes
   CUtensorMap map_b;  // B [rows, N], 64-row x 64-column boxes
-  CUtensorMap map_c;  // C [L * M, N] bf16, 64-row x 64-column boxes (TMA stores)
+  CUtensorMap map_c;  // C [L * M, N], 64-row boxes of 128 bytes (TMA stores)
   const int32_t* ends;  // [L] group ends (multiples of 16)
   int m, n, num_experts;
 };
@@ -501,10 +506,53 @@ __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, i
   }
 }
 
+// The fp32 form: columns 64 hh.. of the chunk in `acc` (its 128 columns col0 - 64 hh..) as two
+// 64 x 32 fp32 boxes in the same swizzle, into buffer b for the store warp, which writes it to
+// columns col0.. of C (or adds it there).
+__device__ __forceinline__ void wgrad_stage_f32(const float (&acc)[64], int hh, bool zero, int e,
+                                                int mb, int col0, int wg, int b, uint32_t uses,
+                                                int tid) {
+  mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);
+  if (!zero) {
+    const int warp = tid / 32, lane = tid % 32, x = lane / 4;
+    uint8_t* row = wgrad_epi(wg, b) + (warp * 16 + x) * 128 + 8 * (lane % 2);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {  // columns 8 jj.. of the half: box jj / 4, 16-byte unit u
+      const int j = 8 * hh + jj, u = 2 * (jj % 4) + (lane % 4) / 2;
+      uint8_t* at = row + (jj / 4) * kWgradBoxBytes + ((u ^ x) << 4);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        *reinterpret_cast<float2*>(at + hr * 8 * 128) =
+            make_float2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+    }
+    fence_proxy_async_shared();
+  }
+  named_sync(1 + wg, 128);
+  if (tid == 0) {
+    vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
+    vol(gsh.jobs[wg][b][3]) = zero;
+    mbar_arrive(&gsh.epi_full[wg][b]);
+  }
+}
+
+// A TMA reduce-add of one box from shared memory onto the map's coordinates (the map's type:
+// fp32 here), in the thread's current bulk group.
+__device__ __forceinline__ void tma_add_2d(const CUtensorMap* map, const void* smem_src, int col,
+                                          int row) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], "
+      "[%1];" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(smem_src)), "r"(col), "r"(row)
+      : "memory");
+}
+
 // Store warp of consumer warpgroup wg (its lane 0): takes the chunks in order (buffers 0, 1, 0,
 // ...), stores each chunk's two boxes (or the zero block twice) by TMA and gives the buffer back
-// once the TMA has read it; the writes to C are waited for only at the end.
+// once the TMA has read it; the writes to C are waited for only at the end. kWgradF32Add adds
+// the boxes onto C instead, and adds nothing for an expert without rows.
+template <int kOut>
 static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs& k, int wg) {
+  constexpr int kBoxCols = kOut == kWgradBf16 ? 64 : 32;
   for (uint32_t n = 0;; ++n) {
     const int b = n & 1;
     mbar_wait(&gsh.epi_full[wg][b], (n >> 1) & 1);
@@ -514,8 +562,15 @@ static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs& k, int w
     const bool zero = vol(gsh.jobs[wg][b][3]) != 0;
     const uint8_t* epi = zero ? wgrad_zero() : wgrad_epi(wg, b);
     const int row = e * k.m + mb * kTileM + wg * 64;
-    tma_store_2d(&k.map_c, epi, col0, row);
-    tma_store_2d(&k.map_c, zero ? epi : epi + kWgradBoxBytes, col0 + 64, row);
+    if (kOut == kWgradF32Add) {
+      if (!zero) {
+        tma_add_2d(&k.map_c, epi, col0, row);
+        tma_add_2d(&k.map_c, epi + kWgradBoxBytes, col0 + kBoxCols, row);
+      }
+    } else {
+      tma_store_2d(&k.map_c, epi, col0, row);
+      tma_store_2d(&k.map_c, zero ? epi : epi + kWgradBoxBytes, col0 + kBoxCols, row);
+    }
     bulk_commit();
     bulk_wait_read<0>();
     mbar_arrive(&gsh.epi_empty[wg][b]);
@@ -523,6 +578,7 @@ static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs& k, int w
   bulk_wait_all();  // C written before the block exits
 }
 
+template <int kOut>
 __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg) {
   const int tid = threadIdx.x % 128;
   int stage = 0, prev_stage = 0;
@@ -530,7 +586,7 @@ __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg)
   float acc0[64], acc1[64];
   const uint64_t zero_a = wgmma_desc_mn(wgrad_zero(), 2048);
   const uint64_t zero_b = wgmma_desc_mn(wgrad_zero() + 2048, 2048);
-  uint32_t tiles = 0;  // tiles staged: each used both buffers once
+  uint32_t n = 0;  // chunks handed to the store warp: chunk n goes through buffer n % 2
   for (;;) {
     mbar_wait(&gsh.full[stage], phase);
     const int e = vol(gsh.stage_tile[stage][0]);
@@ -547,18 +603,28 @@ __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg)
                                                  k_blocks, last_steps, zero_a, zero_b, wg,
                                                  stage, prev_stage, phase);
     }
-    wgrad_stage(acc0, k_blocks == 0, e, mb, nb * kTileN, wg, 0, tiles, tid);
-    wgrad_stage(acc1, k_blocks == 0, e, mb, nb * kTileN + 128, wg, 1, tiles, tid);
-    ++tiles;
+    const bool zero = k_blocks == 0;
+    const int col0 = nb * kTileN;
+    if (kOut == kWgradBf16) {
+      wgrad_stage(acc0, zero, e, mb, col0, wg, 0, n >> 1, tid);
+      wgrad_stage(acc1, zero, e, mb, col0 + 128, wg, 1, n >> 1, tid);
+      n += 2;
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q, ++n)  // 64-column quarters: acc0's halves, then acc1's
+        wgrad_stage_f32(q < 2 ? acc0 : acc1, q % 2, zero, e, mb, col0 + 64 * q, wg, n & 1,
+                        n >> 1, tid);
+    }
   }
   // The store warp's last job: it stops once it has written everything before it.
-  mbar_wait(&gsh.epi_empty[wg][0], (tiles & 1) ^ 1);
+  mbar_wait(&gsh.epi_empty[wg][n & 1], ((n >> 1) & 1) ^ 1);
   if (tid == 0) {
-    vol(gsh.jobs[wg][0][0]) = -1;
-    mbar_arrive(&gsh.epi_full[wg][0]);
+    vol(gsh.jobs[wg][n & 1][0]) = -1;
+    mbar_arrive(&gsh.epi_full[wg][n & 1]);
   }
 }
 
+template <int kOut>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     wgrad_kernel(const __grid_constant__ WgradKernelArgs k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -591,11 +657,11 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
       wgrad_producer(k, n_tiles);
     } else if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
       tma_prefetch_map(&k.map_c);
-      wgrad_storer(k, warp - 1);
+      wgrad_storer<kOut>(k, warp - 1);
     }
   } else {
     setmaxnreg_inc<224>();
-    wgrad_consumer(k, wg - 1);
+    wgrad_consumer<kOut>(k, wg - 1);
   }
 #endif
 }

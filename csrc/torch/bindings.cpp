@@ -90,13 +90,13 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
 
 // The experts' weight gradients (api.h WgradLaunch).
 void launch_wgrad(int64_t a, int64_t b, int64_t ends, int64_t c, int64_t rows, int64_t m,
-                  int64_t n, int64_t num_experts, int64_t grid, int64_t stream) {
+                  int64_t n, int64_t num_experts, int64_t out, int64_t grid, int64_t stream) {
   mok::WgradLaunch l{};
   l.a = reinterpret_cast<const void*>(a);
   l.b = reinterpret_cast<const void*>(b);
   l.ends = reinterpret_cast<const int32_t*>(ends);
   l.c = reinterpret_cast<void*>(c);
-  l.rows = rows, l.m = m, l.n = n, l.num_experts = num_experts;
+  l.rows = rows, l.m = m, l.n = n, l.num_experts = num_experts, l.out = out;
   const int err = mok::launch_wgrad(l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
   TORCH_CHECK(err == 0, "mok: launching the weight-gradient kernel (", rows, " rows, ", m, " x ",
               n, ", ", num_experts, " experts) failed: ", mok::error_string(err));
