@@ -39,6 +39,9 @@ struct SwigluBwdLaunch {
   // h = bf16(silu(g) u) into hw), read by mode 2 (the backward from them: the dh GEMM only);
   // mode 0 recomputes them and needs none.
   float* gu32;
+  // One int32 of device memory the launch uses to hand out tiles (the launcher zeroes it on the
+  // stream before the kernel runs; one per launch in flight).
+  int32_t* next_tile;
   int64_t mode;
   int64_t rows, hidden, inter, num_experts;
 };

@@ -389,6 +389,8 @@ def swiglu_backward_sm90(
         return
     L, two_i, hidden = w_gate_up.shape
     dev = a.device
+    # the kernel's tile counter (zeroed by the launcher on this stream)
+    next_tile = torch.empty(1, dtype=torch.int32, device=dev)
     _ext.load().launch_swiglu_bwd(
         a.data_ptr(),
         dy.data_ptr(),
@@ -400,6 +402,7 @@ def swiglu_backward_sm90(
         dgu.data_ptr(),
         0 if part is None else part.data_ptr(),
         0 if gu32 is None else gu32.data_ptr(),
+        next_tile.data_ptr(),
         mode,
         rows,
         hidden,

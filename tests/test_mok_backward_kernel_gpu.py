@@ -164,14 +164,18 @@ def test_swiglu_backward_weight_gradients_take_the_kernel():
         tol.assert_bf16_ref_bound(got.double().cpu(), r.double().cpu(), "weight gradient")
 
 
-def test_saving_forward_and_the_backward_from_it():
+@pytest.mark.parametrize(
+    ("hidden", "inter", "sizes"),
+    [(1024, 384, [300, 77, 0, 0, 513]), (2048, 768, [40, 300, 0, 64, 65, 129, 192, 200])],
+)
+def test_saving_forward_and_the_backward_from_it(hidden, inter, sizes):
     """The forward that keeps gate / up (kernel mode 1) gives fp32 [g | u] against fp64 and y
-    within the bf16 rule of torch's; the backward from them (mode 2) is bitwise the one that
-    recomputes them (the same k-loop in fp32)."""
+    within the bf16 rule of torch's; the backward from them (mode 2, or its 256-column tiles
+    where I % 256 == 0) is bitwise the one that recomputes them (the same k-loop in fp32).
+    Groups whose last tile has <= 64 rows (run by one warpgroup) and > 64."""
     from mok.experts import grouped_swiglu, grouped_swiglu_saving
 
-    sizes = [300, 77, 0, 0, 513]
-    a, wgu, wd, dy, row_w, offs = _operands(1024, 384, sizes, True, seed=5)
+    a, wgu, wd, dy, row_w, offs = _operands(hidden, inter, sizes, True, seed=5)
     n, inter = sum(sizes), wd.shape[-1]
     y, gu32 = grouped_swiglu_saving(a, wgu, wd, offs)
     r = 0

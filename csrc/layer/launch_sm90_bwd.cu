@@ -31,7 +31,8 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   if (l.rows <= 0 || H <= 0 || H % OperandBf16::kTileK != 0 || I <= 0 || I % 128 != 0 ||
       L < 1 || L > kBwdMaxExperts || grid < 1 || l.rows > INT32_MAX / 2 ||
       L * 2 * I > INT32_MAX || L * H > INT32_MAX || l.mode < kSwigluRecompute ||
-      l.mode > kSwigluSaved || (l.mode != kSwigluRecompute && l.gu32 == nullptr))
+      l.mode > kSwigluSaved || (l.mode != kSwigluRecompute && l.gu32 == nullptr) ||
+      l.next_tile == nullptr)
     return static_cast<int>(cudaErrorInvalidValue);
   SwigluBwdKernelArgs k{};
   constexpr int kK = OperandBf16::kTileK;
@@ -48,11 +49,14 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   k.dgu = static_cast<uint16_t*>(l.dgu);
   k.part = l.part;
   k.gu32 = l.gu32;
+  k.next_tile = l.next_tile;
   k.rows = static_cast<int>(l.rows);
   k.hidden = static_cast<int>(H);
   k.inter = static_cast<int>(I);
   k.num_experts = static_cast<int>(L);
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const cudaError_t z = cudaMemsetAsync(l.next_tile, 0, sizeof(int32_t), stream);
+  if (z != cudaSuccess) return finish_launch(z);
   switch (l.mode) {
     case kSwigluSave:
       return launch_swiglu_mode<kSwigluSave>(k, grid, stream);

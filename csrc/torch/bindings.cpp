@@ -66,7 +66,7 @@ int64_t layer_counters(pybind11::bytes params_bytes) {
 // The experts' backward kernel (api.h SwigluBwdLaunch): raw device pointers (0: none) and sizes.
 void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down, int64_t ends,
                        int64_t row_w, int64_t hw, int64_t dgu, int64_t part, int64_t gu32,
-                       int64_t mode, int64_t rows, int64_t hidden, int64_t inter,
+                       int64_t next_tile, int64_t mode, int64_t rows, int64_t hidden, int64_t inter,
                        int64_t num_experts, int64_t grid, int64_t stream) {
   mok::SwigluBwdLaunch l{};
   l.a = reinterpret_cast<const void*>(a);
@@ -79,6 +79,7 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
   l.dgu = reinterpret_cast<void*>(dgu);
   l.part = reinterpret_cast<float*>(part);
   l.gu32 = reinterpret_cast<float*>(gu32);
+  l.next_tile = reinterpret_cast<int32_t*>(next_tile);
   l.mode = mode;
   l.rows = rows, l.hidden = hidden, l.inter = inter, l.num_experts = num_experts;
   const int err =
