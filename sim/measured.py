@@ -7,8 +7,9 @@ came from) and :func:`measured_path` (one file there by name). ``sim/profiles`` 
 was fitted from them.
 
 Readers: :func:`read_rows` (rows of any CSVs, tagged with their file name) and
-:func:`read_measured` (one ``mok.bench comm``, ``mok.bench layer`` / ``sweep`` or ``mok.bench
-train`` CSV, checked: :data:`MEASURED_COLUMNS`, :class:`MeasuredCSVError`); :func:`is_layer_csv`
+:func:`read_measured` (one ``mok.bench comm``, ``mok.bench layer`` / ``sweep``, ``mok.bench
+train`` or ``mok.bench experts`` CSV, checked: :data:`MEASURED_COLUMNS`,
+:class:`MeasuredCSVError`); :func:`is_layer_csv`
 and :func:`is_train_csv` tell the kinds apart by their columns and :func:`row_tile_of` reads a
 layer row's ``row_tile`` (CSVs that predate the column ran 128).
 
@@ -96,7 +97,8 @@ def read_rows(*paths: str | Path) -> list[dict]:
 # The measured CSVs validate reads, by kind, and the columns each needs. A comm CSV has a `what`
 # column (schedule / dispatch / combine); a train CSV (`mok.bench train`) the step's `fwd_us`,
 # `bwd_us` and `step_us` and no `median_us` (as :func:`is_train_csv`); a layer CSV an `impl` and
-# a `minibatch` column, no `what` (as :func:`is_layer_csv`).
+# a `minibatch` column, no `what` (as :func:`is_layer_csv`); an experts CSV (`mok.bench experts`)
+# a `piece` column.
 MEASURED_COLUMNS = {
     "comm": ("model", "tokens_per_rank", "skew", "what", "impl", "mode", "sms", "median_us"),
     "layer": ("model", "tokens_per_rank", "skew", "impl", "mode", "sms", "minibatch", "median_us"),
@@ -111,14 +113,17 @@ MEASURED_COLUMNS = {
         "bwd_us",
         "step_us",
     ),
+    "experts": ("model", "tokens_per_rank", "skew", "num_experts", "piece", "impl", "median_us"),
 }
 MEASURED_KINDS = (
     "comm kernel rows (the CSV of `mok.bench comm`: columns "
     + ", ".join(MEASURED_COLUMNS["comm"])
     + "), fused-layer rows (the CSVs of `mok.bench layer` / `sweep`: columns "
     + ", ".join(MEASURED_COLUMNS["layer"])
-    + ") and training-step rows (the CSV of `mok.bench train`: columns "
+    + "), training-step rows (the CSV of `mok.bench train`: columns "
     + ", ".join(MEASURED_COLUMNS["train"])
+    + ") and expert GEMM pieces (the CSV of `mok.bench experts`: columns "
+    + ", ".join(MEASURED_COLUMNS["experts"])
     + ")"
 )
 # integer columns of every row (other libraries' rows hold 0 where a knob does not apply)
@@ -126,6 +131,7 @@ _INT_COLUMNS = {
     "comm": ("tokens_per_rank", "sms"),
     "layer": ("tokens_per_rank", "sms", "minibatch"),
     "train": ("tokens_per_rank", "sms"),
+    "experts": ("tokens_per_rank", "num_experts"),
 }
 # the measured times of every row: positive finite numbers (a train row's backward is its step
 # less its forward)
@@ -133,6 +139,7 @@ _TIME_COLUMNS = {
     "comm": ("median_us",),
     "layer": ("median_us",),
     "train": ("fwd_us", "bwd_us", "step_us"),
+    "experts": ("median_us",),
 }
 
 
@@ -147,10 +154,11 @@ def _columns_text(cols: Sequence[str], most: int = 8) -> str:
 
 def read_measured(path: str | Path) -> tuple[str, list[dict]]:
     """(kind, rows) of one measured CSV: kind ``comm`` (``mok.bench comm``), ``layer``
-    (``mok.bench layer`` / ``sweep``) or ``train`` (``mok.bench train``: ``fwd_us``, ``bwd_us``
+    (``mok.bench layer`` / ``sweep``), ``train`` (``mok.bench train``: ``fwd_us``, ``bwd_us``
     and ``step_us``, no ``median_us``; never taken for a layer CSV, though it has ``impl`` and
-    ``mode``), rows tagged with the file name (``_source``) as :func:`read_rows`. Raises
-    :class:`MeasuredCSVError` (one line: the file, what is wrong, :data:`MEASURED_KINDS`) for a
+    ``mode``) or ``experts`` (``mok.bench experts``: a ``piece`` column), rows tagged with the
+    file name (``_source``) as :func:`read_rows`. Raises :class:`MeasuredCSVError` (one line:
+    the file, what is wrong, :data:`MEASURED_KINDS`) for a
     file it cannot read, that is not a CSV of these kinds, has no rows, or has a row whose times
     (``median_us``; a train row's three) are not positive finite numbers or whose integer columns
     are not integers."""
@@ -184,6 +192,8 @@ def read_measured(path: str | Path) -> tuple[str, list[dict]]:
         )
     if "what" in cols:
         kind = "comm"
+    elif "piece" in cols and "median_us" in cols:
+        kind = "experts"
     elif "median_us" not in cols and "step_us" in cols and "fwd_us" in cols:
         kind = "train"
     elif "impl" in cols and "minibatch" in cols:
@@ -192,7 +202,8 @@ def read_measured(path: str | Path) -> tuple[str, list[dict]]:
         raise bad(f"is not a measured CSV (its columns: {_columns_text(cols)})")
     missing = [c for c in MEASURED_COLUMNS[kind] if c not in cols]
     if missing:
-        raise bad(f"looks like a {kind} CSV but lacks the columns {', '.join(missing)}")
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise bad(f"looks like {article} {kind} CSV but lacks the columns {', '.join(missing)}")
     if not rows:
         raise bad("has a header but no rows")
     for i, row in enumerate(rows):

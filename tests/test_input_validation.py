@@ -154,8 +154,10 @@ KINDS = (
     "mok-sim validate reads comm kernel rows (the CSV of `mok.bench comm`: columns model, "
     "tokens_per_rank, skew, what, impl, mode, sms, median_us), fused-layer rows (the CSVs "
     "of `mok.bench layer` / `sweep`: columns model, tokens_per_rank, skew, impl, mode, sms, "
-    "minibatch, median_us) and training-step rows (the CSV of `mok.bench train`: columns model, "
-    "tokens_per_rank, skew, impl, mode, sms, fwd_us, bwd_us, step_us)"
+    "minibatch, median_us), training-step rows (the CSV of `mok.bench train`: columns model, "
+    "tokens_per_rank, skew, impl, mode, sms, fwd_us, bwd_us, step_us) and expert GEMM pieces "
+    "(the CSV of `mok.bench experts`: columns model, tokens_per_rank, skew, num_experts, piece, "
+    "impl, median_us)"
 )
 HEADER = COMM.read_text().splitlines()[0]
 ROW = COMM.read_text().splitlines()[1]
@@ -190,6 +192,10 @@ def _train_row_with(column: str, value: str) -> str:
         (
             "model,impl,fwd_us,bwd_us,step_us\nx,mok-fused,1.0,2.0,3.0\n",
             "looks like a train CSV but lacks the columns tokens_per_rank, skew, mode, sms",
+        ),
+        (
+            "model,piece,impl,median_us\nx,dW_down,mok,1.0\n",
+            "looks like an experts CSV but lacks the columns tokens_per_rank, skew, num_experts",
         ),
         (
             TRAIN_HEADER + "\n" + _train_row_with("bwd_us", "0"),

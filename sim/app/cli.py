@@ -15,6 +15,7 @@ mok-sim validate mok/bench/results/h200x1-layer-2026-12-01.csv --fused-fit ep1  
 mok-sim validate mok/bench/results/h200x1-layer-2026-12-01.csv --fused-fit ep1 --refit \
         --save-profile sim/profiles/mok-fused-h200x1.json                     # refit EP1
 mok-sim validate mok/bench/results/h200x1-train.csv --gemm-profile mok-fused-h200x1  # training
+mok-sim validate mok/bench/results/h200x1-experts.csv   # the backward's GEMM pieces alone
 mok-sim bench
 
 Each command imports the models it runs inside its own function: the argument and path checks
@@ -490,6 +491,7 @@ _KIND_NAMES = {
     "layer": "layer CSVs (mok.bench layer / sweep)",
     "comm": "comm CSVs (mok.bench comm)",
     "train": "train CSVs (mok.bench train)",
+    "experts": "experts CSVs (mok.bench experts)",
 }
 
 
@@ -508,7 +510,7 @@ def _cmd_validate(a) -> int:
     if len(kinds) > 1:
         mixed = " and ".join(v for k, v in _KIND_NAMES.items() if k in kinds)
         raise ValueError(f"mix of {mixed}: validate them in separate runs")
-    layer, train = kinds == ["layer"], kinds == ["train"]
+    layer, train, experts = kinds == ["layer"], kinds == ["train"], kinds == ["experts"]
     rows = [r for _, t in tables for r in t]
     names = ", ".join(map(str, a.measured))
     if a.layer_model and not layer:
@@ -520,6 +522,8 @@ def _cmd_validate(a) -> int:
         records = _validate_train(a, rows)
         print(f"{names}: {len(rows)} rows")
         print(format_train_report(records, summarise_train(records)))
+    elif experts:
+        records = _validate_experts(a, rows, f"{names}: {len(rows)} rows")
     else:
         if a.layer_model:
             records = _validate_layer_model(a, rows)
@@ -647,6 +651,30 @@ def _validate_train(a, rows: list[dict]) -> list[dict]:
     return validate_train_rows(rows, a.gemm_profile)
 
 
+def _validate_experts(a, rows: list[dict], title: str) -> list[dict]:
+    from sim.app.validate_experts import (
+        format_experts_report,
+        summarise_experts,
+        validate_experts_rows,
+    )
+
+    if a.refit or a.fused_profile is not None or a.fused_fit is not None or a.plot:
+        raise CliError(
+            "an experts CSV is predicted by the layer model's backward pieces, at the GEMM rates "
+            "--gemm-profile sets: --refit, --fused-profile / --fused-fit and --plot do not apply"
+        )
+    rates = (
+        f"the GEMM rates of fused profile {a.gemm_profile}"
+        if a.gemm_profile
+        else "the GPU profile's GEMM rates (the standalone grouped GEMM's)"
+    )
+    print(f"layer model's backward pieces (sim.layer.backward), each alone, at {rates}:")
+    records = validate_experts_rows(rows, a.gemm_profile)
+    print(title)
+    print(format_experts_report(records, summarise_experts(records)))
+    return records
+
+
 def _cmd_bench(a) -> int:
     from sim.app.bench import main as bench_main
 
@@ -749,9 +777,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "measured",
         nargs="+",
-        help="CSV(s) of mok.bench comm, of mok.bench layer / sweep (fused layer rows), or of "
+        help="CSV(s) of mok.bench comm, of mok.bench layer / sweep (fused layer rows), of "
         "mok.bench train (training steps: the layer model's forward and backward against fwd_us, "
-        "bwd_us, step_us; told apart by their columns)",
+        "bwd_us, step_us) or of mok.bench experts (the backward's GEMM pieces alone); told apart "
+        "by their columns",
     )
     v.add_argument("--profile", default="mok-comm-h200x2", help="kernel profile name or JSON")
     v.add_argument(

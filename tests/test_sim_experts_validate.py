@@ -1,0 +1,118 @@
+"""mok-sim validate on the experts' GEMM pieces timed alone (``mok.bench experts``): the CSV read
+as its own kind, the layer model's config of a row, which rows are predicted, and the CLI on
+the committed ``h200x1-experts.csv`` (the errors docs/sim-validation.md documents)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.app.cli import main
+from sim.app.validate_experts import (
+    EXPERTS_PIECES,
+    experts_model_config,
+    summarise_experts,
+    validate_experts_rows,
+)
+from sim.measured import MeasuredCSVError, measured_path, read_measured
+
+EXPERTS = measured_path("h200x1-experts.csv")
+TRAIN = measured_path("h200x1-train.csv")
+
+
+def test_the_experts_csv_is_its_own_kind(tmp_path):
+    kind, rows = read_measured(EXPERTS)
+    assert kind == "experts" and len(rows) == 60
+    assert {r["piece"] for r in rows} == {*EXPERTS_PIECES, "fwd_saving"}
+    bad = tmp_path / "e.csv"
+    bad.write_text(EXPERTS.read_text().replace(",piece,", ",what_piece,", 1))
+    with pytest.raises(MeasuredCSVError, match="not a measured CSV"):
+        read_measured(bad)
+
+
+def test_a_row_is_modelled_on_its_own_routing_and_the_kernels_tiles():
+    _, rows = read_measured(EXPERTS)
+    row = next(r for r in rows if r["piece"] == "bwd_from_saved" and r["model"] == "kimi-k2")
+    wl, plan, cfg = experts_model_config(row)
+    assert (wl.shape, wl.tokens_per_rank, wl.ep, wl.skew) == ("kimi-k2", 4096, 1, row["skew"])
+    assert wl.seed == int(row["routing_seed"])
+    assert plan.trace.num_experts == int(row["num_experts"]) == 192
+    assert cfg.direction == "backward" and not cfg.recompute  # the dh GEMM from saved g / u
+    assert cfg.row_tile == 128 and cfg.minibatch_size == 4096 and cfg.num_comm_sms == 1
+    assert cfg.swiglu_bwd_bytes_per_elem == 14.0  # fp32 g, u read; h w, dg, du written
+    other = next(r for r in rows if r["piece"] == "bwd_recompute" and r["model"] == "kimi-k2")
+    assert experts_model_config(other)[2].recompute
+
+
+def test_every_backward_piece_is_predicted_and_the_rest_listed():
+    _, rows = read_measured(EXPERTS)
+    recs = validate_experts_rows(rows)
+    assert len(recs) == len(rows)
+    for r, row in zip(recs, rows, strict=True):
+        modelled = row["piece"] in EXPERTS_PIECES and (row["piece"], row["impl"]) != (
+            "bwd_recompute",
+            "torch",
+        )
+        assert (r["status"] == "ok") == modelled, (row["piece"], row["impl"])
+        if modelled:
+            assert r["predicted_us"] > 0 and r["role"] == "validation"
+            assert r["err"] == pytest.approx(r["predicted_us"] / r["measured_us"] - 1)
+        else:
+            assert r["status"] == "baseline" and r["reason"]
+
+
+@pytest.mark.parametrize(
+    ("gemm_profile", "want"),
+    [
+        (
+            None,
+            {
+                ("dW_gate_up", "torch"): (0.054, 0.106),
+                ("gate_up_dgrad", "torch"): (0.084, 0.178),
+                ("bwd_recompute", "mok"): (0.240, 0.288),
+                ("bwd_from_saved", "mok"): (0.263, 0.426),
+                ("dW_gate_up", "mok"): (0.182, 0.473),
+            },
+        ),
+        (
+            "mok-fused-h200x1",
+            {
+                ("bwd_recompute", "mok"): (0.034, 0.070),
+                ("bwd_from_saved", "mok"): (0.065, 0.330),
+                ("dW_gate_up", "mok"): (0.302, 0.540),
+                ("dW_down", "torch"): (0.030, 0.179),
+            },
+        ),
+    ],
+)
+def test_the_documented_errors(gemm_profile, want):
+    """docs/sim-validation.md, 'The backward's GEMM pieces alone': |err| median / max per
+    piece and implementation at both rate sets."""
+    _, rows = read_measured(EXPERTS)
+    s = summarise_experts(validate_experts_rows(rows, gemm_profile))
+    for key, (med, top) in want.items():
+        got = s["by_piece"][key]
+        assert got["median_abs_err"] == pytest.approx(med, abs=0.001), key
+        assert got["max_abs_err"] == pytest.approx(top, abs=0.001), key
+
+
+def test_cli_validates_the_committed_experts_csv(tmp_path, capsys):
+    out = tmp_path / "records.csv"
+    assert main(["validate", str(EXPERTS), "--csv", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "h200x1-experts.csv: 60 rows" in text and "|err| median / max" in text
+    assert "kimi-k2        uniform  bwd_from_saved  mok" in text
+    assert "not predicted: fwd_saving" in text
+    assert len(out.read_text().splitlines()) == 61
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        (["--refit"], "do not apply"),
+        (["--plot", "x.png"], "do not apply"),
+        ([str(TRAIN)], "mix of train CSVs (mok.bench train) and experts CSVs"),
+    ],
+)
+def test_cli_refusals_on_an_experts_csv(extra, why, capsys):
+    assert main(["validate", str(EXPERTS), *extra]) == 2
+    assert why in capsys.readouterr().err
