@@ -116,3 +116,26 @@ def test_cli_validates_the_committed_experts_csv(tmp_path, capsys):
 def test_cli_refusals_on_an_experts_csv(extra, why, capsys):
     assert main(["validate", str(EXPERTS), *extra]) == 2
     assert why in capsys.readouterr().err
+
+
+def test_the_pieces_figure_has_a_bar_per_row_at_its_rate():
+    """sim.app.plots.expert_pieces on the committed CSV: a panel per model, one bar per (piece,
+    impl) row of the skew at its TFLOP/s, labelled with its time in ms, and the peak line."""
+    from sim.app.plots import expert_pieces
+    from sim.measured import read_rows
+
+    rows = [r for r in read_rows(EXPERTS) if r["skew"] == "uniform"]
+    axes = expert_pieces(rows, "uniform", 790.0).get_axes()
+    assert [ax.get_title() for ax in axes] == [
+        f"{m}, uniform" for m in ("deepseek-v3", "kimi-k2", "qwen3-30b-a3b")
+    ]
+    for ax in axes:
+        model = ax.get_title().split(", ")[0]
+        mine = [r for r in rows if r["model"] == model]
+        assert sorted(b.get_height() for b in ax.patches) == pytest.approx(
+            sorted(float(r["tflops"]) for r in mine)
+        )
+        assert sorted(t.get_text() for t in ax.texts) == sorted(
+            f"{float(r['median_us']) / 1e3:.2f}" for r in mine
+        )
+        assert [line.get_ydata()[0] for line in ax.get_lines()] == [790.0]

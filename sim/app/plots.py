@@ -384,6 +384,52 @@ def train_steps(
     return fig
 
 
+def expert_pieces(rows: Sequence[dict], skew: str = "uniform", peak_tflops: float | None = None,
+                  title: str | None = None) -> Figure:  # fmt: skip
+    """The routed experts' GEMM pieces of a training step, each alone (a ``mok.bench experts``
+    CSV, one ``skew``): one panel per model, per piece a bar for each implementation at its
+    TFLOP/s of the routed rows' FLOPs, labelled with its time; ``peak_tflops``: a dashed line at
+    the GPU's dense rate."""
+    sel = [r for r in rows if r["skew"] == skew]
+    models = list(dict.fromkeys(r["model"] for r in sel))
+    pieces = list(dict.fromkeys(r["piece"] for r in sel))
+    impls = list(dict.fromkeys(r["impl"] for r in sel))
+    colors = {"mok": "#1f77b4", "torch": "#ff7f0e"}
+    width = 0.8 / max(1, len(impls))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 3.6), squeeze=False)
+    for j, (ax, model) in enumerate(zip(axes[0], models, strict=True)):
+        got = {(r["piece"], r["impl"]): r for r in sel if r["model"] == model}
+        for k, impl in enumerate(impls):
+            for x, piece in enumerate(pieces):
+                r = got.get((piece, impl))
+                if r is None:
+                    continue
+                at = x + (k - (len(impls) - 1) / 2) * width
+                rate = float(r["tflops"])
+                ax.bar(at, rate, width, color=colors.get(impl, "#7f7f7f"), label=impl)
+                ax.text(at, rate, f"{float(r['median_us']) / 1e3:.2f}", ha="center",
+                        va="bottom", fontsize=5.5, rotation=90)  # fmt: skip
+        if peak_tflops:
+            label = f"{peak_tflops:g} TFLOP/s (dense bf16 peak)" if j == 0 else None
+            ax.axhline(peak_tflops, color="#d62728", ls="--", lw=0.8, label=label)
+        ax.set_ylim(0, (peak_tflops or max(float(r["tflops"]) for r in sel)) * 1.12)
+        ax.set_xticks(range(len(pieces)))
+        ax.set_xticklabels(pieces, fontsize=6.5, rotation=25)
+        ax.set_title(f"{model}, {skew}", fontsize=8)
+        ax.set_ylabel("TFLOP/s (bars labelled in ms)", fontsize=7)
+    handles, labels = [], []
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
 def scaling_summary(rows: Sequence[dict], where: dict | None = None) -> Figure:
     """One bar per step (in row order) of a scale-out: the critical-path breakdown of the layer
     time, the exposed-communication share and compute idle fraction, and NVLink vs NIC payload
@@ -722,11 +768,21 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
     tp.add_argument("--csv", default="mok/bench/results/h200x1-train.csv")
     tp.add_argument("--out", default="docs/img/train-step-h200.png")
     tp.add_argument("--title", default=None)
+    ep = sub.add_parser("experts-pieces", help="the expert GEMM pieces of a mok.bench experts CSV")
+    ep.add_argument("--csv", default="mok/bench/results/h200x1-experts.csv")
+    ep.add_argument("--out", default="docs/img/experts-pieces-h200.png")
+    ep.add_argument("--skew", default="uniform")
+    ep.add_argument("--peak", type=float, default=790.0, help="dense bf16 TFLOP/s of the GPU")
     a = ap.parse_args()
     if a.what == "train-steps":
         from sim.measured import read_rows
 
         train_steps(read_rows(a.csv), target=1.5, title=a.title).savefig(a.out, dpi=110)
+        print(f"wrote {a.out}")
+    elif a.what == "experts-pieces":
+        from sim.measured import read_rows
+
+        expert_pieces(read_rows(a.csv), a.skew, a.peak).savefig(a.out, dpi=110)
         print(f"wrote {a.out}")
     else:
         for path in write_signalling_sensitivity(a.out, a.params.split(",")):
