@@ -26,8 +26,10 @@ roles reversed:
   over its whole token axis (the forward GEMMs' FLOPs again, so the backward's GEMM FLOPs are
   2x the forward's, plus one forward gate/up with ``recompute``), as two GEMMs on all
   compute SMs after the last dgrad round, overlapping the last reverse dispatches. Their
-  ``[N_out, K_out]`` tiles have the expert's padded rows as depth; the model gives every local
-  expert the mean depth (the FLOPs are exact; an uneven split over the experts is not seen).
+  ``[N_out, K_out]`` tiles have the expert's rows rounded up to :data:`WGRAD_DEPTH_STEP` as
+  depth (the weight-gradient kernel's k step; its region's padding to the row tile is not
+  computed); the model gives every local expert the mean depth (the FLOPs are exact; an
+  uneven split over the experts is not seen).
 
 MoK's choice, modelled whatever the forward's policies: pull reverse combine, push reverse
 dispatch (``dispatch_mode`` / ``combine_mode`` keep naming the forward; only ``dedup_pull``
@@ -57,6 +59,8 @@ __all__ = ["BackwardPass", "BACKWARD_ROLES", "backward_config"]
 # kernel_knobs): the reverse combine (a pull, in the dispatch's place before the GEMMs) and the
 # reverse dispatch (a push, in the combine's)
 BACKWARD_ROLES = ("rev_combine", "rev_dispatch")
+# the weight gradients' depth step (rows): mok's weight-gradient kernel runs 16-row k steps
+WGRAD_DEPTH_STEP = 16
 
 
 def backward_config(cfg: SimConfig, recompute: bool | None = None) -> SimConfig:
@@ -138,7 +142,8 @@ class BackwardPass:
         )
 
     def wgrad_specs(self, experts: int, rows: float, intermediate: int) -> list[GemmSpec]:
-        """The weight gradients of ``experts`` experts with ``rows`` (padded) rows in all:
+        """The weight gradients of ``experts`` experts with ``rows`` rows in all (each
+        expert's rounded up to :data:`WGRAD_DEPTH_STEP`):
         ``dW_down [H, I]`` and ``dW_gate/up [2I, H]`` per expert, depth = the mean rows per
         expert; each writes its gradient once (the weight-streaming term)."""
         if experts <= 0 or rows <= 0:
@@ -215,9 +220,13 @@ class BackwardPass:
         return out
 
     def _padded_rows(self) -> np.ndarray:
-        """[R, local experts] rows of each expert region, padded to the row tile."""
+        """[R, local experts] the weight gradients' depth of each expert: its rows rounded up
+        to :data:`WGRAD_DEPTH_STEP` (mok's weight-gradient kernel reduces an expert's rows in
+        16-row k steps and stops at the last that holds its rows, so the padding of its region
+        to the row tile is not part of the depth)."""
         plan = self.plan
-        padded = -(-plan.expert_counts.sum(axis=1) // plan.row_tile) * plan.row_tile
+        step = WGRAD_DEPTH_STEP
+        padded = -(-plan.expert_counts.sum(axis=1) // step) * step
         return padded.reshape(plan.num_ranks, plan.num_local_experts)
 
     def _shared_tiles(self) -> int:
