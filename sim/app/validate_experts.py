@@ -52,11 +52,12 @@ EXPERTS_UNMODELLED_IMPL = {
     "backward as separate elementwise passes (the model's piece is one kernel with the SwiGLU "
     "backward in the down dgrad's epilogue)",
 }
-# HBM bytes per intermediate element of mok's SwiGLU-backward epilogue (its down dgrad tiles):
-# h w, dg and du written in bf16 (6); from saved g / u (bwd_from_saved) the fp32 g and u read
-# too (+8). The layer model's default (SimConfig.swiglu_bwd_bytes_per_elem) is a bf16 design's.
-EXPERTS_SWIGLU_BYTES = {"bwd_from_saved": 14.0}
-EXPERTS_SWIGLU_BYTES_RECOMPUTE = 6.0
+# (recompute, HBM bytes per intermediate element of mok's SwiGLU-backward epilogue) a piece is
+# modelled with: h w, dg and du written in bf16 (6) after the recomputed gate / up; from saved
+# g / u (bwd_from_saved) no recompute and the fp32 g and u read too (+8). The layer model's
+# default (SimConfig.swiglu_bwd_bytes_per_elem) is a bf16 design's.
+EXPERTS_EPILOGUE = {"bwd_from_saved": (False, 14.0)}
+EXPERTS_EPILOGUE_DEFAULT = (True, 6.0)
 # the row tile the pieces' GEMMs run (mok's kernels and torch's grouped GEMM: 128-row tiles; the
 # bench pads each group to 16 rows, the weight gradients' depth step)
 EXPERTS_ROW_TILE = 128
@@ -68,7 +69,7 @@ def experts_model_config(row: dict, gemm_profile: str | None = None):
     """(workload, routing plan, backward config) of the layer model for a row of an experts
     CSV: one GPU with the row's ``num_experts``, all local, on the routing the bench drew,
     regions padded to :data:`EXPERTS_ROW_TILE`, one round; the backward with ``recompute``
-    except for ``bwd_from_saved``, with mok's epilogue bytes (:data:`EXPERTS_SWIGLU_BYTES`).
+    except for ``bwd_from_saved``, with mok's epilogue bytes (:data:`EXPERTS_EPILOGUE`).
     ValueError for a workload the simulator rejects."""
     model, tokens, skew = row["model"], int(row["tokens_per_rank"]), row["skew"]
     shape, experts, seed = get_shape(model), int(row["num_experts"]), row_routing_seed(row)
@@ -78,6 +79,7 @@ def experts_model_config(row: dict, gemm_profile: str | None = None):
     wl = Workload(model, tokens, 1, "h200x2", skew, seed)
     plan = _train_plan(model, tokens, skew, experts, seed, rt)
     ring = _bench_ring(tokens, shape.num_topk, experts, rt, tokens)
+    recompute, epilogue_bytes = EXPERTS_EPILOGUE.get(row["piece"], EXPERTS_EPILOGUE_DEFAULT)
     base = SimConfig(
         dispatch_mode=MoKConfig().dispatch_mode,
         combine_mode="push",
@@ -86,11 +88,9 @@ def experts_model_config(row: dict, gemm_profile: str | None = None):
         macrobatch_size=ring,
         row_tile=rt,
         gemm_profile=gemm_profile,
-        swiglu_bwd_bytes_per_elem=EXPERTS_SWIGLU_BYTES.get(
-            row["piece"], EXPERTS_SWIGLU_BYTES_RECOMPUTE
-        ),
+        swiglu_bwd_bytes_per_elem=epilogue_bytes,
     )
-    return wl, plan, backward_config(base, recompute=row["piece"] != "bwd_from_saved")
+    return wl, plan, backward_config(base, recompute=recompute)
 
 
 def validate_experts_rows(rows: Iterable[dict], gemm_profile: str | None = None) -> list[dict]:

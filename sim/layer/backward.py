@@ -211,23 +211,23 @@ class BackwardPass:
             specs = self.dgrad_specs(int(rc.row_tiles[r, m]), inter, int(experts[r, m]))
             for name, us in zip(names, busy(specs, handoff), strict=True):
                 out[name] += us
-        padded = self._padded_rows()[r]
-        wg = self.wgrad_specs(int((padded > 0).sum()), float(padded.sum()), inter)
+        depth = self._wgrad_depth_rows()[r]
+        wg = self.wgrad_specs(int((depth > 0).sum()), float(depth.sum()), inter)
         out.update(zip(("dw_down", "dw_gate_up"), busy(wg, 0.0) if wg else (0.0, 0.0), strict=True))
         out["shared"] = self._bwd_us(
             ("shared", self._shared_tiles(), self.shape.shared_intermediate)
         )[0]
         return out
 
-    def _padded_rows(self) -> np.ndarray:
+    def _wgrad_depth_rows(self) -> np.ndarray:
         """[R, local experts] the weight gradients' depth of each expert: its rows rounded up
         to :data:`WGRAD_DEPTH_STEP` (mok's weight-gradient kernel reduces an expert's rows in
         16-row k steps and stops at the last that holds its rows, so the padding of its region
         to the row tile is not part of the depth)."""
         plan = self.plan
         step = WGRAD_DEPTH_STEP
-        padded = -(-plan.expert_counts.sum(axis=1) // step) * step
-        return padded.reshape(plan.num_ranks, plan.num_local_experts)
+        rows = -(-plan.expert_counts.sum(axis=1) // step) * step
+        return rows.reshape(plan.num_ranks, plan.num_local_experts)
 
     def _shared_tiles(self) -> int:
         """Row tiles of the shared expert (0 without one)."""
@@ -261,7 +261,7 @@ class BackwardPass:
         ready = rev_combine(phase="rev_combine", ring=False).build(self)
         self.ring_deps = None  # nothing ring-dependent to copy (can_share_with: False)
         experts = self.experts_per_round()
-        padded = self._padded_rows()
+        depth = self._wgrad_depth_rows()
         sh_tiles = self._shared_tiles()
         gemm_done, chain, finals = {}, {}, {}
         for r in range(nr):
@@ -273,8 +273,8 @@ class BackwardPass:
                 key = ("dgrad", int(rc.row_tiles[r, m]), shape.intermediate, int(experts[r, m]))
                 prev, last = self._task(key, [ready[(r, m)], prev], r, "gemm", m)
                 gemm_done[(r, m)] = g.delay(self.flag_local, [last], r, "signal", m)
-            n_exp = int((padded[r] > 0).sum())
-            key = ("wgrad", n_exp, float(padded[r].sum()), shape.intermediate)
+            n_exp = int((depth[r] > 0).sum())
+            key = ("wgrad", n_exp, float(depth[r].sum()), shape.intermediate)
             w, w_done = self._task(key, [prev, last], r, "wgrad", tail_phase="wgrad_tail")
             self.wgrad_tasks[r] = (w, w_done)
             chain[r] = w
