@@ -67,6 +67,28 @@ struct WgradLaunch {
 // (cudaErrorInvalidValue for a shape it does not support or a TMA descriptor it cannot build).
 int launch_wgrad(const WgradLaunch& args, int grid, void* stream);
 
+// The experts' backward from saved g / u in one launch (layer/sm90_bwd_fused.cuh): the
+// operands of SwigluBwdLaunch (mode 2; a unused by it) plus bf16 a [rows, H] (the weight
+// gradient dW_gate_up = dgu^T a), d_a [rows, H] bf16 out (dgu @ w_gate_up), d_w_gate_up
+// [L, 2I, H] and d_w_down [L, H, I] (bf16, or fp32 added onto: wgrad_out as WgradLaunch's out),
+// and uint32 counters of counters_len >= 1 + ceil(rows / 128) + 2 L words (zeroed by the
+// launcher). I and H multiples of 256, group ends multiples of 16. Params carries the error
+// record, the abort word and the timeout of the cross-block waits.
+struct FusedBwdLaunch {
+  SwigluBwdLaunch dh;
+  void* d_a;
+  void* d_w_gate_up;
+  void* d_w_down;
+  uint32_t* counters;
+  int64_t counters_len;
+  int64_t wgrad_out;
+  int64_t run;    // the task kinds (BwdRun in layer/sm90_bwd_fused.cuh)
+  int64_t fault;  // tests only: the dh task that never reports done (-1: none)
+};
+
+// Launches it with at most `grid` blocks on `stream`. Returns a cudaError_t value.
+int launch_bwd_fused(const Params& params, const FusedBwdLaunch& args, int grid, void* stream);
+
 // Device address of host-pinned memory (for the error record).
 uint64_t host_device_pointer(void* host_ptr, int* err);
 

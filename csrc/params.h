@@ -42,6 +42,7 @@ enum WaitId : int {
   kWaitLayerStaged = 105,    // communication blocks wait for each other's staging of x
   kWaitLayerPulled = 106,    // communication blocks wait for each other's dedup rows
   kWaitLayerPipeline = 107,  // a worker's TMA / MMA pipeline stage (a local deadlock)
+  kWaitBwdDgrad = 108,       // a fused-backward task waits for the dh tiles it reads
 };
 
 enum ErrorCode : int {

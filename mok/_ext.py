@@ -102,10 +102,12 @@ LOCAL_WAITS = {
     105: "layer x staged",
     106: "layer dedup rows pulled",
     107: "layer GEMM pipeline stage",
+    108: "backward dh tiles done",
 }
 ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT, ERR_UNSUPPORTED = 1, 2, 3, 4, 5
 ERR_TOO_MANY_TOKENS = 6
 ERR_FAULT = 7
+ERR_FIELDS = 8  # int64 words of the error record (csrc/params.h kErrFieldCount)
 # Routing status words per (parity, rank) (csrc/params.h RouteStatus).
 ROUTE_STATUS_WORDS = 4
 

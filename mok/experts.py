@@ -32,6 +32,7 @@ __all__ = [
     "grouped_swiglu_saving",
     "dense_swiglu",
     "swiglu_backward",
+    "gate_up_dgrad",
     "clear_cache",
 ]
 
@@ -189,6 +190,7 @@ def swiglu_backward(
     group_align: int = 1,
     saved_gu: torch.Tensor | None = None,
     wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The backward of SwiGLU experts, recomputing their activations, with explicit GEMMs.
 
@@ -221,6 +223,15 @@ def swiglu_backward(
             Megatron) that the weight gradients are added onto, from their fp32 sums (never
             rounded to bf16); they are then the gradients returned. The kernel adds each element
             once (deterministic); elsewhere the fp32 GEMM result is added.
+        fused: from ``saved_gu``, run the whole backward (dh with the SwiGLU backward, ``d_a``,
+            both weight gradients) as one launch of mok's fused kernel
+            (:func:`mok.ops.bwd_fused_sm90`) instead of a kernel per GEMM with torch's grouped
+            GEMM for ``d_a``. None (the default): fused where it takes the operands (grouped
+            rows, H and I multiples of 256, group ends multiples of 16, bf16 ``d_a``, both or
+            neither of ``wgrad_into``); True raises where it does not. Fused or not, the
+            results are the same bits: ``d_a`` is mok's GEMM (:func:`gate_up_dgrad`) wherever
+            the kernel runs on grouped rows with H and I multiples of 256 and a bf16 ``d_a``,
+            torch's grouped GEMM elsewhere.
 
     Returns:
         (d_a [R, H], d_row_weight [R] fp32 or None, d_w_gate_up like ``w_gate_up``, d_w_down
@@ -240,11 +251,25 @@ def swiglu_backward(
         kernel = _kernel_fits(a, w_gate_up, w_down, dy)
     if saved_gu is not None and not kernel:
         raise ValueError("saved_gu needs mok's Hopper kernel (kernel=True)")
+    why = _fused_misfit(kernel, a, w_down, offs, saved_gu, d_a_dtype, wgrad_kernel, group_align,
+                        wgrad_into)  # fmt: skip
+    if fused and why:
+        raise ValueError(f"swiglu_backward: fused=True, but {why}")
+    if wgrad_into is not None and all(t is None for t in wgrad_into):
+        wgrad_into = None
+    if fused is not False and not why:
+        return _swiglu_backward_fused(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu,
+                                      wgrad_into)  # fmt: skip
     if kernel:
         hw, dgu, d_w = _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu)
     else:
         hw, dgu, d_w = _swiglu_backward_torch(a, w_gate_up, w_down, dy, row_weight, offs)
-    d_a = _mm32(dgu, w_gate_up, offs) if d_a_dtype == torch.float32 else _mm(dgu, w_gate_up, offs)
+    if _dgrad_fits(kernel, a, w_down, offs, d_a_dtype):
+        d_a = gate_up_dgrad(dgu, w_gate_up, offs)
+    elif d_a_dtype == torch.float32:
+        d_a = _mm32(dgu, w_gate_up, offs)
+    else:
+        d_a = _mm(dgu, w_gate_up, offs)
     if d_a_dtype is not None:
         d_a = d_a.to(d_a_dtype)
     wk = kernel and (offs is not None if wgrad_kernel is None else wgrad_kernel)
@@ -258,6 +283,81 @@ def swiglu_backward(
     d_wgu = _wgrad(dgu, a, offs, wk, group_align, into[0])
     d_wd = _wgrad(dy, hw, offs, wk, group_align, into[1])  # sum over rows of dy (x) w h
     return d_a, d_w, d_wgu, d_wd
+
+
+def _fused_misfit(kernel, a, w_down, offs, saved_gu, d_a_dtype, wgrad_kernel, group_align, into):
+    """Why the fused backward kernel does not take these operands ("" where it does)."""
+    hidden, inter = a.shape[1], w_down.shape[-1]
+    checks = (
+        (kernel, "it needs mok's Hopper kernel"),
+        (saved_gu is not None, "it runs from saved g / u (saved_gu)"),
+        (offs is not None, "it runs grouped rows (offs)"),
+        (hidden % 256 == 0 and inter % 256 == 0, f"H={hidden} and I={inter} must be multiples "
+         "of 256"),
+        (group_align % 16 == 0, f"group ends must be multiples of 16 (group_align={group_align})"),
+        (wgrad_kernel is not False, "it computes the weight gradients itself (wgrad_kernel)"),
+        (d_a_dtype in (None, torch.bfloat16), f"d_a is bf16 (d_a_dtype={d_a_dtype})"),
+        (into is None or len({t is None for t in into}) == 1, "it takes both wgrad_into "
+         "accumulators or neither"),
+        (a.shape[0] > 0, "no rows"),
+    )  # fmt: skip
+    return next((why for ok, why in checks if not ok), "")
+
+
+def _dgrad_fits(kernel, a, w_down, offs, d_a_dtype) -> bool:
+    """Whether ``d_a`` is mok's GEMM (the fused kernel's d_a tiles, so that a backward from
+    saved g / u, fused, and one that recomputes them give the same bits)."""
+    hidden, inter = a.shape[1], w_down.shape[-1]
+    return (
+        kernel
+        and offs is not None
+        and hidden % 256 == 0
+        and inter % 256 == 0
+        and d_a_dtype in (None, torch.bfloat16)
+        and a.shape[0] > 0
+    )
+
+
+def gate_up_dgrad(dgu: torch.Tensor, w_gate_up: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``dgu @ w_gate_up`` per group (dgu [R, 2I] bf16, w_gate_up [L, 2I, H], offs [L] int32
+    group ends) -> [R, H] bf16 in mok's Hopper kernel (the fused backward's d_a tiles alone:
+    128 x 256 tiles, fp32 accumulators over the 2I columns in order). Rows past ``offs[-1]``
+    are unspecified."""
+    rows, hidden = dgu.shape[0], w_gate_up.shape[-1]
+    d_a = torch.empty(rows, hidden, dtype=dgu.dtype, device=dgu.device)
+    ops.bwd_fused_sm90(
+        dgu, dgu, w_gate_up, w_gate_up, offs, None, None, dgu, dgu, None, d_a, None, None,
+        False, ops.BWD_RUN_DA, -1,
+    )  # fmt: skip
+    return d_a
+
+
+def _swiglu_backward_fused(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu, into):
+    """:func:`swiglu_backward` by the fused kernel (one launch)."""
+    rows, hidden, inter = a.shape[0], a.shape[1], w_down.shape[-1]
+    dev = a.device
+    hw = torch.empty(rows, inter, dtype=a.dtype, device=dev)
+    dgu = torch.empty(rows, 2 * inter, dtype=a.dtype, device=dev)
+    d_a = torch.empty(rows, hidden, dtype=a.dtype, device=dev)
+    part = None
+    if row_weight is not None:
+        part = torch.empty(inter // 128, rows, dtype=torch.float32, device=dev)
+        row_weight = row_weight.float().contiguous()
+    if into is None:
+        d_wgu, d_wd = torch.empty_like(w_gate_up), torch.empty_like(w_down)
+    else:
+        for acc, w in zip(into, (w_gate_up, w_down), strict=True):
+            if acc.dtype != torch.float32 or acc.shape != w.shape or not acc.is_contiguous():
+                raise ValueError(
+                    f"wgrad_into: contiguous fp32 tensors of the weights' shapes, got "
+                    f"{acc.dtype} {tuple(acc.shape)} for a weight of {tuple(w.shape)}"
+                )
+        d_wgu, d_wd = into
+    ops.bwd_fused_sm90(
+        a, dy, w_gate_up, w_down, offs, row_weight, saved_gu, hw, dgu, part, d_a, d_wgu, d_wd,
+        into is not None, ops.BWD_RUN_ALL, -1,
+    )  # fmt: skip
+    return d_a, None if part is None else part.sum(0), d_wgu, d_wd
 
 
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: int, into=None):

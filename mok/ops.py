@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from mok import _ext
+from mok import _ext, record
 from mok.errors import MoKInputError, MoKUnsupportedError
 from mok.workspace import workspace_by_id
 
@@ -28,6 +28,7 @@ __all__ = [
     "layer_forward",
     "swiglu_backward_sm90",
     "wgrad_sm90",
+    "bwd_fused_sm90",
 ]
 
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
@@ -454,4 +455,87 @@ def wgrad_sm90(
 
 @wgrad_sm90.register_fake
 def _(a, b, group_ends, c, accumulate=False) -> None:
+    return None
+
+
+# Task kinds of the fused backward (csrc/layer/sm90_bwd_fused.cuh BwdRun).
+BWD_RUN_DH, BWD_RUN_DA, BWD_RUN_WGRAD, BWD_RUN_ALL = 1, 2, 4, 7
+
+
+@_mok_op("mok::bwd_fused_sm90", ("hw", "dgu", "part", "d_a", "d_w_gate_up", "d_w_down"))
+def bwd_fused_sm90(
+    a: torch.Tensor,  # [R, H] bf16 input rows, grouped by expert (dW_gate_up = dgu^T a)
+    dy: torch.Tensor,  # [R, H] bf16: the gradient of each row's output, before its weight
+    w_gate_up: torch.Tensor,  # [L, 2I, H] bf16, contiguous
+    w_down: torch.Tensor,  # [L, H, I] bf16, contiguous
+    group_ends: torch.Tensor,  # [L] int32, multiples of 16
+    row_w: torch.Tensor | None,  # [R] fp32 routing weights (None: 1)
+    gu32: torch.Tensor | None,  # [R, 2I] fp32 g | u kept by the saving forward (BWD_RUN_DH)
+    hw: torch.Tensor,  # [R, I] bf16 out (in without BWD_RUN_DH)
+    dgu: torch.Tensor,  # [R, 2I] bf16 out (in without BWD_RUN_DH)
+    part: torch.Tensor | None,  # [I / 128, R] fp32 out (router-weight partials), or None
+    d_a: torch.Tensor | None,  # [R, H] bf16 out: dgu @ w_gate_up per group (BWD_RUN_DA)
+    # [L, 2I, H] bf16 out, or fp32 (added onto with accumulate) (BWD_RUN_WGRAD)
+    d_w_gate_up: torch.Tensor | None,
+    d_w_down: torch.Tensor | None,  # [L, H, I], as d_w_gate_up
+    accumulate: bool,  # fp32 weight gradients added onto what they hold
+    run: int,  # the task kinds (BWD_RUN_*)
+    fault: int,  # tests only: the dh task that never reports done (-1: none)
+) -> None:
+    """The experts' backward from saved g / u in one launch (csrc/layer/sm90_bwd_fused.cuh): the
+    dh tiles with the SwiGLU backward, the gate / up dgrad ``d_a`` and both weight gradients, over
+    every SM of the GPU. A wait between its blocks that expires is recorded
+    (:mod:`mok.record`) and raised at the next call. Rows past the last group end are left
+    unwritten."""
+    rows = a.shape[0]
+    if rows == 0:
+        return
+    L, two_i, hidden = w_gate_up.shape
+    dev = a.device
+    out = 0  # WgradOut
+    if d_w_gate_up is not None and d_w_down is not None:
+        if d_w_down.dtype != d_w_gate_up.dtype:
+            raise MoKUnsupportedError(
+                f"bwd_fused_sm90: both weight gradients in one dtype, got {d_w_gate_up.dtype} "
+                f"and {d_w_down.dtype}"
+            )
+        if d_w_gate_up.dtype == torch.float32:
+            out = 2 if accumulate else 1
+    params = record.record_for(dev).params()
+    n_counters = 1 + (rows + 127) // 128 + 2 * L
+    counters = torch.empty(n_counters, dtype=torch.int32, device=dev)
+    _ext.load().launch_bwd_fused(
+        params,
+        a.data_ptr(),
+        dy.data_ptr(),
+        w_gate_up.data_ptr(),
+        w_down.data_ptr(),
+        group_ends.data_ptr(),
+        0 if row_w is None else row_w.data_ptr(),
+        hw.data_ptr(),
+        dgu.data_ptr(),
+        0 if part is None else part.data_ptr(),
+        0 if gu32 is None else gu32.data_ptr(),
+        0 if d_a is None else d_a.data_ptr(),
+        0 if d_w_gate_up is None else d_w_gate_up.data_ptr(),
+        0 if d_w_down is None else d_w_down.data_ptr(),
+        counters.data_ptr(),
+        n_counters,
+        out,
+        run,
+        fault,
+        rows,
+        hidden,
+        two_i // 2,
+        L,
+        torch.cuda.get_device_properties(dev).multi_processor_count,
+        torch.cuda.current_stream(dev).cuda_stream,
+    )
+
+
+@bwd_fused_sm90.register_fake
+def _(
+    a, dy, w_gate_up, w_down, group_ends, row_w, gu32, hw, dgu, part, d_a, d_w_gate_up,
+    d_w_down, accumulate, run, fault,
+) -> None:  # fmt: skip
     return None

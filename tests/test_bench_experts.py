@@ -64,7 +64,7 @@ def test_groups_are_padded_to_the_row_tile():
 def test_piece_flops_count_the_routed_rows_gemms():
     g = 2 * 10 * 7168 * 2048
     want = dict(dW_gate_up=2 * g, dW_down=g, gate_up_dgrad=2 * g, bwd_recompute=3 * g)
-    want.update(bwd_from_saved=g, fwd_saving=3 * g)
+    want.update(bwd_from_saved=g, bwd_saved_all=6 * g, fwd_saving=3 * g)
     assert {p: experts.piece_flops(p, 10, 7168, 2048) for p in experts.PIECES} == want
 
 
@@ -85,6 +85,12 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     def bwd(a, wgu, wd, dy, row_w, offs, saved=None):
         calls["mok"].append(("bwd", saved is not None, offs.tolist()))
 
+    def dgrad(dgu, wgu, offs):
+        calls["mok"].append(("dgrad", dgu.shape, wgu.shape))
+
+    def whole(a, wgu, wd, dy, row_w, offs, fused=None, group_align=1, saved_gu=None):
+        calls["mok"].append(("whole", fused, group_align, saved_gu))
+
     def saving(a, wgu, wd, offs):
         calls["mok"].append(("saving", offs.tolist()))
         return None, "saved"
@@ -94,6 +100,8 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     monkeypatch.setattr(ops, "wgrad_sm90", wgrad)
     monkeypatch.setattr(me, "_swiglu_backward_sm90", bwd)
     monkeypatch.setattr(me, "grouped_swiglu_saving", saving)
+    monkeypatch.setattr(me, "gate_up_dgrad", dgrad)
+    monkeypatch.setattr(me, "swiglu_backward", whole)
     rec = experts.ExpertsRecorder(str(tmp_path / "experts.csv"), META)
     experts.run_case(rec, "tiny", 40, "uniform", experts.PIECES, 2, 1, 2, "cpu")
     got = [(r["piece"], r["impl"]) for r in rec.rows]
@@ -102,10 +110,13 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         ("dW_gate_up", "torch"),
         ("dW_down", "mok"),
         ("dW_down", "torch"),
+        ("gate_up_dgrad", "mok"),
         ("gate_up_dgrad", "torch"),
         ("bwd_recompute", "mok"),
         ("bwd_recompute", "torch"),
         ("bwd_from_saved", "mok"),
+        ("bwd_saved_all", "mok"),
+        ("bwd_saved_all", "mok-serial"),
         ("fwd_saving", "mok"),
         ("fwd_saving", "torch"),
     ]
@@ -132,7 +143,11 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     ]
     assert ("wgrad", (total, H), (total, inter), ends.tolist(), (E, H, inter)) in calls["mok"]
     assert ("bwd", True, ends.tolist()) in calls["mok"]  # from the saved g / u
-    assert "tiny  uniform      dW_gate_up    mok     100.0 us" in capsys.readouterr().out
+    assert ("dgrad", (total, 2 * inter), (E, 2 * inter, H)) in calls["mok"]
+    tile = unfused_row_tile(mok.MoKConfig())
+    for fused in (True, False):  # the whole backward, from the saved g / u, aligned groups
+        assert ("whole", fused, tile, "saved") in calls["mok"]
+    assert "tiny  uniform      dW_gate_up        mok     100.0 us" in capsys.readouterr().out
     rec.write()
     lines = (tmp_path / "experts.csv").read_text().splitlines()
     assert lines[0].startswith("model,hidden,intermediate,num_experts,num_topk,skew,")

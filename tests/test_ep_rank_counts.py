@@ -67,6 +67,7 @@ _WAITS_CPP = {
     105: "kWaitLayerStaged",
     106: "kWaitLayerPulled",
     107: "kWaitLayerPipeline",
+    108: "kWaitBwdDgrad",
 }
 _ERROR_FIELDS_CPP = ["Code", "Wait", "Peer", "Observed", "Expected", "Rank", "Epoch", "Extra"]
 

@@ -9,6 +9,7 @@
 #include "common/launch.cuh"
 #include "common/tensor_map.h"
 #include "layer/sm90_bwd.cuh"
+#include "layer/sm90_bwd_fused.cuh"
 
 namespace mok {
 
@@ -103,6 +104,84 @@ int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
   if (l.out == kWgradF32) return launch_wgrad_out<kWgradF32>(k, grid, stream);
   if (l.out == kWgradF32Add) return launch_wgrad_out<kWgradF32Add>(k, grid, stream);
   return launch_wgrad_out<kWgradBf16>(k, grid, stream);
+}
+
+namespace {
+
+template <int kOut>
+int launch_fused_out(const FusedBwdKernelArgs& k, int grid, cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(bwd_fused_kernel<kOut>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem);
+  if (e != cudaSuccess) return finish_launch(e);
+  bwd_fused_kernel<kOut><<<grid, kLayerThreads, kFusedSmem, stream>>>(k);
+  return finish_launch(cudaGetLastError());
+}
+
+}  // namespace
+
+int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* stream_ptr) {
+  const SwigluBwdLaunch& d = l.dh;
+  const int64_t H = d.hidden, I = d.inter, L = d.num_experts, R = d.rows;
+  const int64_t max_row_tiles = (R + kTileM - 1) / kTileM + L;
+  if (R <= 0 || H <= 0 || H % 256 != 0 || I <= 0 || I % 256 != 0 || L < 1 ||
+      L > kBwdMaxExperts || grid < 1 || R > INT32_MAX / 2 || L * 2 * I > INT32_MAX ||
+      L * H > INT32_MAX || l.counters == nullptr || l.counters_len < 1 + max_row_tiles + L ||
+      l.wgrad_out < kWgradBf16 || l.wgrad_out > kWgradF32Add || l.run < 1 || l.run > kBwdRunAll)
+    return static_cast<int>(cudaErrorInvalidValue);
+  FusedBwdKernelArgs k{};
+  k.p = p;
+  constexpr int kK = OperandBf16::kTileK;
+  SwigluBwdKernelArgs& b = k.dh;
+  const bool f32 = l.wgrad_out != kWgradBf16;
+  // The operands of the task kinds this launch runs: dh (dy rows, w_down N-major; g / u), d_a
+  // (dgu rows, w_gate_up N-major), the weight gradients (64-row boxes of both operands, C by TMA
+  // stores).
+  bool ok = true;
+  if (l.run & kBwdRunDh)
+    ok = d.gu32 != nullptr && encode_bf16_map(&b.map_dy, d.dy, R, H, kTileM, kK) &&
+         encode_bf16_map(&b.map_wd, d.w_down, L * H, I, kK, 64);
+  if (ok && (l.run & kBwdRunDa))
+    ok = l.d_a != nullptr && encode_bf16_map(&k.map_dgu, d.dgu, R, 2 * I, kTileM, kK) &&
+         encode_bf16_map(&k.map_wgu, d.w_gate_up, L * 2 * I, H, kK, 64);
+  if (ok && (l.run & kBwdRunWgrad)) {
+    ok = encode_bf16_map(&k.wgrad[0].map_a, d.dgu, R, 2 * I, 64, 64) &&
+         encode_bf16_map(&k.wgrad[0].map_b, d.a, R, H, 64, 64) &&
+         encode_bf16_map(&k.wgrad[1].map_a, d.dy, R, H, 64, 64) &&
+         encode_bf16_map(&k.wgrad[1].map_b, d.hw, R, I, 64, 64);
+    if (ok && !f32)
+      ok = encode_bf16_map(&k.wgrad[0].map_c, l.d_w_gate_up, L * 2 * I, H, 64, 64) &&
+           encode_bf16_map(&k.wgrad[1].map_c, l.d_w_down, L * H, I, 64, 64);
+    if (ok && f32)
+      ok = encode_f32_map(&k.wgrad[0].map_c, l.d_w_gate_up, L * 2 * I, H, 64, 32) &&
+           encode_f32_map(&k.wgrad[1].map_c, l.d_w_down, L * H, I, 64, 32);
+  }
+  if (!ok) return static_cast<int>(cudaErrorInvalidValue);
+  b.ends = d.ends;
+  b.row_w = d.row_w;
+  b.hw = static_cast<uint16_t*>(d.hw);
+  b.dgu = static_cast<uint16_t*>(d.dgu);
+  b.part = d.part;
+  b.gu32 = d.gu32;
+  b.rows = static_cast<int>(R);
+  b.hidden = static_cast<int>(H);
+  b.inter = static_cast<int>(I);
+  b.num_experts = static_cast<int>(L);
+  k.d_a = static_cast<uint16_t*>(l.d_a);
+  k.wgrad[0].ends = k.wgrad[1].ends = d.ends;
+  k.wgrad[0].m = static_cast<int>(2 * I), k.wgrad[0].n = static_cast<int>(H);
+  k.wgrad[1].m = static_cast<int>(H), k.wgrad[1].n = static_cast<int>(I);
+  k.wgrad[0].num_experts = k.wgrad[1].num_experts = static_cast<int>(L);
+  k.counters = l.counters;
+  k.max_row_tiles = static_cast<int>(max_row_tiles);
+  k.run = static_cast<int>(l.run);
+  k.fault = l.fault;
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const cudaError_t z =
+      cudaMemsetAsync(l.counters, 0, sizeof(uint32_t) * (1 + max_row_tiles + L), stream);
+  if (z != cudaSuccess) return finish_launch(z);
+  if (l.wgrad_out == kWgradF32) return launch_fused_out<kWgradF32>(k, grid, stream);
+  if (l.wgrad_out == kWgradF32Add) return launch_fused_out<kWgradF32Add>(k, grid, stream);
+  return launch_fused_out<kWgradBf16>(k, grid, stream);
 }
 
 }  // namespace mok

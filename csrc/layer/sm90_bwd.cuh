@@ -427,11 +427,12 @@ struct WgradShared {
   uint64_t full[kWgradStages], empty[kWgradStages];
   // The tile a stage's first k-block belongs to: expert (-1: end of the work), M block,
   // N block, k-blocks (0: an expert without rows; the stage carries no data), last steps.
-  int stage_tile[kWgradStages][5];
+  // Then the problem (an index into the storer's WgradKernelArgs: 0 unless a launch runs two).
+  int stage_tile[kWgradStages][6];
   // The staged chunks, per consumer warpgroup and buffer: staged / copied out, and the job
-  // (expert, M block, first column, zero tile; expert -1: no more).
+  // (expert, M block, first column, zero tile, problem; expert -1: no more).
   uint64_t epi_full[2][2], epi_empty[2][2];
-  int jobs[2][2][4];
+  int jobs[2][2][5];
 };
 static __shared__ __align__(8) WgradShared gsh;
 
@@ -442,49 +443,59 @@ __device__ __forceinline__ uint8_t* wgrad_zero() {
   return bwd_stages() + kWgradStages * kStageBytes + 4 * kEpiBytes;
 }
 
-__device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_tiles) {
+// Loads weight-gradient tile (e, mb, nb) of problem `prob` (its operands in k) into the stages
+// from `stage` on, the tile's fields in the first one's stage_tile.
+__device__ __forceinline__ void wgrad_load_tile(const WgradKernelArgs& k, int prob, int e, int mb,
+                                                int nb, int& stage, uint32_t& phase) {
   uint8_t* stages = bwd_stages();
+  mbar_wait(&gsh.empty[stage], phase ^ 1);
+  const int start = e == 0 ? 0 : k.ends[e - 1];
+  const int rows = k.ends[e] - start;
+  const int k_blocks = rows > 0 ? (rows + 63) / 64 : 0;
+  const int last_steps = k_blocks > 0 ? (rows - (k_blocks - 1) * 64 + 15) / 16 : 0;
+  vol(gsh.stage_tile[stage][0]) = e;
+  vol(gsh.stage_tile[stage][1]) = mb;
+  vol(gsh.stage_tile[stage][2]) = nb;
+  vol(gsh.stage_tile[stage][3]) = k_blocks;
+  vol(gsh.stage_tile[stage][4]) = last_steps;
+  vol(gsh.stage_tile[stage][5]) = prob;
+  if (k_blocks == 0) {  // a zero tile: the stage says so and carries nothing
+    mbar_arrive(&gsh.full[stage]);
+    if (++stage == kWgradStages) stage = 0, phase ^= 1;
+    return;
+  }
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    if (kb > 0) mbar_wait(&gsh.empty[stage], phase ^ 1);
+    uint8_t* sa = stages + stage * kStageBytes;
+    const int row = start + kb * 64;
+    mbar_arrive_expect_tx(&gsh.full[stage], kStageBytes);
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+      tma_load_2d(sa + q * kBoxNB, &k.map_a, &gsh.full[stage], mb * kTileM + 64 * q, row);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_b, &gsh.full[stage], nb * kTileN + 64 * q,
+                  row);
+    if (++stage == kWgradStages) stage = 0, phase ^= 1;
+  }
+}
+
+// The end of the weight-gradient work: a stage whose expert is -1.
+__device__ __forceinline__ void wgrad_load_end(int stage, uint32_t phase) {
+  mbar_wait(&gsh.empty[stage], phase ^ 1);
+  vol(gsh.stage_tile[stage][0]) = -1;
+  mbar_arrive(&gsh.full[stage]);
+}
+
+__device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_tiles) {
   const int m_blocks = k.m / kTileM, n_blocks = k.n / kTileN;
   const int per_expert = m_blocks * n_blocks;
   int stage = 0;
   uint32_t phase = 0;
-  for (int i = blockIdx.x;; i += gridDim.x) {
-    mbar_wait(&gsh.empty[stage], phase ^ 1);
-    if (i >= n_tiles) {
-      vol(gsh.stage_tile[stage][0]) = -1;
-      mbar_arrive(&gsh.full[stage]);
-      return;
-    }
-    const int e = i / per_expert, mb = (i % per_expert) / n_blocks, nb = i % n_blocks;
-    const int start = e == 0 ? 0 : k.ends[e - 1];
-    const int rows = k.ends[e] - start;
-    const int k_blocks = rows > 0 ? (rows + 63) / 64 : 0;
-    const int last_steps = k_blocks > 0 ? (rows - (k_blocks - 1) * 64 + 15) / 16 : 0;
-    vol(gsh.stage_tile[stage][0]) = e;
-    vol(gsh.stage_tile[stage][1]) = mb;
-    vol(gsh.stage_tile[stage][2]) = nb;
-    vol(gsh.stage_tile[stage][3]) = k_blocks;
-    vol(gsh.stage_tile[stage][4]) = last_steps;
-    if (k_blocks == 0) {  // a zero tile: the stage says so and carries nothing
-      mbar_arrive(&gsh.full[stage]);
-      if (++stage == kWgradStages) stage = 0, phase ^= 1;
-      continue;
-    }
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      if (kb > 0) mbar_wait(&gsh.empty[stage], phase ^ 1);
-      uint8_t* sa = stages + stage * kStageBytes;
-      const int row = start + kb * 64;
-      mbar_arrive_expect_tx(&gsh.full[stage], kStageBytes);
-#pragma unroll
-      for (int q = 0; q < 2; ++q)
-        tma_load_2d(sa + q * kBoxNB, &k.map_a, &gsh.full[stage], mb * kTileM + 64 * q, row);
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_b, &gsh.full[stage],
-                    nb * kTileN + 64 * q, row);
-      if (++stage == kWgradStages) stage = 0, phase ^= 1;
-    }
-  }
+  for (int i = blockIdx.x; i < n_tiles; i += gridDim.x)
+    wgrad_load_tile(k, 0, i / per_expert, (i % per_expert) / n_blocks, i % n_blocks, stage,
+                    phase);
+  wgrad_load_end(stage, phase);
 }
 
 // Warpgroup wg's 64 x 128 output chunk (columns col0.. of its rows) from `acc` into its buffer b
@@ -495,7 +506,8 @@ __device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_t
 // the zero block (the accumulators are never written by anything but wgmma: ptxas serialises
 // every wgmma of a kernel that does).
 __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, int e, int mb,
-                                            int col0, int wg, int b, uint32_t uses, int tid) {
+                                            int col0, int prob, int wg, int b, uint32_t uses,
+                                            int tid) {
   mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);  // the store warp's TMA has read the last one
   if (!zero) {
     const int warp = tid / 32, lane = tid % 32, x = lane / 4;  // rows warp * 16 + x (+ 8)
@@ -513,7 +525,7 @@ __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, i
   named_sync(1 + wg, 128);
   if (tid == 0) {
     vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
-    vol(gsh.jobs[wg][b][3]) = zero;
+    vol(gsh.jobs[wg][b][3]) = zero, vol(gsh.jobs[wg][b][4]) = prob;
     mbar_arrive(&gsh.epi_full[wg][b]);
   }
 }
@@ -522,8 +534,8 @@ __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, i
 // 64 x 32 fp32 boxes in the same swizzle, into buffer b for the store warp, which writes it to
 // columns col0.. of C (or adds it there).
 __device__ __forceinline__ void wgrad_stage_f32(const float (&acc)[64], int hh, bool zero, int e,
-                                                int mb, int col0, int wg, int b, uint32_t uses,
-                                                int tid) {
+                                                int mb, int col0, int prob, int wg, int b,
+                                                uint32_t uses, int tid) {
   mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);
   if (!zero) {
     const int warp = tid / 32, lane = tid % 32, x = lane / 4;
@@ -542,7 +554,7 @@ __device__ __forceinline__ void wgrad_stage_f32(const float (&acc)[64], int hh, 
   named_sync(1 + wg, 128);
   if (tid == 0) {
     vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
-    vol(gsh.jobs[wg][b][3]) = zero;
+    vol(gsh.jobs[wg][b][3]) = zero, vol(gsh.jobs[wg][b][4]) = prob;
     mbar_arrive(&gsh.epi_full[wg][b]);
   }
 }
@@ -559,11 +571,12 @@ __device__ __forceinline__ void tma_add_2d(const CUtensorMap* map, const void* s
 }
 
 // Store warp of consumer warpgroup wg (its lane 0): takes the chunks in order (buffers 0, 1, 0,
-// ...), stores each chunk's two boxes (or the zero block twice) by TMA and gives the buffer back
-// once the TMA has read it; the writes to C are waited for only at the end. kWgradF32Add adds
-// the boxes onto C instead, and adds nothing for an expert without rows.
+// ...), stores each chunk's two boxes (or the zero block twice) by TMA into its problem's C
+// (probs[problem]) and gives the buffer back once the TMA has read it; the writes to C are
+// waited for only at the end. kWgradF32Add adds the boxes onto C instead, and adds nothing for
+// an expert without rows.
 template <int kOut>
-static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs& k, int wg) {
+static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs* probs, int wg) {
   constexpr int kBoxCols = kOut == kWgradBf16 ? 64 : 32;
   for (uint32_t n = 0;; ++n) {
     const int b = n & 1;
@@ -572,6 +585,7 @@ static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs& k, int w
     if (e < 0) break;
     const int mb = vol(gsh.jobs[wg][b][1]), col0 = vol(gsh.jobs[wg][b][2]);
     const bool zero = vol(gsh.jobs[wg][b][3]) != 0;
+    const WgradKernelArgs& k = probs[vol(gsh.jobs[wg][b][4])];
     const uint8_t* epi = zero ? wgrad_zero() : wgrad_epi(wg, b);
     const int row = e * k.m + mb * kTileM + wg * 64;
     if (kOut == kWgradF32Add) {
@@ -591,7 +605,7 @@ static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs& k, int w
 }
 
 template <int kOut>
-__device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg) {
+__device__ __forceinline__ void wgrad_consumer(int wg) {
   const int tid = threadIdx.x % 128;
   int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
@@ -607,6 +621,7 @@ __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg)
     const int nb = vol(gsh.stage_tile[stage][2]);
     const int k_blocks = vol(gsh.stage_tile[stage][3]);
     const int last_steps = vol(gsh.stage_tile[stage][4]);
+    const int prob = vol(gsh.stage_tile[stage][5]);
     if (k_blocks == 0) {
       mbar_arrive(&gsh.empty[stage]);
       if (++stage == kWgradStages) stage = 0, phase ^= 1;
@@ -618,13 +633,13 @@ __device__ __forceinline__ void wgrad_consumer(const WgradKernelArgs& k, int wg)
     const bool zero = k_blocks == 0;
     const int col0 = nb * kTileN;
     if (kOut == kWgradBf16) {
-      wgrad_stage(acc0, zero, e, mb, col0, wg, 0, n >> 1, tid);
-      wgrad_stage(acc1, zero, e, mb, col0 + 128, wg, 1, n >> 1, tid);
+      wgrad_stage(acc0, zero, e, mb, col0, prob, wg, 0, n >> 1, tid);
+      wgrad_stage(acc1, zero, e, mb, col0 + 128, prob, wg, 1, n >> 1, tid);
       n += 2;
     } else {
 #pragma unroll
       for (int q = 0; q < 4; ++q, ++n)  // 64-column quarters: acc0's halves, then acc1's
-        wgrad_stage_f32(q < 2 ? acc0 : acc1, q % 2, zero, e, mb, col0 + 64 * q, wg, n & 1,
+        wgrad_stage_f32(q < 2 ? acc0 : acc1, q % 2, zero, e, mb, col0 + 64 * q, prob, wg, n & 1,
                         n >> 1, tid);
     }
   }
@@ -669,11 +684,11 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
       wgrad_producer(k, n_tiles);
     } else if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
       tma_prefetch_map(&k.map_c);
-      wgrad_storer<kOut>(k, warp - 1);
+      wgrad_storer<kOut>(&k, warp - 1);
     }
   } else {
     setmaxnreg_inc<224>();
-    wgrad_consumer<kOut>(k, wg - 1);
+    wgrad_consumer<kOut>(wg - 1);
   }
 #endif
 }

@@ -1,6 +1,6 @@
 // Thin torch bindings: raw pointers and the stream come from Python (mok/_ext.py packs Params
 // with ctypes); all device work lives in the launchers (comm/launch.cu,
-// layer/launch_sm90.cu, probe/probe.cu).
+// layer/launch_sm90.cu, layer/launch_sm90_bwd.cu, probe/probe.cu).
 #include <torch/extension.h>
 
 #include <cstring>
@@ -103,6 +103,40 @@ void launch_wgrad(int64_t a, int64_t b, int64_t ends, int64_t c, int64_t rows, i
               n, ", ", num_experts, " experts) failed: ", mok::error_string(err));
 }
 
+// The experts' backward from saved g / u in one launch (api.h FusedBwdLaunch): Params (the
+// error record), raw device pointers (0: none) and sizes.
+void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64_t w_gate_up,
+                      int64_t w_down, int64_t ends, int64_t row_w, int64_t hw, int64_t dgu,
+                      int64_t part, int64_t gu32, int64_t d_a, int64_t d_w_gate_up,
+                      int64_t d_w_down, int64_t counters, int64_t counters_len, int64_t wgrad_out,
+                      int64_t run, int64_t fault, int64_t rows, int64_t hidden, int64_t inter,
+                      int64_t num_experts, int64_t grid, int64_t stream) {
+  const auto params = unpack<mok::Params>(params_bytes, "Params");
+  mok::FusedBwdLaunch l{};
+  l.dh.a = reinterpret_cast<const void*>(a);
+  l.dh.dy = reinterpret_cast<const void*>(dy);
+  l.dh.w_gate_up = reinterpret_cast<const void*>(w_gate_up);
+  l.dh.w_down = reinterpret_cast<const void*>(w_down);
+  l.dh.ends = reinterpret_cast<const int32_t*>(ends);
+  l.dh.row_w = reinterpret_cast<const float*>(row_w);
+  l.dh.hw = reinterpret_cast<void*>(hw);
+  l.dh.dgu = reinterpret_cast<void*>(dgu);
+  l.dh.part = reinterpret_cast<float*>(part);
+  l.dh.gu32 = reinterpret_cast<float*>(gu32);
+  l.dh.mode = 2;
+  l.dh.rows = rows, l.dh.hidden = hidden, l.dh.inter = inter, l.dh.num_experts = num_experts;
+  l.d_a = reinterpret_cast<void*>(d_a);
+  l.d_w_gate_up = reinterpret_cast<void*>(d_w_gate_up);
+  l.d_w_down = reinterpret_cast<void*>(d_w_down);
+  l.counters = reinterpret_cast<uint32_t*>(counters);
+  l.counters_len = counters_len, l.wgrad_out = wgrad_out, l.run = run, l.fault = fault;
+  const int err =
+      mok::launch_bwd_fused(params, l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
+  TORCH_CHECK(err == 0, "mok: launching the fused experts' backward (", rows, " rows, hidden ",
+              hidden, ", intermediate ", inter, ", ", num_experts,
+              " experts) failed: ", mok::error_string(err));
+}
+
 int64_t host_device_pointer(int64_t host_ptr) {
   int err = 0;
   const uint64_t dev = mok::host_device_pointer(reinterpret_cast<void*>(host_ptr), &err);
@@ -124,6 +158,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_counters", &layer_counters);
   m.def("launch_swiglu_bwd", &launch_swiglu_bwd);
   m.def("launch_wgrad", &launch_wgrad);
+  m.def("launch_bwd_fused", &launch_bwd_fused);
 
   // Probe microbenchmarks (probe/probe.cu, mok/bench/probe.py): addresses and streams as ints,
   // each returns a cudaError_t value.

@@ -9,13 +9,18 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
   (``mok.ops.wgrad_sm90``) against torch's grouped GEMM over the rows
   (``torch._grouped_mm(dgu.T, x, offs)``: of the layouts measured on the H200, MN-major operands
   as they lie were its fastest; K-major copies were slower, docs/perf-notes.md);
-- ``gate_up_dgrad`` = dgu @ W_gu: torch's grouped GEMM (mok runs the same call);
+- ``gate_up_dgrad`` = dgu @ W_gu: mok's GEMM (``mok.experts.gate_up_dgrad``, the fused
+  backward's d_a tiles alone) against torch's grouped GEMM on the fused [L, 2I, H] weight;
 - ``bwd_recompute``: mok's experts' backward kernel (dh and gate / up recomputed, the SwiGLU
   backward in the epilogue) against the torch path of ``mok.experts.swiglu_backward`` (on the
   GPU bf16 grouped GEMMs, which have no fp32 output in torch, with the fused [L, 2I, H] gate /
   up weight, then the SwiGLU backward as elementwise ops);
 - ``bwd_from_saved``: the kernel from saved fp32 g / u (the dh GEMM only; torch has no
   counterpart that keeps fp32 g / u);
+- ``bwd_saved_all``: the routed experts' whole backward from saved g / u (dh with the SwiGLU
+  backward, the gate / up dgrad, both weight gradients): mok's fused kernel, one launch
+  (``swiglu_backward(..., fused=True)``), against mok's kernels one launch per GEMM
+  (``mok-serial``, the same bits); torch has no counterpart;
 - ``fwd_saving``: the forward that keeps g / u (the kernel's gate / up, torch's down) against
   torch-best's forward experts: bf16 grouped GEMMs on the fused gate / up weight, prepared once
   (``mok.experts.grouped_swiglu``, ``exact=False``).
@@ -52,6 +57,7 @@ PIECES = (
     "gate_up_dgrad",
     "bwd_recompute",
     "bwd_from_saved",
+    "bwd_saved_all",
     "fwd_saving",
 )
 
@@ -61,7 +67,7 @@ class ExpertsRecorder(OneGpuRecorder):
 
     def describe(self, row: dict) -> str:
         return (
-            f"{row['model']:>14} {row['skew']:>8} {row['piece']:>15} {row['impl']:>6} "
+            f"{row['model']:>14} {row['skew']:>8} {row['piece']:>15} {row['impl']:>10} "
             f"{row['median_us']:>9.1f} us {row['tflops']:>6.1f} TFLOP/s"
         )
 
@@ -83,6 +89,7 @@ def piece_flops(piece: str, rows: int, hidden: int, inter: int) -> int:
         "gate_up_dgrad": 2 * gemm,
         "bwd_recompute": 3 * gemm,
         "bwd_from_saved": gemm,
+        "bwd_saved_all": 6 * gemm,
         "fwd_saving": 3 * gemm,
     }[piece]
 
@@ -118,8 +125,9 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device):
     c_gu = torch.empty(E, 2 * inter, H, device=device, dtype=torch.bfloat16)
     c_d = torch.empty(E, H, inter, device=device, dtype=torch.bfloat16)
     saved = None
-    if "bwd_from_saved" in pieces:
+    if "bwd_from_saved" in pieces or "bwd_saved_all" in pieces:
         saved = me.grouped_swiglu_saving(x, wgu, wd, offs)[1]
+    saving = dict(group_align=unfused_row_tile(mok.MoKConfig()), saved_gu=saved)
     calls = {
         "dW_gate_up": {
             "mok": lambda: ops.wgrad_sm90(dgu, x, offs, c_gu),
@@ -129,13 +137,22 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device):
             "mok": lambda: ops.wgrad_sm90(dy, hw, offs, c_d),
             "torch": lambda: torch._grouped_mm(dy.T, hw, offs=offs),
         },
-        "gate_up_dgrad": {"torch": lambda: torch._grouped_mm(dgu, wgu, offs=offs)},
+        "gate_up_dgrad": {
+            "mok": lambda: me.gate_up_dgrad(dgu, wgu, offs),
+            "torch": lambda: torch._grouped_mm(dgu, wgu, offs=offs),
+        },
         "bwd_recompute": {
             "mok": lambda: me._swiglu_backward_sm90(x, wgu, wd, dy, row_w, offs),
             "torch": lambda: me._swiglu_backward_torch(x, wgu, wd, dy, row_w, offs),
         },
         "bwd_from_saved": {
             "mok": lambda: me._swiglu_backward_sm90(x, wgu, wd, dy, row_w, offs, saved),
+        },
+        "bwd_saved_all": {
+            "mok": lambda: me.swiglu_backward(x, wgu, wd, dy, row_w, offs, fused=True, **saving),
+            "mok-serial": lambda: me.swiglu_backward(
+                x, wgu, wd, dy, row_w, offs, fused=False, **saving
+            ),
         },
         "fwd_saving": {
             "mok": lambda: me.grouped_swiglu_saving(x, wgu, wd, offs),
