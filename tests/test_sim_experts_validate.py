@@ -21,7 +21,7 @@ TRAIN = measured_path("h200x1-train.csv")
 
 def test_the_experts_csv_is_its_own_kind(tmp_path):
     kind, rows = read_measured(EXPERTS)
-    assert kind == "experts" and len(rows) == 60
+    assert kind == "experts" and len(rows) == 78
     assert {r["piece"] for r in rows} == {*EXPERTS_PIECES, "fwd_saving"}
     bad = tmp_path / "e.csv"
     bad.write_text(EXPERTS.read_text().replace(",piece,", ",what_piece,", 1))
@@ -66,21 +66,27 @@ def test_every_backward_piece_is_predicted_and_the_rest_listed():
         (
             None,
             {
-                ("dW_gate_up", "torch"): (0.173, 0.223),
-                ("gate_up_dgrad", "torch"): (0.084, 0.178),
-                ("bwd_recompute", "mok"): (0.240, 0.288),
-                ("bwd_from_saved", "mok"): (0.263, 0.426),
-                ("dW_gate_up", "mok"): (0.079, 0.173),
-                ("dW_down", "mok"): (0.036, 0.175),
+                ("dW_gate_up", "torch"): (0.162, 0.252),
+                ("gate_up_dgrad", "torch"): (0.140, 0.257),
+                ("gate_up_dgrad", "mok"): (0.118, 0.168),
+                ("bwd_recompute", "mok"): (0.226, 0.261),
+                ("bwd_from_saved", "mok"): (0.228, 0.415),
+                ("dW_gate_up", "mok"): (0.069, 0.104),
+                ("dW_down", "mok"): (0.039, 0.196),
+                ("bwd_saved_all", "mok"): (0.144, 0.164),
+                ("bwd_saved_all", "mok-serial"): (0.160, 0.194),
             },
         ),
         (
             "mok-fused-h200x1",
             {
-                ("bwd_recompute", "mok"): (0.034, 0.070),
-                ("bwd_from_saved", "mok"): (0.065, 0.330),
-                ("dW_gate_up", "mok"): (0.162, 0.212),
-                ("dW_down", "torch"): (0.172, 0.251),
+                ("bwd_recompute", "mok"): (0.022, 0.035),
+                ("bwd_from_saved", "mok"): (0.022, 0.317),
+                ("dW_gate_up", "mok"): (0.153, 0.181),
+                ("dW_down", "torch"): (0.111, 0.232),
+                ("gate_up_dgrad", "mok"): (0.101, 0.169),
+                ("bwd_saved_all", "mok"): (0.019, 0.035),
+                ("bwd_saved_all", "mok-serial"): (0.029, 0.072),
             },
         ),
     ],
@@ -100,10 +106,10 @@ def test_cli_validates_the_committed_experts_csv(tmp_path, capsys):
     out = tmp_path / "records.csv"
     assert main(["validate", str(EXPERTS), "--csv", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "h200x1-experts.csv: 60 rows" in text and "|err| median / max" in text
+    assert "h200x1-experts.csv: 78 rows" in text and "|err| median / max" in text
     assert "kimi-k2        uniform  bwd_from_saved  mok" in text
     assert "not predicted: fwd_saving" in text
-    assert len(out.read_text().splitlines()) == 61
+    assert len(out.read_text().splitlines()) == 79
 
 
 @pytest.mark.parametrize(

@@ -394,7 +394,7 @@ def expert_pieces(rows: Sequence[dict], skew: str = "uniform", peak_tflops: floa
     models = list(dict.fromkeys(r["model"] for r in sel))
     pieces = list(dict.fromkeys(r["piece"] for r in sel))
     impls = list(dict.fromkeys(r["impl"] for r in sel))
-    colors = {"mok": "#1f77b4", "torch": "#ff7f0e"}
+    colors = {"mok": "#1f77b4", "mok-serial": "#aec7e8", "torch": "#ff7f0e"}
     width = 0.8 / max(1, len(impls))
     fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 3.6), squeeze=False)
     for j, (ax, model) in enumerate(zip(axes[0], models, strict=True)):

@@ -6,7 +6,9 @@ grouped GEMM on the same operands, every SM). The layer model has the same piece
 backward (:meth:`sim.layer.backward.BackwardPass.piece_us`: the compute SMs' busy time of each
 GEMM, its fill included): ``dW_gate_up`` / ``dW_down`` are its weight gradients,
 ``gate_up_dgrad`` its gate / up dgrad, ``bwd_from_saved`` its down dgrad with the SwiGLU
-backward, ``bwd_recompute`` that plus the recomputed gate / up GEMM. Each row is predicted on
+backward, ``bwd_recompute`` that plus the recomputed gate / up GEMM, ``bwd_saved_all`` (the
+whole backward from saved g / u, fused in one launch or not) the down dgrad, the gate / up dgrad
+and both weight gradients one after the other. Each row is predicted on
 the routing the bench drew (its ``routing_seed``, its ``num_experts``) with the expert regions
 padded to the kernels' 128-row tile, one round (the whole receive buffer), at the GPU profile's
 GEMM rates or a fused profile's (``--gemm-profile``). So an error here is the GEMM model's own,
@@ -41,6 +43,9 @@ EXPERTS_PIECES = {
     "gate_up_dgrad": ("gate_up_dgrad",),
     "bwd_recompute": ("recompute", "down_dgrad"),
     "bwd_from_saved": ("down_dgrad",),
+    # the whole backward from saved g / u (fused in one launch, or one launch per GEMM): the
+    # model's pieces one after the other, no overlap between them
+    "bwd_saved_all": ("down_dgrad", "gate_up_dgrad", "dw_gate_up", "dw_down"),
 }
 EXPERTS_UNMODELLED = {
     "fwd_saving": "fwd_saving: a forward piece (the layer model times the forward's GEMMs "
@@ -54,9 +59,9 @@ EXPERTS_UNMODELLED_IMPL = {
 }
 # (recompute, HBM bytes per intermediate element of mok's SwiGLU-backward epilogue) a piece is
 # modelled with: h w, dg and du written in bf16 (6) after the recomputed gate / up; from saved
-# g / u (bwd_from_saved) no recompute and the fp32 g and u read too (+8). The layer model's
-# default (SimConfig.swiglu_bwd_bytes_per_elem) is a bf16 design's.
-EXPERTS_EPILOGUE = {"bwd_from_saved": (False, 14.0)}
+# g / u (bwd_from_saved, bwd_saved_all) no recompute and the fp32 g and u read too (+8). The
+# layer model's default (SimConfig.swiglu_bwd_bytes_per_elem) is a bf16 design's.
+EXPERTS_EPILOGUE = {"bwd_from_saved": (False, 14.0), "bwd_saved_all": (False, 14.0)}
 EXPERTS_EPILOGUE_DEFAULT = (True, 6.0)
 # the row tile the pieces' GEMMs run (mok's kernels and torch's grouped GEMM: 128-row tiles; the
 # bench pads each group to 16 rows, the weight gradients' depth step)
@@ -69,7 +74,7 @@ def experts_model_config(row: dict, gemm_profile: str | None = None):
     """(workload, routing plan, backward config) of the layer model for a row of an experts
     CSV: one GPU with the row's ``num_experts``, all local, on the routing the bench drew,
     regions padded to :data:`EXPERTS_ROW_TILE`, one round; the backward with ``recompute``
-    except for ``bwd_from_saved``, with mok's epilogue bytes (:data:`EXPERTS_EPILOGUE`).
+    except for the pieces from saved g / u, with mok's epilogue bytes (:data:`EXPERTS_EPILOGUE`).
     ValueError for a workload the simulator rejects."""
     model, tokens, skew = row["model"], int(row["tokens_per_rank"]), row["skew"]
     shape, experts, seed = get_shape(model), int(row["num_experts"]), row_routing_seed(row)
