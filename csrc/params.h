@@ -105,6 +105,7 @@ enum Kernel : int {
   kKernelDedupPartials = 8,
   kKernelDedupSum = 9,
   kKernelWaitXFree = 10,
+  kKernelZeroPadding = 11,
 };
 
 enum Flags : int {

@@ -57,6 +57,7 @@ KERNELS = {
     "dedup_partials": 8,
     "dedup_sum": 9,
     "wait_x_free": 10,
+    "zero_padding": 11,
 }
 FLAG_STAGE, FLAG_SHARED_FP32, FLAG_HAS_SHARED, FLAG_VECTOR, FLAG_NO_FANOUT = 1, 2, 4, 8, 16
 FLAG_SKIP_LOCAL, FLAG_GATHER, FLAG_DEDUP = 32, 64, 128

@@ -389,13 +389,15 @@ def _backward(
     row_w = torch.where(valid, topk_weights.reshape(-1).float()[at], 0.0)
     # reverse combine: each receive row gets its token's output gradient (a copy; the routing
     # weight is applied inside the experts' backward, after the down projection's dgrad). Into
-    # zeroed buffers of our own: padding rows stay zero (the GEMMs sum over them) and the
-    # second dispatch does not overwrite the first's rows.
+    # buffers of our own (the second dispatch does not overwrite the first's rows) whose padding
+    # rows get zeros (the weight gradients sum over them: 0 x garbage could be NaN); rows past
+    # the last group are never read.
     mode = "pull" if cfg.dispatch_mode == "push" else None
     g_out = grad_out.to(torch.bfloat16).contiguous()
-    dy = dispatch(g_out, sched, mode, out=torch.zeros(cap, hidden, dtype=x.dtype, device=x.device))
+    empty = torch.empty(cap, hidden, dtype=x.dtype, device=x.device)
+    dy = dispatch(g_out, sched, mode, out=empty, zero_padding=True)
     # the experts, recomputed from x dispatched again
-    recv = dispatch(x, sched, mode, out=torch.zeros_like(dy))
+    recv = dispatch(x, sched, mode, out=torch.empty_like(dy), zero_padding=True)
     gu = _gate_up(routed[0], routed[1])
     d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
         recv, gu, wd, dy, row_w, sched.group_ends, group_align=cfg.row_tile,

@@ -46,6 +46,7 @@ def dispatch(
     engine: str = "auto",
     skip_local: bool = False,
     out: torch.Tensor | None = None,
+    zero_padding: bool = False,
 ) -> torch.Tensor:
     """Move this rank's token rows to the expert owners.
 
@@ -72,6 +73,10 @@ def dispatch(
             receive into instead of the workspace's receive buffer (``fan_out=True``, pull
             modes: the rows land locally); rows the dispatch does not write keep their values,
             so a zeroed ``out`` gives zero padding rows.
+        zero_padding: (with ``out``) also write zeros into the padding rows (rows before
+            ``num_rows`` that hold no token), so that an uninitialised ``out``
+            (``torch.empty``) gets what a zeroed one would, without writing the whole buffer;
+            rows past ``num_rows`` stay unspecified.
 
     Returns:
         The receive buffer [capacity, hidden] in the workspace dtype (a workspace view, valid
@@ -106,6 +111,8 @@ def dispatch(
     n = schedule.num_tokens
     check_tensor("x", x, (n, ws.shapes.hidden), (ws.shapes.dtype,), ws.device)
     x = x.contiguous()
+    if zero_padding and out is None:
+        raise MoKInputError("zero_padding=True needs out= (a receive buffer of the caller's)")
     if out is None:
         out = ws.recv_buffer if fan_out else ws.dedup_buffer
     else:
@@ -115,6 +122,8 @@ def dispatch(
         if not out.is_contiguous():
             raise MoKInputError("out must be contiguous")
     ops.dispatch(x, ws.sched, out, ws.id, mode, fan_out, engine, skip_local)
+    if zero_padding:
+        ops.zero_padding(out, ws.sched, ws.id)
     return out
 
 

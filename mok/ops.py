@@ -153,6 +153,26 @@ def dispatch(
     ws.advance(family)
 
 
+@_mok_op("mok::zero_padding", ("buf",))
+def zero_padding(
+    buf: torch.Tensor,  # [capacity, hidden]: a receive buffer of the schedule in sched
+    sched: torch.Tensor,  # workspace schedule storage, int32
+    handle: int,
+) -> None:
+    """Zeros into ``buf``'s padding rows (before ``num_rows``, without a token); other rows keep
+    their values (csrc/comm/dispatch_kernels.cuh zero_padding_kernel)."""
+    ws = workspace_by_id(handle)
+    ws.raise_if_failed()
+    p = ws.params(None)
+    p.out0 = buf.data_ptr()
+    ws.launch("zero_padding", p, ws.num_sms)
+
+
+@zero_padding.register_fake
+def _(buf, sched, handle) -> None:
+    return None
+
+
 @dispatch.register_fake
 def _(x, sched, recv, handle, mode, fan_out=True, engine="tma", skip_local=False) -> None:
     return None

@@ -384,3 +384,38 @@ def test_main_grad_gets_the_kernels_fp32_sums(recompute):
         assert p.grad is None and p.main_grad.dtype == torch.float32, name
         assert torch.equal(p.main_grad.bfloat16(), getattr(plain, name).grad), name
     assert torch.equal(m.shared_down.grad, plain.shared_down.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("recompute", [True, False])
+def test_garbage_in_freed_memory_reaches_no_gradient(recompute):
+    """The backward's receive buffers come uninitialised from the allocator and only their
+    padding rows are zeroed: with the allocator's free memory full of NaN first, every gradient
+    is finite and bitwise the one of a run on clean memory."""
+    import mok
+    from mok import functional as mf
+
+    shape = CASES[0][0]
+    x, idx, tw, w, grad_out = _inputs(shape, 300, "hot:0.5", seed=7)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
+
+    def grads():
+        given = {k: v for k, v in vars(w).items() if v is not None}
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in given.items()}
+        ww = dataclasses.replace(w, **leaves)
+        xs, tws = x.clone().requires_grad_(), tw.clone().requires_grad_()
+        out = mf.moe(xs, idx, tws, ww, shape.num_experts, cfg, fused=False, recompute=recompute)
+        out.backward(grad_out)
+        return [xs.grad, tws.grad] + [v.grad for v in vars(ww).values() if v is not None]
+
+    clean = grads()
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    junk = torch.full((min(free // 4, 8 << 30) // 2,), float("nan"), dtype=torch.bfloat16,
+                      device="cuda")  # fmt: skip
+    del junk  # its blocks stay in the caching allocator, NaN-filled
+    dirty = grads()
+    for i, (a, b) in enumerate(zip(clean, dirty, strict=True)):
+        assert torch.isfinite(b).all(), f"gradient {i} is not finite"
+        assert torch.equal(a, b), f"gradient {i} differs from the clean run"

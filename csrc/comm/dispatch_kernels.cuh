@@ -20,6 +20,27 @@ __global__ void __launch_bounds__(32) wait_x_free_kernel(const Params p) {
   block_wait_all(c, kSigXConsumed, static_cast<uint64_t>(p.epoch) * grid);
 }
 
+// out0: a receive buffer [capacity, row_bytes]: zeros into its padding rows (rows before
+// num_rows that hold no token), the rows a dispatch leaves as they were; the other rows are not
+// touched. So a dispatch into an uninitialised buffer plus this gives what a dispatch into a
+// zeroed one gives, for a fraction of the writes (the padding is a few % of the rows).
+__global__ void __launch_bounds__(kCommThreads) zero_padding_kernel(const Params p) {
+  const Ctx c(p);
+  if (block_aborted(c)) return;
+  const int32_t* src_rank = p.sched + p.o_src_rank;
+  const int num_rows = p.sched[p.o_meta + kMetaNumRows];
+  const int n16 = static_cast<int>(p.row_bytes / 16);
+  const int lane = threadIdx.x % 32;
+  const int gwarp = blockIdx.x * kCommWarps + threadIdx.x / 32;
+  const int nwarps = gridDim.x * kCommWarps;
+  uint8_t* buf = static_cast<uint8_t*>(p.out0);
+  for (int row = gwarp; row < num_rows; row += nwarps) {
+    if (src_rank[row] >= 0) continue;
+    int4* to = reinterpret_cast<int4*>(buf + static_cast<int64_t>(row) * p.row_bytes);
+    for (int i = lane; i < n16; i += 32) to[i] = make_int4(0, 0, 0, 0);
+  }
+}
+
 // out0: receive buffer [capacity, row_bytes]; in0: x [num_tokens, row_bytes] (staged if
 // kFlagStage, else x already lives in the symmetric x buffer).
 __global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const Params p) {

@@ -54,6 +54,9 @@ int launch(int kind, const Params& params, int grid, void* stream_ptr) {
     case kKernelWaitXFree:
       e = launch_cooperative(wait_x_free_kernel, params, 1, 32, 0, stream);
       break;
+    case kKernelZeroPadding:
+      e = launch_cooperative(zero_padding_kernel, params, grid, kCommThreads, 0, stream);
+      break;
     case kKernelDedupSum: {
       const int64_t rb = static_cast<int64_t>(params.hidden) * 2;
       const bool has = (params.flags & kFlagHasShared) != 0;
