@@ -192,6 +192,17 @@ class _AddToMainGrad(torch.autograd.Function):
         return None
 
 
+def _in_main_grad(grads: list, routed, into) -> list:
+    """``grads`` (leading with the routed leaves' gradients, in :func:`_leaves` order) with None
+    for each routed leaf whose gradient went into its main_grad (``into``: the gate_up leaf's
+    accumulator, slot 0, and w_down's, slot 2), those leaves marked (:func:`_added`)."""
+    for i, acc in zip((0, 2), into, strict=True):
+        if acc is not None:
+            grads[i] = None
+            _added(routed[i])
+    return grads
+
+
 def _added(w: torch.Tensor) -> torch.Tensor:
     """``w``, marked as having its gradient in main_grad (Megatron's flag, where it has one)."""
     if hasattr(w, "grad_added_to_main_grad"):
@@ -372,11 +383,11 @@ def _backward(
     into = (None, None) if into is None else into
     if num_tokens == 0:  # no rows: zero weight gradients (nothing to add), empty input gradients
         zeros = [None if t is None else torch.zeros_like(t) for t in (*routed, *shared)]
-        for i, acc in zip((0, 2), into, strict=True):
-            if acc is not None:
-                zeros[i] = None
-                _added(routed[i])
-        return (torch.zeros_like(x), torch.zeros_like(topk_weights), *zeros)
+        return (
+            torch.zeros_like(x),
+            torch.zeros_like(topk_weights),
+            *_in_main_grad(zeros, routed, into),
+        )
     # NOTE: one schedule, of unit weights: the reverse dispatch's combine must sum the row
     # gradients unweighted (the dedup combine reads the weights the schedule was built with);
     # dispatches only move rows, and the routing, hence every row index, is the forward's.
@@ -406,14 +417,7 @@ def _backward(
     del recv, dy
     # router weights: each (token, k) has its own receive row at one rank
     d_topk = d_row_w[sched.dst_index.long()].to(topk_weights.dtype)
-    d_routed = (
-        (None, None) if into[0] is not None else _split(d_wgu, routed),
-        None if into[1] is not None else d_wd,
-    )
-    d_routed = (*d_routed[0], d_routed[1])
-    for i, acc in zip((0, 2), into, strict=True):
-        if acc is not None:
-            _added(routed[i])
+    d_routed = _in_main_grad([*_split(d_wgu, routed), d_wd], routed, into)
     # the shared expert, its input gradient kept fp32 for the reverse dispatch's sum
     dx_shared, d_shared = None, (None, None, None)
     if shared[2] is not None:

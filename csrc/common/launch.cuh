@@ -32,4 +32,16 @@ inline int finish_launch(cudaError_t e) {
   return static_cast<int>(e);
 }
 
+// A plain launch of `kernel(args)` with `smem` bytes of dynamic shared memory (its limit raised
+// first); the launch's result as finish_launch gives it.
+template <typename Args>
+inline int launch_with_smem(void (*kernel)(Args), const Args& args, int grid, int threads,
+                            int smem, cudaStream_t stream) {
+  const cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return finish_launch(e);
+  kernel<<<grid, threads, smem, stream>>>(args);
+  return finish_launch(cudaGetLastError());
+}
+
 }  // namespace mok

@@ -17,12 +17,8 @@ namespace {
 
 template <int kMode>
 int launch_swiglu_mode(const SwigluBwdKernelArgs& k, int grid, cudaStream_t stream) {
-  constexpr int kSmem = BwdPipe<kMode>::kSmem;
-  cudaError_t e = cudaFuncSetAttribute(swiglu_bwd_kernel<kMode>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (e != cudaSuccess) return finish_launch(e);
-  swiglu_bwd_kernel<kMode><<<grid, kLayerThreads, kSmem, stream>>>(k);
-  return finish_launch(cudaGetLastError());
+  return launch_with_smem(swiglu_bwd_kernel<kMode>, k, grid, kLayerThreads, BwdPipe<kMode>::kSmem,
+                          stream);
 }
 
 }  // namespace
@@ -73,11 +69,7 @@ namespace {
 
 template <int kOut>
 int launch_wgrad_out(const WgradKernelArgs& k, int grid, cudaStream_t stream) {
-  cudaError_t e = cudaFuncSetAttribute(wgrad_kernel<kOut>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradSmem);
-  if (e != cudaSuccess) return finish_launch(e);
-  wgrad_kernel<kOut><<<grid, kLayerThreads, kWgradSmem, stream>>>(k);
-  return finish_launch(cudaGetLastError());
+  return launch_with_smem(wgrad_kernel<kOut>, k, grid, kLayerThreads, kWgradSmem, stream);
 }
 
 }  // namespace
@@ -110,11 +102,7 @@ namespace {
 
 template <int kOut>
 int launch_fused_out(const FusedBwdKernelArgs& k, int grid, cudaStream_t stream) {
-  cudaError_t e = cudaFuncSetAttribute(bwd_fused_kernel<kOut>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem);
-  if (e != cudaSuccess) return finish_launch(e);
-  bwd_fused_kernel<kOut><<<grid, kLayerThreads, kFusedSmem, stream>>>(k);
-  return finish_launch(cudaGetLastError());
+  return launch_with_smem(bwd_fused_kernel<kOut>, k, grid, kLayerThreads, kFusedSmem, stream);
 }
 
 }  // namespace

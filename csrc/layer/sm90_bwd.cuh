@@ -651,11 +651,10 @@ __device__ __forceinline__ void wgrad_consumer(int wg) {
   }
 }
 
-template <int kOut>
-__global__ void __launch_bounds__(kLayerThreads, 1)
-    wgrad_kernel(const __grid_constant__ WgradKernelArgs k) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // The zero operand of the steps past a group's end, for the async proxy.
+// The weight-gradient tiles' shared state, by every thread of the block before its first
+// __syncthreads: the zero operand of the steps past a group's end (written for the async proxy)
+// and, by thread 0, the barriers (mbar_init_fence still to come).
+__device__ __forceinline__ void wgrad_init() {
   uint4* zero = reinterpret_cast<uint4*>(wgrad_zero());
   for (int i = threadIdx.x; i < kWgradZeroBytes / 16; i += blockDim.x) zero[i] = uint4{0, 0, 0, 0};
   fence_proxy_async_shared();
@@ -670,8 +669,15 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
         mbar_init(&gsh.epi_empty[w][b], 1);  // its store warp's lane 0
       }
     }
-    mbar_init_fence();
   }
+}
+
+template <int kOut>
+__global__ void __launch_bounds__(kLayerThreads, 1)
+    wgrad_kernel(const __grid_constant__ WgradKernelArgs k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wgrad_init();
+  if (threadIdx.x == 0) mbar_init_fence();
   __syncthreads();
   const int n_tiles = k.num_experts * (k.m / kTileM) * (k.n / kTileN);
   const int wg = threadIdx.x / 128;

@@ -251,24 +251,12 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const Ctx c(f.p);
   if (block_aborted(c)) return;  // an earlier kernel of this record failed
-  uint4* zero = reinterpret_cast<uint4*>(wgrad_zero());
-  for (int i = threadIdx.x; i < kWgradZeroBytes / 16; i += blockDim.x) zero[i] = uint4{0, 0, 0, 0};
-  fence_proxy_async_shared();
+  wgrad_init();
   if (threadIdx.x < 32) count_tiles(f.dh);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kFusedDgradStages; ++s) {
       mbar_init(&bsh.full[s], 1);
       mbar_init(&bsh.empty[s], 2 * 128);
-    }
-    for (int s = 0; s < kWgradStages; ++s) {
-      mbar_init(&gsh.full[s], 1);
-      mbar_init(&gsh.empty[s], 2 * 128);
-    }
-    for (int w = 0; w < 2; ++w) {
-      for (int b = 0; b < 2; ++b) {
-        mbar_init(&gsh.epi_full[w][b], 1);
-        mbar_init(&gsh.epi_empty[w][b], 1);
-      }
     }
     mbar_init_fence();
   }
