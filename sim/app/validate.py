@@ -90,6 +90,12 @@ __all__ = [
     "GROUP_KEYS",
     "CONFIG_KEYS",
     "TARGETS",
+    # shared with sim.app.validate_experts
+    "validation_record",
+    "abs_stats",
+    "pct",
+    "bench_ring",
+    "train_plan",
 ]
 
 # NOTE: `scope` (comparable unit / local step / end-to-end) keeps configurations that do
@@ -107,7 +113,9 @@ def _float(x) -> float:
         return math.nan
 
 
-def _record(i: int, row: dict, **over) -> dict:
+def validation_record(i: int, row: dict, **over) -> dict:
+    """One record of a validation report for CSV row ``i`` (its group and config keys, the
+    measured times; nothing predicted yet), with the fields of ``over`` set."""
     rec = {
         "row": i,
         **{k: row.get(k, "") for k in GROUP_KEYS},
@@ -134,7 +142,7 @@ def validate_rows(rows: Iterable[dict], prof: KernelProfile) -> list[dict]:
     ``role`` (fit / validation) and ``status`` (ok / skipped / unsupported + ``reason``)."""
     out = []
     for i, row in enumerate(rows):
-        rec = _record(i, row)
+        rec = validation_record(i, row)
         try:
             us, name, dev = predict_row(row, prof)
         except LookupError as e:
@@ -171,7 +179,9 @@ def _layer_records(rows: Iterable[dict], predict) -> list[dict]:
     (:data:`BASELINES`)."""
     out = []
     for i, row in enumerate(rows):
-        rec = _record(i, row, what="layer", scope="", engine="-", row_tile=str(row_tile_of(row)))
+        rec = validation_record(
+            i, row, what="layer", scope="", engine="-", row_tile=str(row_tile_of(row))
+        )
         impl = row.get("impl", "")
         if impl != "mok-fused":
             rec["status"] = "baseline"
@@ -224,7 +234,7 @@ def layer_model_config(row: dict, gemm_profile: str | None = None) -> tuple[Work
         combine_mode="push",
         num_comm_sms=int(row["sms"]),
         minibatch_size=mb,
-        macrobatch_size=_bench_ring(
+        macrobatch_size=bench_ring(
             wl.tokens_per_rank, shape.num_topk, shape.num_experts // wl.ep, rt, mb
         ),
         row_tile=rt,
@@ -233,7 +243,7 @@ def layer_model_config(row: dict, gemm_profile: str | None = None) -> tuple[Work
     return wl, cfg
 
 
-def _bench_ring(tokens: int, topk: int, local_experts: int, row_tile: int, minibatch: int) -> int:
+def bench_ring(tokens: int, topk: int, local_experts: int, row_tile: int, minibatch: int) -> int:
     """The receive ring of a ``mok.bench`` run in whole minibatches: the whole receive buffer
     (``capacity_factor`` 2: ``2 x tokens x top-k`` rows plus each local expert's padding, in
     row tiles)."""
@@ -307,7 +317,7 @@ TRAIN_MODEL_NOTES = (
 
 
 @lru_cache(maxsize=32)
-def _train_plan(
+def train_plan(
     model: str, tokens: int, skew: str, experts: int, seed: int, row_tile: int
 ) -> RoutingPlan:
     """The routing of a one-GPU train row as the benchmark drew it: ``experts`` experts, one
@@ -343,13 +353,13 @@ def train_model_config(
         raise ValueError(f"{model}: num_experts={experts} is below its top-{shape.num_topk}")
     wl = Workload(model, tokens, 1, "h200x2", skew, seed)
     rt, mb = TRAIN_ROW_TILE, TRAIN_MINIBATCH
-    plan = _train_plan(model, tokens, skew, experts, seed, rt)
+    plan = train_plan(model, tokens, skew, experts, seed, rt)
     base = SimConfig(
         dispatch_mode=row["mode"],
         combine_mode="push",
         num_comm_sms=TRAIN_BWD_COMM_SMS,
         minibatch_size=mb,
-        macrobatch_size=_bench_ring(tokens, shape.num_topk, experts, rt, mb),
+        macrobatch_size=bench_ring(tokens, shape.num_topk, experts, rt, mb),
         row_tile=rt,
         gemm_profile=gemm_profile,
     )
@@ -365,7 +375,7 @@ def _train_record(i: int, row: dict, q: str, **over) -> dict:
         "p20_us": row.get("p20_us") if step else "",
         "p80_us": row.get("p80_us") if step else "",
     }
-    return _record(i, {**row, **meas}, what=q, scope="", engine="-", **over)
+    return validation_record(i, {**row, **meas}, what=q, scope="", engine="-", **over)
 
 
 def validate_train_rows(rows: Iterable[dict], gemm_profile: str | None = None) -> list[dict]:
@@ -494,7 +504,8 @@ def chosen_gap(
     return c, b, measured[c] / measured[b] - 1
 
 
-def _abs_stats(errs: list[float]) -> dict:
+def abs_stats(errs: list[float]) -> dict:
+    """n, median and max of the |errors| that are not NaN (NaN where there are none)."""
     a = [abs(e) for e in errs if not math.isnan(e)]
     return {
         "n": len(a),
@@ -576,8 +587,8 @@ def summarise(records: Sequence[dict]) -> dict:
                 "configs": len(meas),
                 "host_bound": sum(rs[0]["host_bound"] for rs in cfgs.values()),
                 "role": "fit" if all(r["role"] == "fit" for r in rows) else "validation",
-                **_abs_stats([r["err"] for r in rows]),
-                "validation": _abs_stats([r["err"] for r in rows if r["role"] == "validation"]),
+                **abs_stats([r["err"] for r in rows]),
+                "validation": abs_stats([r["err"] for r in rows if r["role"] == "validation"]),
                 "spearman": rho,
                 "chosen": labels[c],
                 "best": labels[b],
@@ -606,9 +617,9 @@ def summarise(records: Sequence[dict]) -> dict:
     s = {
         "rows": len(records),
         "by_status": by_status,
-        "all": _abs_stats([r["err"] for r in ok]),
-        "validation": _abs_stats([r["err"] for r in ok if r["role"] == "validation"]),
-        "fit": _abs_stats([r["err"] for r in ok if r["role"] == "fit"]),
+        "all": abs_stats([r["err"] for r in ok]),
+        "validation": abs_stats([r["err"] for r in ok if r["role"] == "validation"]),
+        "fit": abs_stats([r["err"] for r in ok if r["role"] == "fit"]),
         **{k: everything[k] for k in ("spearman_min", "spearman_mean", "gap_max")},
         "ranking": {
             "all groups": everything,
@@ -630,7 +641,8 @@ def summarise(records: Sequence[dict]) -> dict:
 
 
 # -- report -----------------------------------------------------------------------------------
-def _pct(x: float, digits: int = 1) -> str:
+def pct(x: float, digits: int = 1) -> str:
+    """``x`` as a percentage for the reports (``n/a`` for NaN)."""
     return "   n/a" if math.isnan(x) else f"{100 * x:5.{digits}f}%"
 
 
@@ -708,9 +720,9 @@ def format_report(records: Sequence[dict], summary: dict, rows: bool = False) ->
         lines.append(
             f"  {g['model']:<14}{g['tokens_per_rank']:>7} {g['skew']:<8} {g['what']:<9}"
             f"{g['scope'] or '-':<11}{g['role']:<11}{g['configs']:>4}{g['host_bound']:>5}"
-            f"{_pct(g['median_abs_err']):>10}{_pct(g['max_abs_err']):>10}"
-            f"{_rho(g['spearman']):>9}{_pct(g['gap']):>8}{_pct(g['spread']):>8}"
-            f"{_pct(g['p2080_median']):>8}{_pct(g['band_overlap'], 0):>7}  {g['chosen']}"
+            f"{pct(g['median_abs_err']):>10}{pct(g['max_abs_err']):>10}"
+            f"{_rho(g['spearman']):>9}{pct(g['gap']):>8}{pct(g['spread']):>8}"
+            f"{pct(g['p2080_median']):>8}{pct(g['band_overlap'], 0):>7}  {g['chosen']}"
             + ("" if g["chosen"] == g["best"] else f" / {g['best']}")
         )
         if rows:
@@ -728,15 +740,15 @@ def format_report(records: Sequence[dict], summary: dict, rows: bool = False) ->
             for v in sorted({str(r[key]) for r in ok}):
                 parts.append((f"{key} {v}", [r for r in ok if str(r[key]) == v]))
     for name, rs in parts:
-        x = _abs_stats([r["err"] for r in rs])
+        x = abs_stats([r["err"] for r in rs])
         lines.append(
-            f"  {name:<22}{x['n']:>5}{_pct(x['median_abs_err']):>13}{_pct(x['max_abs_err']):>10}"
+            f"  {name:<22}{x['n']:>5}{pct(x['median_abs_err']):>13}{pct(x['max_abs_err']):>10}"
         )
     lines += ["", f"  {'ranking':<22}{'groups':>7}{'spearman min':>14}{'mean':>8}{'gap max':>9}"]
     for name, x in s["ranking"].items():
         lines.append(
             f"  {name:<22}{x['groups']:>7}{_rho(x['spearman_min']):>14}"
-            f"{_rho(x['spearman_mean']):>8}{_pct(x['gap_max']):>9}"
+            f"{_rho(x['spearman_mean']):>8}{pct(x['gap_max']):>9}"
         )
     lines.append(f"  rows by status: {s['by_status']}")
     for reason in s["unsupported"]:
@@ -775,9 +787,9 @@ def summarise_train(records: Sequence[dict]) -> dict:
     quantities, by_impl, targets = {}, {}, {}
     for q in TRAIN_QUANTITIES:
         rs = [r for r in ok if r["what"] == q]
-        quantities[q] = _abs_stats([r["err"] for r in rs])
+        quantities[q] = abs_stats([r["err"] for r in rs])
         by_impl[q] = {
-            impl: _abs_stats([r["err"] for r in rs if r["impl"] == impl])
+            impl: abs_stats([r["err"] for r in rs if r["impl"] == impl])
             for impl in dict.fromkeys(r["impl"] for r in rs)
         }
         x = quantities[q]
@@ -798,7 +810,7 @@ def summarise_train(records: Sequence[dict]) -> dict:
         pred = [r["predicted_us"] for r in rs]
         g = {"model": model, "tokens_per_rank": tokens, "skew": skew, "what": q}
         g.update(configs=len(rs), spread=max(meas) / min(meas) - 1, ranked=len(set(pred)) > 1)
-        g.update(**_abs_stats([r["err"] for r in rs]), spearman=math.nan, gap=math.nan)
+        g.update(**abs_stats([r["err"] for r in rs]), spearman=math.nan, gap=math.nan)
         g.update(chosen="", best=labels[int(np.argmin(meas))])
         if g["ranked"]:
             c, _, gap = chosen_gap(pred, meas)
@@ -892,11 +904,10 @@ def format_train_report(records: Sequence[dict], summary: dict) -> str:
     for q in TRAIN_QUANTITIES:
         x = s["quantities"][q]
         per = ", ".join(
-            f"{impl} {y['n']}: {_pct(y['median_abs_err']).strip()} / "
-            f"{_pct(y['max_abs_err']).strip()}"
+            f"{impl} {y['n']}: {pct(y['median_abs_err']).strip()} / {pct(y['max_abs_err']).strip()}"
             for impl, y in s["by_impl"][q].items()
         )
-        med, top = _pct(x["median_abs_err"]), _pct(x["max_abs_err"])
+        med, top = pct(x["median_abs_err"]), pct(x["max_abs_err"])
         lines.append(f"  {q:<10}{x['n']:>4}{med:>13}{top:>10}   {per}")
     lines += ["", "ranking (per group, its predicted configurations; chosen = smallest prediction)"]
     for q in TRAIN_QUANTITIES:
@@ -907,19 +918,19 @@ def format_train_report(records: Sequence[dict], summary: dict) -> str:
             lines.append(
                 f"  {q}: not ranked ({x['unranked']} groups): one prediction for every "
                 f"configuration of a group; measured spread of a group's configurations up to "
-                f"{_pct(spread).strip()}"
+                f"{pct(spread).strip()}"
             )
             continue
         lines.append(
             f"  {q}: {x['groups']} groups, chosen = best in {x['chosen_is_best']}, gap max "
-            f"{_pct(x['gap_max']).strip()}, spearman min {_rho(x['spearman_min']).strip()}"
+            f"{pct(x['gap_max']).strip()}, spearman min {_rho(x['spearman_min']).strip()}"
         )
         for g in gs:
             if not g["ranked"]:
                 continue
             lines.append(
                 f"    {g['model']:<14}{g['skew']:<9}chosen {g['chosen']:<26}best {g['best']:<26}"
-                f"gap {_pct(g['gap']).strip():>6}  measured spread {_pct(g['spread']).strip()}"
+                f"gap {pct(g['gap']).strip():>6}  measured spread {pct(g['spread']).strip()}"
             )
     lines += _train_baseline_lines(records)
     lines.append(f"  rows: {s['rows']}, records by status: {s['by_status']}")

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from mok.spec.config import MoKConfig
 from mok.spec.rows import row_routing_seed
 from mok.spec.workload import get_shape
-from sim.app.validate import _abs_stats, _bench_ring, _pct, _record, _train_plan
+from sim.app.validate import abs_stats, bench_ring, pct, train_plan, validation_record
 from sim.config import SimConfig, Workload
 from sim.layer.backward import backward_config
 
@@ -82,8 +82,8 @@ def experts_model_config(row: dict, gemm_profile: str | None = None):
         raise ValueError(f"{model}: num_experts={experts} is below its top-{shape.num_topk}")
     rt = EXPERTS_ROW_TILE
     wl = Workload(model, tokens, 1, "h200x2", skew, seed)
-    plan = _train_plan(model, tokens, skew, experts, seed, rt)
-    ring = _bench_ring(tokens, shape.num_topk, experts, rt, tokens)
+    plan = train_plan(model, tokens, skew, experts, seed, rt)
+    ring = bench_ring(tokens, shape.num_topk, experts, rt, tokens)
     recompute, epilogue_bytes = EXPERTS_EPILOGUE.get(row["piece"], EXPERTS_EPILOGUE_DEFAULT)
     base = SimConfig(
         dispatch_mode=MoKConfig().dispatch_mode,
@@ -110,7 +110,7 @@ def validate_experts_rows(rows: Iterable[dict], gemm_profile: str | None = None)
     out = []
     for i, row in enumerate(rows):
         piece = row["piece"]
-        rec = _record(i, row, what=piece, scope="", engine="-")
+        rec = validation_record(i, row, what=piece, scope="", engine="-")
         if piece not in EXPERTS_PIECES or (piece, row["impl"]) in EXPERTS_UNMODELLED_IMPL:
             why = EXPERTS_UNMODELLED_IMPL.get((piece, row["impl"])) or EXPERTS_UNMODELLED.get(
                 piece, f"{piece}: not a piece of the backward model"
@@ -141,10 +141,10 @@ def summarise_experts(records: Sequence[dict]) -> dict:
     pieces = list(dict.fromkeys(r["what"] for r in ok))
     return {
         "rows": len(records),
-        "all": _abs_stats([r["err"] for r in ok]),
-        "by_impl": {m: _abs_stats([r["err"] for r in ok if r["impl"] == m]) for m in impls},
+        "all": abs_stats([r["err"] for r in ok]),
+        "by_impl": {m: abs_stats([r["err"] for r in ok if r["impl"] == m]) for m in impls},
         "by_piece": {
-            (p, m): _abs_stats([r["err"] for r in ok if (r["what"], r["impl"]) == (p, m)])
+            (p, m): abs_stats([r["err"] for r in ok if (r["what"], r["impl"]) == (p, m)])
             for p in pieces
             for m in impls
         },
@@ -173,13 +173,13 @@ def format_experts_report(records: Sequence[dict], summary: dict) -> str:
     for (piece, impl), s in summary["by_piece"].items():
         if s["n"]:
             lines.append(
-                f"  {piece:<15} {impl:<6} {_pct(s['median_abs_err'])} / "
-                f"{_pct(s['max_abs_err'])} ({s['n']})"
+                f"  {piece:<15} {impl:<6} {pct(s['median_abs_err'])} / "
+                f"{pct(s['max_abs_err'])} ({s['n']})"
             )
     for impl, s in summary["by_impl"].items():
         lines.append(
-            f"  {'all pieces':<15} {impl:<6} {_pct(s['median_abs_err'])} / "
-            f"{_pct(s['max_abs_err'])} ({s['n']})"
+            f"  {'all pieces':<15} {impl:<6} {pct(s['median_abs_err'])} / "
+            f"{pct(s['max_abs_err'])} ({s['n']})"
         )
     for why in summary["baselines"] + summary["unsupported"]:
         lines.append(f"  not predicted: {why}")
