@@ -68,8 +68,8 @@ struct WgradLaunch {
 int launch_wgrad(const WgradLaunch& args, int grid, void* stream);
 
 // The experts' backward from saved g / u in one launch (layer/sm90_bwd_fused.cuh): the
-// operands of SwigluBwdLaunch (mode 2; a unused by it) plus bf16 a [rows, H] (the weight
-// gradient dW_gate_up = dgu^T a), d_a [rows, H] bf16 out (dgu @ w_gate_up), d_w_gate_up
+// operands of SwigluBwdLaunch (its mode unused; its a [rows, H] the input of the weight
+// gradient dW_gate_up = dgu^T a) plus d_a [rows, H] bf16 out (dgu @ w_gate_up), d_w_gate_up
 // [L, 2I, H] and d_w_down [L, H, I] (bf16, or fp32 added onto: wgrad_out as WgradLaunch's out),
 // and uint32 counters of counters_len >= 1 + ceil(rows / 128) + 2 L words (zeroed by the
 // launcher). I and H multiples of 256, group ends multiples of 16. Params carries the error

@@ -73,10 +73,11 @@ struct FusedShared {
 };
 static __shared__ __align__(8) FusedShared fsh;
 
-// How a launch's tasks are numbered (every block computes the same).
+// How a launch's tasks are numbered (every block computes the same): dh tasks [0, da0), d_a
+// tasks [da0, n_dgrad), weight-gradient tasks [n_dgrad, n_tasks).
 struct FusedTasks {
   int row_tiles, dh_blocks, da_blocks, wgu_tiles, wd_tiles;
-  int dh0, da0, wg0, n_dgrad, n_tasks;
+  int da0, n_dgrad, n_tasks;
   __device__ FusedTasks(const FusedBwdKernelArgs& f) {
     const SwigluBwdKernelArgs& k = f.dh;
     row_tiles = bsh.tiles_before[k.num_experts];
@@ -87,7 +88,7 @@ struct FusedTasks {
     const int n_dh = (f.run & kBwdRunDh) ? row_tiles * dh_blocks : 0;
     const int n_da = (f.run & kBwdRunDa) ? row_tiles * da_blocks : 0;
     const int n_wg = (f.run & kBwdRunWgrad) ? k.num_experts * (wgu_tiles + wd_tiles) : 0;
-    dh0 = 0, da0 = n_dh, wg0 = n_dh + n_da;
+    da0 = n_dh;
     n_dgrad = n_dh + n_da;
     n_tasks = n_dgrad + n_wg;
   }
@@ -167,7 +168,7 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
                     2 * k.inter / OperandBf16::kTileK, fields, stage, phase);
       continue;
     }
-    const int local = i - t.wg0;
+    const int local = i - t.n_dgrad;
     const int per_expert = t.wgu_tiles + t.wd_tiles;
     const int e = local / per_expert;
     int r = local % per_expert;

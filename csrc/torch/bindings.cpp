@@ -123,7 +123,6 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
   l.dh.dgu = reinterpret_cast<void*>(dgu);
   l.dh.part = reinterpret_cast<float*>(part);
   l.dh.gu32 = reinterpret_cast<float*>(gu32);
-  l.dh.mode = 2;
   l.dh.rows = rows, l.dh.hidden = hidden, l.dh.inter = inter, l.dh.num_experts = num_experts;
   l.d_a = reinterpret_cast<void*>(d_a);
   l.d_w_gate_up = reinterpret_cast<void*>(d_w_gate_up);
