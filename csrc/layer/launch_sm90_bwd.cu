@@ -121,13 +121,19 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   constexpr int kK = OperandBf16::kTileK;
   SwigluBwdKernelArgs& b = k.dh;
   const bool f32 = l.wgrad_out != kWgradBf16;
-  // The operands of the task kinds this launch runs: dh (dy rows, w_down N-major; g / u), d_a
+  // The operands of the task kinds this launch runs: dh (dy rows, w_down N-major; g / u in, hw
+  // / dgu out by TMA), d_a
   // (dgu rows, w_gate_up N-major), the weight gradients (64-row boxes of both operands, C by TMA
   // stores).
   bool ok = true;
   if (l.run & kBwdRunDh)
     ok = d.gu32 != nullptr && encode_bf16_map(&b.map_dy, d.dy, R, H, kTileM, kK) &&
-         encode_bf16_map(&b.map_wd, d.w_down, L * H, I, kK, 64);
+         encode_bf16_map(&b.map_wd, d.w_down, L * H, I, kK, 64) &&
+         encode_f32_map(&k.map_gu, d.gu32, R, 2 * I, kTileM, 32) &&
+         encode_bf16_map(&k.map_hw_st, d.hw, R, I, kDhEpiStoreRows, 32,
+                         CU_TENSOR_MAP_SWIZZLE_64B) &&
+         encode_bf16_map(&k.map_dgu_st, d.dgu, R, 2 * I, kDhEpiStoreRows, 32,
+                         CU_TENSOR_MAP_SWIZZLE_64B);
   if (ok && (l.run & kBwdRunDa))
     ok = l.d_a != nullptr && encode_bf16_map(&k.map_dgu, d.dgu, R, 2 * I, kTileM, kK) &&
          encode_bf16_map(&k.map_wgu, d.w_gate_up, L * 2 * I, H, kK, 64);

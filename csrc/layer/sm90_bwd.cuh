@@ -238,6 +238,32 @@ __device__ __forceinline__ float round_bf16(float v) {
   return bf16_lo(pack_bf16x2(v, 0.0f));
 }
 
+// The SwiGLU backward of one element: g, u (gate and up), d (dh) and w (the row's router
+// weight) give hw = w h, dg and du; psum gathers bf16(h) * d (the router weight's gradient).
+// Every epilogue that computes these calls this, so they are the same bits in each.
+__device__ __forceinline__ float sigmoid_fast(float g) {
+  return __fdividef(1.0f, 1.0f + __expf(-g));
+}
+__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float w, float& psum,
+                                            float& hw, float& dg, float& du) {
+  const float sig = sigmoid_fast(g);
+  const float s = g * sig;
+  const float hv = s * u;
+  psum += round_bf16(hv) * d;
+  // NOTE: a row of weight 0 (padding: saved g / u there are whatever the forward's receive
+  // buffer held, possibly inf or NaN) gives exact zeros, not 0 * garbage.
+  hw = w != 0.0f ? w * hv : 0.0f;
+  const float dw = d * w;
+  dg = w != 0.0f ? dw * u * (sig * (1.0f + g * (1.0f - sig))) : 0.0f;
+  du = w != 0.0f ? dw * s : 0.0f;
+}
+// swiglu_grad's du alone (the same operations, so the same bits).
+__device__ __forceinline__ float swiglu_du(float g, float d, float w) {
+  const float s = g * sigmoid_fast(g);
+  const float dw = d * w;
+  return w != 0.0f ? dw * s : 0.0f;
+}
+
 // The epilogue of warpgroup wg's 64 rows of a tile, in the m64n128 accumulator layout (thread
 // (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) and columns 8j + 2 (lane % 4) (+ 1) for
 // j = 0..15). kSwigluRecompute: gate in acc0, up in acc1, dh parked in shared memory; the SwiGLU
@@ -287,19 +313,9 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
       float hw[2], dg[2], du[2];
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const float g = gv[q], u = uv[q];
         const float d =
             dh_only(kMode) ? acc0[4 * j + 2 * hr + q] : dh[(4 * j + 2 * hr + q) * 256];
-        const float sig = __fdividef(1.0f, 1.0f + __expf(-g));
-        const float s = g * sig;
-        const float hv = s * u;
-        psum += round_bf16(hv) * d;
-        // NOTE: a row of weight 0 (padding: saved g / u there are whatever the forward's
-        // receive buffer held, possibly inf or NaN) gives exact zeros, not 0 * garbage.
-        hw[q] = w != 0.0f ? w * hv : 0.0f;
-        const float dw = d * w;
-        dg[q] = w != 0.0f ? dw * u * (sig * (1.0f + g * (1.0f - sig))) : 0.0f;
-        du[q] = w != 0.0f ? dw * s : 0.0f;
+        swiglu_grad(gv[q], uv[q], d, w, psum, hw[q], dg[q], du[q]);
       }
       if (valid) {
         *reinterpret_cast<uint32_t*>(k.hw + at + 8 * j) = pack_bf16x2(hw[0], hw[1]);

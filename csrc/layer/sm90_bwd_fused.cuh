@@ -4,8 +4,9 @@
 //
 // Per expert e (rows [start_e, end_e) of the receive buffer, grouped by expert):
 //   dh tiles      dh = dy @ w_down[e] (fp32), the SwiGLU backward from the saved fp32 g / u, the
-//                 router-weight partials (the epilogue of sm90_bwd.cuh's kSwigluSavedWide:
-//                 the same bits) -> hw, dgu, part; 128 rows x 256 intermediate columns;
+//                 router-weight partials (the math of sm90_bwd.cuh's kSwigluSavedWide: the
+//                 same bits; g / u in and hw / dgu out through the pipeline stages by TMA)
+//                 -> hw, dgu, part; 128 rows x 256 intermediate columns;
 //   d_a tiles     d_a = dgu @ w_gate_up[e] (the gate / up projections' input gradient, fp32
 //                 accumulators, bf16 out); 128 rows x 256 hidden columns, k over 2I;
 //   wgrad tiles   dW_gate_up[e] = dgu^T a, dW_down[e] = dy^T hw (sm90_bwd.cuh's weight-gradient
@@ -52,11 +53,30 @@ static_assert(kFusedDgradStages * kStageBytes <= kWgradStages * kStageBytes + 4 
               "the weight gradients' zero block lies past the dgrad stages");
 constexpr int kFusedSmem = kWgradSmem;
 
+// A dh tile's epilogue runs over kDhEpiStages stages of the dgrad ring after its k-blocks. Stage
+// q holds the saved g and u of the tile's 128 rows at its intermediate columns 32q.. (fp32, a
+// 128-row x 32-column box each, 128-byte swizzle), loaded by the producer while the consumers
+// run the tile's last k-blocks. Each consumer warpgroup writes hw, dg and du of its 64 rows into
+// its own part of the stage (bf16, 64 rows x 32 columns each, 64-byte swizzle) and one of its
+// threads stores them by TMA, as 16-row boxes up to its expert's end (group ends are multiples of
+// 16). (Loaded and stored by every thread straight from and to global memory, this epilogue
+// took over a third of the dh tiles' time: without it they ran 1.44 against 2.27 ms at
+// DeepSeek-V3's per-rank shape; docs/perf-notes.md.)
+constexpr int kDhEpiStages = 8;
+constexpr int kDhEpiBox = kTileM * 128;     // g or u: 128 rows x 32 fp32
+constexpr int kDhEpiWgBytes = 64 * 128;     // a warpgroup's 64 rows of a g or u box
+constexpr int kDhEpiPiece = 64 * 64;        // a warpgroup's hw, dg or du: 64 rows x 32 bf16
+constexpr int kDhEpiStoreRows = 16;         // rows of one TMA store box
+static_assert(2 * kDhEpiBox + 2 * kDhEpiWgBytes <= kStageBytes, "a dh epilogue stage");
+
 struct FusedBwdKernelArgs {
   Params p;                // error record, abort word, timeout
   SwigluBwdKernelArgs dh;  // map_dy, map_wd, ends, row_w, hw, dgu, part, gu32, sizes
   CUtensorMap map_dgu;     // dgu [rows, 2I], 128-row x 64-column boxes (A of d_a)
   CUtensorMap map_wgu;     // w_gate_up [L * 2I, H], 64 x 64 boxes (N-major B of d_a)
+  CUtensorMap map_gu;      // gu32 [rows, 2I] fp32, 128-row x 32-column boxes (dh epilogue in)
+  CUtensorMap map_hw_st;   // hw [rows, I], 16-row x 32-column boxes, 64-byte swizzle (out)
+  CUtensorMap map_dgu_st;  // dgu [rows, 2I], the same boxes (out)
   uint16_t* d_a;           // [rows, H] bf16
   WgradKernelArgs wgrad[2];  // 0: dW_gate_up = dgu^T a (M 2I, N H); 1: dW_down = dy^T hw (H, I)
   // [0] the next task; then per row tile (tiles_before order) and per expert the dh tiles done.
@@ -119,6 +139,20 @@ __device__ __forceinline__ void fused_load_nb(const CUtensorMap* a, const CUtens
   }
 }
 
+// A dh tile's epilogue stages: g and u of its rows from row0, columns col0 + 32 q.. per stage q.
+__device__ __forceinline__ void fused_load_dh_epi(const FusedBwdKernelArgs& f, int row0, int col0,
+                                                  int& stage, uint32_t& phase) {
+#pragma unroll 1
+  for (int q = 0; q < kDhEpiStages; ++q) {
+    mbar_wait(&bsh.empty[stage], phase ^ 1);
+    uint8_t* sa = bwd_stages() + stage * kStageBytes;
+    mbar_arrive_expect_tx(&bsh.full[stage], 2 * kDhEpiBox);
+    tma_load_2d(sa, &f.map_gu, &bsh.full[stage], col0 + 32 * q, row0);
+    tma_load_2d(sa + kDhEpiBox, &f.map_gu, &bsh.full[stage], f.dh.inter + col0 + 32 * q, row0);
+    if (++stage == kFusedDgradStages) stage = 0, phase ^= 1;
+  }
+}
+
 // The end of the dgrad tasks: a stage of kind -1, then every other stage freed by the
 // consumers (their memory is the weight gradients' next).
 __device__ __forceinline__ void fused_dgrad_end(int stage, uint32_t phase) {
@@ -157,6 +191,7 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
       if (is_dh) {
         fused_load_nb(&k.map_dy, &k.map_wd, row0, e * k.hidden, nb * 256,
                       k.hidden / OperandBf16::kTileK, fields, stage, phase);
+        fused_load_dh_epi(f, row0, nb * 256, stage, phase);
         continue;
       }
       if (deps) {
@@ -209,6 +244,119 @@ __device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f,
   }
 }
 
+// Byte offsets, in a warpgroup's rows of a dh epilogue stage, of consumer thread tid's elements
+// (hr, jj): row r = warp * 16 + lane / 4 + 8 hr of the 64 (r % 8 == lane / 4, (r / 2) % 4 ==
+// lane / 8), columns 8 jj + 2 (lane % 4) (+ 1) of the stage's 32. g / u in the 128-byte swizzle
+// (16-byte unit 2 jj + (lane % 4) / 2 of row r at unit ^ (r % 8)); hw / dg / du in the 64-byte
+// swizzle (unit jj of row r at unit ^ ((r / 2) % 4)).
+__device__ __forceinline__ int dh_epi_in(int tid, int hr, int jj) {
+  const int lane = tid % 32, x = lane / 4;
+  // ((2 jj + (lane % 4) / 2) ^ x) << 4, as (jj << 5) ^ a per-thread constant
+  const int fixed = ((tid / 32) * 16 + x) * 128 + ((((lane % 4) / 2) ^ x) << 4) + 8 * (lane % 2);
+  return (fixed ^ (jj << 5)) + hr * 8 * 128;
+}
+__device__ __forceinline__ int dh_epi_out(int tid, int hr, int jj) {
+  const int lane = tid % 32;
+  const int fixed = ((tid / 32) * 16 + lane / 4) * 64 + ((lane / 8) << 4) + 4 * (lane % 4);
+  return (fixed ^ (jj << 4)) + hr * 8 * 64;
+}
+__device__ __forceinline__ float2 lds_f2(const void* p) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(p)));
+  return v;
+}
+
+// A dh tile's epilogue (the SwiGLU backward of swiglu_bwd_epilogue, the same bits) over its
+// kDhEpiStages stages, for warpgroup wg's 64 rows: dh of the tile's columns 0..127 in acc0,
+// 128..255 in acc1, in the m64n128 layout (thread (warp, lane): rows warp * 16 + lane / 4 (+ 8),
+// columns 8j + 2 (lane % 4) (+ 1)).
+__device__ __forceinline__ void fused_dh_epilogue(const FusedBwdKernelArgs& f,
+                                                  const float (&acc0)[64],
+                                                  const float (&acc1)[64], int row0, int end,
+                                                  int nb, int wg, int tid, int& stage,
+                                                  uint32_t& phase) {
+  const SwigluBwdKernelArgs& k = f.dh;
+  const int warp = tid / 32, lane = tid % 32, x = lane / 4;
+  const int row_hr0 = row0 + wg * 64 + warp * 16 + x;  // the thread's rows: this and + 8
+  float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < kDhEpiStages; ++q) {
+    const float(&d)[64] = q < 4 ? acc0 : acc1;
+    float w[2];  // the rows' weights, read per stage (L1 hits): kept across them, they spilled
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row_hr0 + 8 * hr;
+      w[hr] = k.row_w == nullptr ? 1.0f : k.row_w[row < end ? row : 0];
+    }
+    mbar_wait(&bsh.full[stage], phase);
+    uint8_t* sa = bwd_stages() + stage * kStageBytes;
+    const uint8_t* g_rows = sa + wg * kDhEpiWgBytes;
+    uint8_t* u_rows = sa + kDhEpiBox + wg * kDhEpiWgBytes;  // then du
+    uint8_t* hw_out = sa + 2 * kDhEpiBox + wg * kDhEpiWgBytes;
+    uint8_t* dg_out = hw_out + kDhEpiPiece;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int j = 4 * (q % 4) + jj;  // columns 8j.. of the 128-column half
+        const float2 g2 = lds_f2(g_rows + dh_epi_in(tid, hr, jj));
+        const float2 u2 = lds_f2(u_rows + dh_epi_in(tid, hr, jj));
+        float hw[2], dg[2], du[2];
+        swiglu_grad(g2.x, u2.x, d[4 * j + 2 * hr], w[hr], psum[hr], hw[0], dg[0], du[0]);
+        swiglu_grad(g2.y, u2.y, d[4 * j + 2 * hr + 1], w[hr], psum[hr], hw[1], dg[1], du[1]);
+        const int out = dh_epi_out(tid, hr, jj);
+        *reinterpret_cast<uint32_t*>(hw_out + out) = pack_bf16x2(hw[0], hw[1]);
+        *reinterpret_cast<uint32_t*>(dg_out + out) = pack_bf16x2(dg[0], dg[1]);
+      }
+    }
+    // du into the warpgroup's u rows once all of them are read (computed again from g: holding
+    // it in registers over the barrier spilled)
+    named_sync(1 + wg, 128);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int j = 4 * (q % 4) + jj;
+        const float2 g2 = lds_f2(g_rows + dh_epi_in(tid, hr, jj));
+        *reinterpret_cast<uint32_t*>(u_rows + dh_epi_out(tid, hr, jj)) =
+            pack_bf16x2(swiglu_du(g2.x, d[4 * j + 2 * hr], w[hr]),
+                        swiglu_du(g2.y, d[4 * j + 2 * hr + 1], w[hr]));
+      }
+    }
+    fence_proxy_async_shared();  // these writes before the TMA's reads
+    named_sync(1 + wg, 128);
+    if (tid == 0) {
+      const int col = (2 * nb + q / 4) * 128 + 32 * (q % 4);
+#pragma unroll
+      for (int b = 0; b < 64 / kDhEpiStoreRows; ++b) {
+        const int row = row0 + wg * 64 + b * kDhEpiStoreRows;
+        if (row >= end) break;
+        const int at = b * kDhEpiStoreRows * 64;
+        tma_store_2d(&f.map_hw_st, hw_out + at, col, row);
+        tma_store_2d(&f.map_dgu_st, dg_out + at, col, row);
+        tma_store_2d(&f.map_dgu_st, u_rows + at, k.inter + col, row);
+      }
+      bulk_commit();
+      bulk_wait_read<0>();  // the stage read: the producer may fill it again
+    }
+    mbar_arrive(&bsh.empty[stage]);
+    if (++stage == kFusedDgradStages) stage = 0, phase ^= 1;
+    if (q % 4 == 3) {  // a 128-column half done: its router-weight partials
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int row = row_hr0 + 8 * hr;
+        float p = psum[hr];
+        p += __shfl_xor_sync(~0u, p, 1);
+        p += __shfl_xor_sync(~0u, p, 2);
+        if (row < end && k.part != nullptr && lane % 4 == 0)
+          k.part[static_cast<int64_t>(2 * nb + q / 4) * k.rows + row] = p;
+        psum[hr] = 0.0f;
+      }
+    }
+  }
+  if (tid == 0) bulk_wait_all();  // hw / dgu written before the tile is reported done
+}
+
 template <int kOut>
 __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -228,11 +376,9 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int 
     mma_kloop<OperandBf16, kFullNBWide, kFusedDgradStages>(
         acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage, prev_stage, phase);
     if (kind == kTaskDh) {
-      swiglu_bwd_epilogue<kSwigluSavedWide>(f.dh, acc0, acc1, row0, end, 2 * nb, wg, warp, lane);
-      swiglu_bwd_epilogue<kSwigluSavedWide>(f.dh, acc1, acc0, row0, end, 2 * nb + 1, wg, warp,
-                                            lane);
-      // Publish: hw / dgu are read by other blocks' TMA (async proxy). Each thread fences its
-      // stores into the async proxy; one release after both warpgroups' barrier covers them.
+      fused_dh_epilogue(f, acc0, acc1, row0, end, nb, wg, tid, stage, phase);
+      // Publish: hw / dgu (written by this block's TMA stores, complete) are read by other
+      // blocks' TMA; one release after both warpgroups' barrier covers them.
       fence_proxy_async_global();
       named_sync(3, 256);
       if (threadIdx.x == 128 && task != f.fault) {
