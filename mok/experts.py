@@ -219,10 +219,10 @@ def swiglu_backward(
             without a token must then be zero).
         saved_gu: the fp32 [R, 2I] gate / up outputs :func:`grouped_swiglu_saving` kept (the
             kernel then runs only the dh GEMM); needs the kernel.
-        wgrad_into: fp32 accumulators (like ``w_gate_up``, like ``w_down``; ``main_grad`` in
-            Megatron) that the weight gradients are added onto, from their fp32 sums (never
-            rounded to bf16); they are then the gradients returned. The kernel adds each element
-            once (deterministic); elsewhere the fp32 GEMM result is added.
+        wgrad_into: contiguous fp32 accumulators (like ``w_gate_up``, like ``w_down``;
+            ``main_grad`` in Megatron) that the weight gradients are added onto, from their fp32
+            sums (never rounded to bf16); they are then the gradients returned. The kernel adds
+            each element once (deterministic); elsewhere the fp32 GEMM result is added.
         fused: from ``saved_gu``, run the whole backward (dh with the SwiGLU backward, ``d_a``,
             both weight gradients) as one launch of mok's fused kernel
             (:func:`mok.ops.bwd_fused_sm90`) instead of a kernel per GEMM with torch's grouped
@@ -257,6 +257,7 @@ def swiglu_backward(
         raise ValueError(f"swiglu_backward: fused=True, but {why}")
     if wgrad_into is not None and all(t is None for t in wgrad_into):
         wgrad_into = None
+    _check_into(wgrad_into, w_gate_up, w_down)
     if fused is not False and not why:
         return _swiglu_backward_fused(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu,
                                       wgrad_into)  # fmt: skip
@@ -274,48 +275,56 @@ def swiglu_backward(
         d_a = d_a.to(d_a_dtype)
     wk = kernel and (offs is not None if wgrad_kernel is None else wgrad_kernel)
     into = (None, None) if wgrad_into is None else wgrad_into
-    for acc, w in zip(into, (w_gate_up, w_down), strict=True):
-        if acc is not None and (acc.dtype != torch.float32 or acc.shape != w.shape):
-            raise ValueError(
-                f"wgrad_into: fp32 tensors of the weights' shapes, got {acc.dtype} "
-                f"{tuple(acc.shape)} for a weight of {tuple(w.shape)}"
-            )
     d_wgu = _wgrad(dgu, a, offs, wk, group_align, into[0])
     d_wd = _wgrad(dy, hw, offs, wk, group_align, into[1])  # sum over rows of dy (x) w h
     return d_a, d_w, d_wgu, d_wd
 
 
 def _fused_misfit(kernel, a, w_down, offs, saved_gu, d_a_dtype, wgrad_kernel, group_align, into):
-    """Why the fused backward kernel does not take these operands ("" where it does)."""
-    hidden, inter = a.shape[1], w_down.shape[-1]
+    """Why the fused backward kernel does not take these operands ("" where it does): what
+    mok's d_a GEMM needs (:func:`_dgrad_checks`) and more."""
     checks = (
-        (kernel, "it needs mok's Hopper kernel"),
+        *_dgrad_checks(kernel, a, w_down, offs, d_a_dtype),
         (saved_gu is not None, "it runs from saved g / u (saved_gu)"),
-        (offs is not None, "it runs grouped rows (offs)"),
-        (hidden % 256 == 0 and inter % 256 == 0, f"H={hidden} and I={inter} must be multiples "
-         "of 256"),
         (group_align % 16 == 0, f"group ends must be multiples of 16 (group_align={group_align})"),
         (wgrad_kernel is not False, "it computes the weight gradients itself (wgrad_kernel)"),
-        (d_a_dtype in (None, torch.bfloat16), f"d_a is bf16 (d_a_dtype={d_a_dtype})"),
         (into is None or len({t is None for t in into}) == 1, "it takes both wgrad_into "
          "accumulators or neither"),
-        (a.shape[0] > 0, "no rows"),
     )  # fmt: skip
     return next((why for ok, why in checks if not ok), "")
 
 
-def _dgrad_fits(kernel, a, w_down, offs, d_a_dtype) -> bool:
-    """Whether ``d_a`` is mok's GEMM (the fused kernel's d_a tiles, so that a backward from
-    saved g / u, fused, and one that recomputes them give the same bits)."""
+def _dgrad_checks(kernel, a, w_down, offs, d_a_dtype) -> tuple:
+    """(condition, what it needs) pairs of ``d_a`` by mok's GEMM (the fused kernel's d_a tiles,
+    so that a backward from saved g / u, fused, and one that recomputes them give the same
+    bits)."""
     hidden, inter = a.shape[1], w_down.shape[-1]
     return (
-        kernel
-        and offs is not None
-        and hidden % 256 == 0
-        and inter % 256 == 0
-        and d_a_dtype in (None, torch.bfloat16)
-        and a.shape[0] > 0
-    )
+        (kernel, "it needs mok's Hopper kernel"),
+        (offs is not None, "it runs grouped rows (offs)"),
+        (hidden % 256 == 0 and inter % 256 == 0, f"H={hidden} and I={inter} must be multiples "
+         "of 256"),
+        (d_a_dtype in (None, torch.bfloat16), f"d_a is bf16 (d_a_dtype={d_a_dtype})"),
+        (a.shape[0] > 0, "no rows"),
+    )  # fmt: skip
+
+
+def _check_into(into, w_gate_up, w_down) -> None:
+    """ValueError unless each accumulator of ``wgrad_into`` (or None) is a contiguous fp32
+    tensor of its weight's shape."""
+    for acc, w in zip((None, None) if into is None else into, (w_gate_up, w_down), strict=True):
+        if acc is not None and (
+            acc.dtype != torch.float32 or acc.shape != w.shape or not acc.is_contiguous()
+        ):
+            raise ValueError(
+                f"wgrad_into: contiguous fp32 tensors of the weights' shapes, got {acc.dtype} "
+                f"{tuple(acc.shape)} for a weight of {tuple(w.shape)}"
+            )
+
+
+def _dgrad_fits(kernel, a, w_down, offs, d_a_dtype) -> bool:
+    """Whether ``d_a`` is mok's GEMM (:func:`_dgrad_checks`)."""
+    return all(ok for ok, _ in _dgrad_checks(kernel, a, w_down, offs, d_a_dtype))
 
 
 def gate_up_dgrad(dgu: torch.Tensor, w_gate_up: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -346,12 +355,6 @@ def _swiglu_backward_fused(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu,
     if into is None:
         d_wgu, d_wd = torch.empty_like(w_gate_up), torch.empty_like(w_down)
     else:
-        for acc, w in zip(into, (w_gate_up, w_down), strict=True):
-            if acc.dtype != torch.float32 or acc.shape != w.shape or not acc.is_contiguous():
-                raise ValueError(
-                    f"wgrad_into: contiguous fp32 tensors of the weights' shapes, got "
-                    f"{acc.dtype} {tuple(acc.shape)} for a weight of {tuple(w.shape)}"
-                )
         d_wgu, d_wd = into
     ops.bwd_fused_sm90(
         a, dy, w_gate_up, w_down, offs, row_weight, saved_gu, hw, dgu, part, d_a, d_wgu, d_wd,
