@@ -38,7 +38,10 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   if ((gate_up && (!encode_bf16_map(&k.map_a, l.a, l.rows, H, kTileM, kK) ||
                    !encode_bf16_map(&k.map_w, l.w_gate_up, L * 2 * I, H, 128, kK))) ||
       (down && (!encode_bf16_map(&k.map_dy, l.dy, l.rows, H, kTileM, kK) ||
-                !encode_bf16_map(&k.map_wd, l.w_down, L * H, I, kK, 64))))
+                !encode_bf16_map(&k.map_wd, l.w_down, L * H, I, kK, 64))) ||
+      (l.mode == kSwigluSave &&
+       (!encode_bf16_map(&k.map_h_st, l.hw, l.rows, I, 16, 32, CU_TENSOR_MAP_SWIZZLE_64B) ||
+        !encode_f32_map(&k.map_gu_st, l.gu32, l.rows, 2 * I, 16, 32))))
     return static_cast<int>(cudaErrorInvalidValue);
   k.ends = l.ends;
   k.row_w = l.row_w;

@@ -25,8 +25,9 @@
 //
 // Roles per block (384 threads): one producer thread (TMA loads of the stages), two consumer
 // warpgroups, each running wgmma on 64 of the tile's rows and writing its epilogue straight to
-// global memory. Waits are on this block's own pipeline barriers only (nothing waits for
-// another block), so none can stall unless the kernel itself is broken.
+// global memory (the saving forward's through shared memory and TMA stores, save_epilogue).
+// Waits are on this block's own pipeline barriers only (nothing waits for another block), so
+// none can stall unless the kernel itself is broken.
 #pragma once
 
 #include <cuda.h>
@@ -101,6 +102,8 @@ struct SwigluBwdKernelArgs {
   CUtensorMap map_dy;  // dy [rows, H], 128-row boxes
   CUtensorMap map_w;   // w_gate_up [L * 2I, H], 128-row boxes
   CUtensorMap map_wd;  // w_down [L * H, I], 64-row x 64-column boxes (N-major B)
+  CUtensorMap map_h_st;   // kSwigluSave: hw (h) [rows, I], 16 x 32 boxes, 64-byte swizzle (out)
+  CUtensorMap map_gu_st;  // kSwigluSave: gu32 [rows, 2I] fp32, 16 x 32 boxes (out)
   const int32_t* ends;  // [L] group ends
   const float* row_w;   // [rows], or null (weight 1)
   uint16_t* hw;         // [rows, I] bf16
@@ -264,6 +267,29 @@ __device__ __forceinline__ float swiglu_du(float g, float d, float w) {
   return w != 0.0f ? dw * s : 0.0f;
 }
 
+// Epilogues staged for TMA: byte offsets of consumer thread tid's elements (hr, jj) of the
+// m64n128 accumulator layout in 32-column boxes of its warpgroup's rows: row r = warp * 16 +
+// lane / 4 + 8 hr (r % 8 == lane / 4, (r / 2) % 4 == lane / 8; the lane alone for a warp's own
+// 16-row box), columns 8 jj + 2 (lane % 4) (+ 1) of the box's 32. fp32 boxes (128-byte rows) in
+// the 128-byte swizzle: 16-byte unit 2 jj + (lane % 4) / 2 of row r at unit ^ (r % 8); bf16
+// boxes (64-byte rows) in the 64-byte swizzle: unit jj of row r at unit ^ ((r / 2) % 4).
+__device__ __forceinline__ int epi_f32_at(int tid, int hr, int jj) {
+  const int lane = tid % 32, x = lane / 4;
+  // ((2 jj + (lane % 4) / 2) ^ x) << 4, as (jj << 5) ^ a per-thread constant
+  const int fixed = ((tid / 32) * 16 + x) * 128 + ((((lane % 4) / 2) ^ x) << 4) + 8 * (lane % 2);
+  return (fixed ^ (jj << 5)) + hr * 8 * 128;
+}
+__device__ __forceinline__ int epi_bf16_at(int tid, int hr, int jj) {
+  const int lane = tid % 32;
+  const int fixed = ((tid / 32) * 16 + lane / 4) * 64 + ((lane / 8) << 4) + 4 * (lane % 4);
+  return (fixed ^ (jj << 4)) + hr * 8 * 64;
+}
+__device__ __forceinline__ float2 lds_f2(const void* p) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(p)));
+  return v;
+}
+
 // The epilogue of warpgroup wg's 64 rows of a tile, in the m64n128 accumulator layout (thread
 // (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) and columns 8j + 2 (lane % 4) (+ 1) for
 // j = 0..15). kSwigluRecompute: gate in acc0, up in acc1, dh parked in shared memory; the SwiGLU
@@ -331,6 +357,57 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
   }
 }
 
+// kSwigluSave's epilogue: h and the fp32 g / u of warpgroup wg's 64 rows (gate in acc0, up in
+// acc1). Each warp owns 16 of the rows. A warp whose 16 rows all lie before its expert's end
+// stages them, 32 columns at a time, in its own kSaveWarpBytes of the parked-dh memory (unused
+// in this mode), and its lane 0 stores them by TMA, waiting before each chunk only until the
+// last one has been read out of shared memory. A warp at the end of a group that is not a
+// multiple of 16 rows stores its rows before the end itself. (Stored by every thread straight to
+// global memory, the dh tiles' epilogue took over a third of their time; docs/perf-notes.md.)
+constexpr int kSaveWarpBytes = 8 * 1024;  // g (2 KiB), u (2 KiB), h (1 KiB) of 16 x 32
+static_assert(8 * kSaveWarpBytes <= kBwdDhBytes, "the save epilogue's staging");
+
+__device__ __forceinline__ void save_epilogue(const SwigluBwdKernelArgs& k,
+                                              const float (&acc0)[64], const float (&acc1)[64],
+                                              int row0, int end, int nb, int wg, int warp,
+                                              int lane) {
+  const int box_row = row0 + wg * 64 + warp * 16;
+  if (box_row + 16 > end) {  // warp-uniform
+    swiglu_bwd_epilogue<kSwigluSave>(k, acc0, acc1, row0, end, nb, wg, warp, lane);
+    return;
+  }
+  uint8_t* g_box = reinterpret_cast<uint8_t*>(bwd_dh()) + (wg * 4 + warp) * kSaveWarpBytes;
+  uint8_t* u_box = g_box + 2048;
+  uint8_t* h_box = g_box + 4096;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (lane == 0) bulk_wait_read<0>();  // the buffer's last stores have read it
+    __syncwarp();
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int i = 4 * (4 * q + jj) + 2 * hr;  // columns 32 q + 8 jj.. of the tile's 128
+        const float g0 = acc0[i], g1 = acc0[i + 1], u0 = acc1[i], u1 = acc1[i + 1];
+        const int at = epi_f32_at(lane, hr, jj);
+        *reinterpret_cast<float2*>(g_box + at) = make_float2(g0, g1);
+        *reinterpret_cast<float2*>(u_box + at) = make_float2(u0, u1);
+        *reinterpret_cast<uint32_t*>(h_box + epi_bf16_at(lane, hr, jj)) =
+            pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+      }
+    }
+    fence_proxy_async_shared();  // these writes before the TMA's reads
+    __syncwarp();
+    if (lane == 0) {
+      const int col = nb * 128 + 32 * q;
+      tma_store_2d(&k.map_h_st, h_box, col, box_row);
+      tma_store_2d(&k.map_gu_st, g_box, col, box_row);
+      tma_store_2d(&k.map_gu_st, u_box, k.inter + col, box_row);
+      bulk_commit();
+    }
+  }
+}
+
 template <int kMode>
 __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -366,10 +443,13 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
     if (kMode == kSwigluSavedWide) {  // dh of columns 256 nb.. in acc0, of 256 nb + 128.. in acc1
       swiglu_bwd_epilogue<kMode>(k, acc0, acc1, row0, end, 2 * nb, wg, warp, lane);
       swiglu_bwd_epilogue<kMode>(k, acc1, acc0, row0, end, 2 * nb + 1, wg, warp, lane);
+    } else if (kMode == kSwigluSave) {
+      save_epilogue(k, acc0, acc1, row0, end, nb, wg, warp, lane);
     } else {
       swiglu_bwd_epilogue<kMode>(k, acc0, acc1, row0, end, nb, wg, warp, lane);
     }
   }
+  if (kMode == kSwigluSave && lane == 0) bulk_wait_all();  // the TMA stores done before exit
 }
 
 template <int kMode>
@@ -395,6 +475,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
     if (threadIdx.x == 0) {
       if (!dh_only(kMode)) tma_prefetch_map(&k.map_a), tma_prefetch_map(&k.map_w);
       if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
+      if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st), tma_prefetch_map(&k.map_gu_st);
       bwd_producer<kMode>(k, n_tiles, n_blocks);
     }
   } else {

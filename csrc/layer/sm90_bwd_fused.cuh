@@ -244,28 +244,6 @@ __device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f,
   }
 }
 
-// Byte offsets, in a warpgroup's rows of a dh epilogue stage, of consumer thread tid's elements
-// (hr, jj): row r = warp * 16 + lane / 4 + 8 hr of the 64 (r % 8 == lane / 4, (r / 2) % 4 ==
-// lane / 8), columns 8 jj + 2 (lane % 4) (+ 1) of the stage's 32. g / u in the 128-byte swizzle
-// (16-byte unit 2 jj + (lane % 4) / 2 of row r at unit ^ (r % 8)); hw / dg / du in the 64-byte
-// swizzle (unit jj of row r at unit ^ ((r / 2) % 4)).
-__device__ __forceinline__ int dh_epi_in(int tid, int hr, int jj) {
-  const int lane = tid % 32, x = lane / 4;
-  // ((2 jj + (lane % 4) / 2) ^ x) << 4, as (jj << 5) ^ a per-thread constant
-  const int fixed = ((tid / 32) * 16 + x) * 128 + ((((lane % 4) / 2) ^ x) << 4) + 8 * (lane % 2);
-  return (fixed ^ (jj << 5)) + hr * 8 * 128;
-}
-__device__ __forceinline__ int dh_epi_out(int tid, int hr, int jj) {
-  const int lane = tid % 32;
-  const int fixed = ((tid / 32) * 16 + lane / 4) * 64 + ((lane / 8) << 4) + 4 * (lane % 4);
-  return (fixed ^ (jj << 4)) + hr * 8 * 64;
-}
-__device__ __forceinline__ float2 lds_f2(const void* p) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(p)));
-  return v;
-}
-
 // A dh tile's epilogue (the SwiGLU backward of swiglu_bwd_epilogue, the same bits) over its
 // kDhEpiStages stages, for warpgroup wg's 64 rows: dh of the tile's columns 0..127 in acc0,
 // 128..255 in acc1, in the m64n128 layout (thread (warp, lane): rows warp * 16 + lane / 4 (+ 8),
@@ -299,12 +277,12 @@ __device__ __forceinline__ void fused_dh_epilogue(const FusedBwdKernelArgs& f,
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const int j = 4 * (q % 4) + jj;  // columns 8j.. of the 128-column half
-        const float2 g2 = lds_f2(g_rows + dh_epi_in(tid, hr, jj));
-        const float2 u2 = lds_f2(u_rows + dh_epi_in(tid, hr, jj));
+        const float2 g2 = lds_f2(g_rows + epi_f32_at(tid, hr, jj));
+        const float2 u2 = lds_f2(u_rows + epi_f32_at(tid, hr, jj));
         float hw[2], dg[2], du[2];
         swiglu_grad(g2.x, u2.x, d[4 * j + 2 * hr], w[hr], psum[hr], hw[0], dg[0], du[0]);
         swiglu_grad(g2.y, u2.y, d[4 * j + 2 * hr + 1], w[hr], psum[hr], hw[1], dg[1], du[1]);
-        const int out = dh_epi_out(tid, hr, jj);
+        const int out = epi_bf16_at(tid, hr, jj);
         *reinterpret_cast<uint32_t*>(hw_out + out) = pack_bf16x2(hw[0], hw[1]);
         *reinterpret_cast<uint32_t*>(dg_out + out) = pack_bf16x2(dg[0], dg[1]);
       }
@@ -317,8 +295,8 @@ __device__ __forceinline__ void fused_dh_epilogue(const FusedBwdKernelArgs& f,
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const int j = 4 * (q % 4) + jj;
-        const float2 g2 = lds_f2(g_rows + dh_epi_in(tid, hr, jj));
-        *reinterpret_cast<uint32_t*>(u_rows + dh_epi_out(tid, hr, jj)) =
+        const float2 g2 = lds_f2(g_rows + epi_f32_at(tid, hr, jj));
+        *reinterpret_cast<uint32_t*>(u_rows + epi_bf16_at(tid, hr, jj)) =
             pack_bf16x2(swiglu_du(g2.x, d[4 * j + 2 * hr], w[hr]),
                         swiglu_du(g2.y, d[4 * j + 2 * hr + 1], w[hr]));
       }
