@@ -40,8 +40,9 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
       (down && (!encode_bf16_map(&k.map_dy, l.dy, l.rows, H, kTileM, kK) ||
                 !encode_bf16_map(&k.map_wd, l.w_down, L * H, I, kK, 64))) ||
       (l.mode == kSwigluSave &&
-       (!encode_bf16_map(&k.map_h_st, l.hw, l.rows, I, 16, 32, CU_TENSOR_MAP_SWIZZLE_64B) ||
-        !encode_f32_map(&k.map_gu_st, l.gu32, l.rows, 2 * I, 16, 32))))
+       (!encode_bf16_map(&k.map_h_st, l.hw, l.rows, I, kEpiStoreRows, kEpiCols,
+                         CU_TENSOR_MAP_SWIZZLE_64B) ||
+        !encode_f32_map(&k.map_gu_st, l.gu32, l.rows, 2 * I, kEpiStoreRows, kEpiCols))))
     return static_cast<int>(cudaErrorInvalidValue);
   k.ends = l.ends;
   k.row_w = l.row_w;
@@ -132,10 +133,10 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   if (l.run & kBwdRunDh)
     ok = d.gu32 != nullptr && encode_bf16_map(&b.map_dy, d.dy, R, H, kTileM, kK) &&
          encode_bf16_map(&b.map_wd, d.w_down, L * H, I, kK, 64) &&
-         encode_f32_map(&k.map_gu, d.gu32, R, 2 * I, kTileM, 32) &&
-         encode_bf16_map(&k.map_hw_st, d.hw, R, I, kDhEpiStoreRows, 32,
+         encode_f32_map(&k.map_gu, d.gu32, R, 2 * I, kTileM, kEpiCols) &&
+         encode_bf16_map(&k.map_hw_st, d.hw, R, I, kEpiStoreRows, kEpiCols,
                          CU_TENSOR_MAP_SWIZZLE_64B) &&
-         encode_bf16_map(&k.map_dgu_st, d.dgu, R, 2 * I, kDhEpiStoreRows, 32,
+         encode_bf16_map(&k.map_dgu_st, d.dgu, R, 2 * I, kEpiStoreRows, kEpiCols,
                          CU_TENSOR_MAP_SWIZZLE_64B);
   if (ok && (l.run & kBwdRunDa))
     ok = l.d_a != nullptr && encode_bf16_map(&k.map_dgu, d.dgu, R, 2 * I, kTileM, kK) &&

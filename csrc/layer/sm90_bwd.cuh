@@ -241,12 +241,12 @@ __device__ __forceinline__ float round_bf16(float v) {
   return bf16_lo(pack_bf16x2(v, 0.0f));
 }
 
-// The SwiGLU backward of one element: g, u (gate and up), d (dh) and w (the row's router
-// weight) give hw = w h, dg and du; psum gathers bf16(h) * d (the router weight's gradient).
-// Every epilogue that computes these calls this, so they are the same bits in each.
 __device__ __forceinline__ float sigmoid_fast(float g) {
   return __fdividef(1.0f, 1.0f + __expf(-g));
 }
+// The SwiGLU backward of one element: g, u (gate and up), d (dh) and w (the row's router
+// weight) give hw = w h, dg and du; psum gathers bf16(h) * d (the router weight's gradient).
+// Every epilogue that computes these calls this, so they are the same bits in each.
 __device__ __forceinline__ void swiglu_grad(float g, float u, float d, float w, float& psum,
                                             float& hw, float& dg, float& du) {
   const float sig = sigmoid_fast(g);
@@ -267,7 +267,13 @@ __device__ __forceinline__ float swiglu_du(float g, float d, float w) {
   return w != 0.0f ? dw * s : 0.0f;
 }
 
-// Epilogues staged for TMA: byte offsets of consumer thread tid's elements (hr, jj) of the
+// Epilogues staged for TMA stores: chunks of kEpiCols columns (an fp32 box row is 128 bytes, the
+// swizzle's span), stored as boxes of kEpiStoreRows rows (group ends are multiples of it where a
+// whole box is stored, so no row of the next expert is written).
+constexpr int kEpiCols = 32;
+constexpr int kEpiStoreRows = 16;
+
+// Byte offsets of consumer thread tid's elements (hr, jj) of the
 // m64n128 accumulator layout in 32-column boxes of its warpgroup's rows: row r = warp * 16 +
 // lane / 4 + 8 hr (r % 8 == lane / 4, (r / 2) % 4 == lane / 8; the lane alone for a warp's own
 // 16-row box), columns 8 jj + 2 (lane % 4) (+ 1) of the box's 32. fp32 boxes (128-byte rows) in
@@ -371,14 +377,14 @@ __device__ __forceinline__ void save_epilogue(const SwigluBwdKernelArgs& k,
                                               const float (&acc0)[64], const float (&acc1)[64],
                                               int row0, int end, int nb, int wg, int warp,
                                               int lane) {
-  const int box_row = row0 + wg * 64 + warp * 16;
-  if (box_row + 16 > end) {  // warp-uniform
+  const int box_row = row0 + wg * 64 + warp * kEpiStoreRows;
+  if (box_row + kEpiStoreRows > end) {  // warp-uniform
     swiglu_bwd_epilogue<kSwigluSave>(k, acc0, acc1, row0, end, nb, wg, warp, lane);
     return;
   }
   uint8_t* g_box = reinterpret_cast<uint8_t*>(bwd_dh()) + (wg * 4 + warp) * kSaveWarpBytes;
-  uint8_t* u_box = g_box + 2048;
-  uint8_t* h_box = g_box + 4096;
+  uint8_t* u_box = g_box + kEpiStoreRows * kEpiCols * 4;
+  uint8_t* h_box = u_box + kEpiStoreRows * kEpiCols * 4;
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     if (lane == 0) bulk_wait_read<0>();  // the buffer's last stores have read it
@@ -399,7 +405,7 @@ __device__ __forceinline__ void save_epilogue(const SwigluBwdKernelArgs& k,
     fence_proxy_async_shared();  // these writes before the TMA's reads
     __syncwarp();
     if (lane == 0) {
-      const int col = nb * 128 + 32 * q;
+      const int col = nb * 128 + kEpiCols * q;
       tma_store_2d(&k.map_h_st, h_box, col, box_row);
       tma_store_2d(&k.map_gu_st, g_box, col, box_row);
       tma_store_2d(&k.map_gu_st, u_box, k.inter + col, box_row);

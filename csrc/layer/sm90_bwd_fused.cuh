@@ -66,7 +66,6 @@ constexpr int kDhEpiStages = 8;
 constexpr int kDhEpiBox = kTileM * 128;     // g or u: 128 rows x 32 fp32
 constexpr int kDhEpiWgBytes = 64 * 128;     // a warpgroup's 64 rows of a g or u box
 constexpr int kDhEpiPiece = 64 * 64;        // a warpgroup's hw, dg or du: 64 rows x 32 bf16
-constexpr int kDhEpiStoreRows = 16;         // rows of one TMA store box
 static_assert(2 * kDhEpiBox + 2 * kDhEpiWgBytes <= kStageBytes, "a dh epilogue stage");
 
 struct FusedBwdKernelArgs {
@@ -147,8 +146,9 @@ __device__ __forceinline__ void fused_load_dh_epi(const FusedBwdKernelArgs& f, i
     mbar_wait(&bsh.empty[stage], phase ^ 1);
     uint8_t* sa = bwd_stages() + stage * kStageBytes;
     mbar_arrive_expect_tx(&bsh.full[stage], 2 * kDhEpiBox);
-    tma_load_2d(sa, &f.map_gu, &bsh.full[stage], col0 + 32 * q, row0);
-    tma_load_2d(sa + kDhEpiBox, &f.map_gu, &bsh.full[stage], f.dh.inter + col0 + 32 * q, row0);
+    const int col = col0 + kEpiCols * q;
+    tma_load_2d(sa, &f.map_gu, &bsh.full[stage], col, row0);
+    tma_load_2d(sa + kDhEpiBox, &f.map_gu, &bsh.full[stage], f.dh.inter + col, row0);
     if (++stage == kFusedDgradStages) stage = 0, phase ^= 1;
   }
 }
@@ -304,12 +304,12 @@ __device__ __forceinline__ void fused_dh_epilogue(const FusedBwdKernelArgs& f,
     fence_proxy_async_shared();  // these writes before the TMA's reads
     named_sync(1 + wg, 128);
     if (tid == 0) {
-      const int col = (2 * nb + q / 4) * 128 + 32 * (q % 4);
+      const int col = (2 * nb + q / 4) * 128 + kEpiCols * (q % 4);
 #pragma unroll
-      for (int b = 0; b < 64 / kDhEpiStoreRows; ++b) {
-        const int row = row0 + wg * 64 + b * kDhEpiStoreRows;
+      for (int b = 0; b < 64 / kEpiStoreRows; ++b) {
+        const int row = row0 + wg * 64 + b * kEpiStoreRows;
         if (row >= end) break;
-        const int at = b * kDhEpiStoreRows * 64;
+        const int at = b * kEpiStoreRows * 64;
         tma_store_2d(&f.map_hw_st, hw_out + at, col, row);
         tma_store_2d(&f.map_dgu_st, dg_out + at, col, row);
         tma_store_2d(&f.map_dgu_st, u_rows + at, k.inter + col, row);
