@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from mok.comm import combine, dispatch
 from mok.errors import MoKInputError, MoKUnsupportedError
-from mok.experts import _kernel_fits, gate_up_weight, swiglu_backward
+from mok.experts import _kernel_fits, gate_up_weight, saving_shapes_fit, swiglu_backward
 from mok.layer import (
     as_config,
     moe_forward,
@@ -78,10 +78,11 @@ def moe(
 
     ``recompute=False`` (unfused forward on Hopper only) keeps the routed experts' fp32 gate /
     up outputs from the forward ([rows, 2I] fp32, 1.03 GiB at DeepSeek-V3's per-rank work of
-    EP2) instead of computing them again in the backward; the gradients are bitwise the same,
-    the forward's output is the kernel's (h from fp32 g / u) rather than torch's. Under
-    torch.compile the kept g / u is the forward op's second output (rows: what one call can
-    fill, :func:`_saved_rows`).
+    EP2), and the shared expert's ([num_tokens, 2Is] fp32, 64 MiB there) where the kernel takes
+    its shapes, instead of computing them again in the backward; the gradients are bitwise the
+    same, the forward's output is the kernel's (h from fp32 g / u) rather than torch's. Under
+    torch.compile the kept g / u are the forward op's second and third outputs (routed rows:
+    what one call can fill, :func:`_saved_rows`).
 
     Where w_gate and w_up (or the shared expert's) are views of the two halves of one tensor
     (``mok.MoE``'s ``gate_up``), that tensor is what autograd differentiates: its gradient is
@@ -141,7 +142,7 @@ def moe_on_leaves(
         leaves, into = _main_grad_leaves(leaves, x.is_cuda)
         tensors = [x, topk_weights, *leaves]
     if traced([topk_idx, *tensors]) or not x.is_cuda:
-        out, _ = _moe_op(
+        out, _, _ = _moe_op(
             x, topk_idx, topk_weights, *leaves, num_experts, _config_text(config),
             _group_name(group), fused, recompute,
         )  # fmt: skip
@@ -241,14 +242,15 @@ def moe_backward(
 
 
 def _layer_grads(
-    grad_out, x, topk_idx, topk_weights, leaves, num_experts, config, group, saved_gu=None
+    grad_out, x, topk_idx, topk_weights, leaves, num_experts, config, group, saved=None
 ) -> list:
     """The gradients of (x, topk_weights, *leaves) (None for a None leaf), each in its input's
-    dtype: mok's backward on CUDA (:func:`_backward`), else the reference's."""
+    dtype: mok's backward on CUDA (:func:`_backward`, ``saved`` as there), else the
+    reference's."""
     if x.is_cuda:
         grads = _backward(
             grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], num_experts, config,
-            group, saved_gu,
+            group, saved,
         )  # fmt: skip
     else:
         grads = _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, group)
@@ -344,29 +346,31 @@ class _MoE(torch.autograd.Function):
             tensors[0], topk_idx, tensors[1], weights, num_experts, config, group, fused,
             _saved=saved,
         )  # fmt: skip
-        ctx.save_for_backward(topk_idx, *tensors, *(saved or [None]))
+        ctx.save_for_backward(topk_idx, *tensors, *(saved or [None, None]))
         ctx.args, ctx.into = (num_experts, config, group), into
         return out
 
     @staticmethod
     @once_differentiable  # its kernels are not recorded: a second derivative would be wrong
     def backward(ctx, grad_out):
-        topk_idx, x, topk_weights, *leaves, saved_gu = ctx.saved_tensors
+        topk_idx, x, topk_weights, *leaves, saved_gu, saved_shared = ctx.saved_tensors
         grads = _backward(
-            grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], *ctx.args, saved_gu,
-            ctx.into,
+            grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], *ctx.args,
+            (saved_gu, saved_shared), ctx.into,
         )  # fmt: skip
         return (None,) * 8 + grads
 
 
 def _backward(
     grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group,
-    saved_gu=None, into=None,
+    saved=None, into=None,
 ):  # fmt: skip
     """Gradients for (x, topk_weights, *routed, *shared), the leaves of :func:`_leaves`: one
-    [L, 2I, H] gradient (and None) where gate and up came as one tensor. ``into``: the fp32
-    accumulators of the one gate_up leaf and of w_down (either None) that their weight
-    gradients are added onto; those leaves then get None."""
+    [L, 2I, H] gradient (and None) where gate and up came as one tensor. ``saved``: the fp32
+    gate / up outputs the forward kept (recompute=False), (routed, shared), either None
+    (computed again). ``into``: the fp32 accumulators of the one gate_up leaf and of w_down
+    (either None) that their weight gradients are added onto; those leaves then get None."""
+    saved_gu, saved_shared = (None, None) if saved is None else saved
     wd = routed[2]
     num_tokens, hidden = x.shape
     cfg = unfused_config(
@@ -423,7 +427,7 @@ def _backward(
     if shared[2] is not None:
         sgu = _gate_up(shared[0], shared[1])
         dx_shared, _, d_sgu, d_swd = swiglu_backward(
-            x, sgu, shared[2], g_out, d_a_dtype=torch.float32
+            x, sgu, shared[2], g_out, d_a_dtype=torch.float32, saved_gu=saved_shared
         )
         d_shared = _split(d_sgu, shared) + (d_swd,)
     # reverse dispatch: dx = dx_shared + sum_k dRecv[t, k], fixed k order, fp32, bf16 once
@@ -495,36 +499,55 @@ def _moe_op(
     group: str,  # the process group's name, "" for None
     fused: bool,
     recompute: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the layer's output, the fp32 gate / up kept for the backward: [:func:`_saved_rows`, 2I]
-    with ``recompute=False`` on CUDA, else empty)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the layer's output, the fp32 gate / up kept for the backward: the routed experts'
+    [:func:`_saved_rows`, 2I] and the shared expert's [num_tokens, 2Is] with ``recompute=False``
+    on CUDA (the shared one where :func:`_shared_saved` holds), else empty)."""
     weights = _weights(w_gate, w_up, w_down, shared_w_gate, shared_w_up, shared_w_down)
-    none = x.new_empty(0, dtype=torch.float32)
+    none = functools.partial(_nothing, x)
     cfg, grp = _config(config), _group(group)
     if not x.is_cuda:
-        return _reference(x, topk_idx, topk_weights, weights, num_experts, grp), none
+        return _reference(x, topk_idx, topk_weights, weights, num_experts, grp), none(), none()
     _check_saving(x, weights, fused, recompute)
     saved = None if recompute else []
     out = moe_forward(
         x, topk_idx, topk_weights, weights, num_experts, cfg, grp, fused, _saved=saved
     )
     if recompute:
-        return out, none
+        return out, none(), none()
     rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], cfg)
-    (gu32,) = saved
+    gu32, shared32 = saved
     if gu32.shape[0] < rows:  # a receive buffer smaller than the bound (capacity_factor < 1)
         gu32 = torch.cat([gu32, gu32.new_zeros(rows - gu32.shape[0], gu32.shape[1])])
-    return out, gu32[:rows]
+    return out, gu32[:rows], none() if shared32 is None else shared32
 
 
 @_moe_op.register_fake
 def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, *rest) -> tuple:
-    config, recompute = rest[4], rest[7]
+    shared, config, recompute = rest[:3], rest[4], rest[7]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    none = functools.partial(_nothing, x)
     if recompute or x.device.type != "cuda":
-        return out, x.new_empty(0, dtype=torch.float32)
+        return out, none(), none()
     rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], _config(config))
-    return out, x.new_empty(rows, 2 * w_down.shape[-1], dtype=torch.float32)
+    gu32 = x.new_empty(rows, 2 * w_down.shape[-1], dtype=torch.float32)
+    if not _shared_saved(x, *shared):
+        return out, gu32, none()
+    return out, gu32, x.new_empty(x.shape[0], 2 * shared[2].shape[-1], dtype=torch.float32)
+
+
+def _nothing(x: torch.Tensor) -> torch.Tensor:
+    """An empty fp32 output (a new one each: an op's outputs must not alias each other)."""
+    return x.new_empty(0, dtype=torch.float32)
+
+
+def _shared_saved(x, shared_w_gate, shared_w_up, shared_w_down) -> bool:
+    """Whether a ``recompute=False`` forward keeps the shared expert's gate / up: it has one
+    and the saving kernel takes it (:func:`mok.experts.saving_shapes_fit`, as the forward
+    asks)."""
+    if shared_w_down is None:
+        return False
+    return saving_shapes_fit(x, shared_w_down, shared_w_gate, shared_w_up)
 
 
 @torch.library.custom_op("mok::moe_backward", mutates_args=(), tags=TAGS)
@@ -543,14 +566,16 @@ def _moe_backward_op(
     config: str,
     group: str,
     saved: torch.Tensor,  # the forward op's second output
+    saved_shared: torch.Tensor,  # its third
     recompute: bool,
 ) -> list[torch.Tensor]:
     """[dx, d_topk_weights, then the gradient of each weight that is not None], contiguous, in
     the dtypes of their inputs."""
     leaves = [w_gate, w_up, w_down, shared_w_gate, shared_w_up, shared_w_down]
+    kept = None if recompute else (saved, saved_shared if saved_shared.numel() else None)
     grads = _layer_grads(
         grad_out, x, topk_idx, topk_weights, leaves, num_experts, _config(config),
-        _group(group), None if recompute else saved,
+        _group(group), kept,
     )  # fmt: skip
     # NOTE: an op's outputs alias neither its inputs nor each other: the two halves of one
     # gate_up gradient (gate and up given as separate leaves) are copied apart.
@@ -587,18 +612,15 @@ def _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, g
 
 
 def _setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:9], output[1])
+    ctx.save_for_backward(*inputs[:9], output[1], output[2])
     ctx.args = inputs[9:12]  # num_experts, config, group
     ctx.recompute = inputs[13]
 
 
-def _moe_grad(ctx, grad_out, _grad_saved):
-    x, topk_idx, topk_weights, *leaves, saved = ctx.saved_tensors
-    got = iter(
-        torch.ops.mok.moe_backward(
-            grad_out, x, topk_idx, topk_weights, *leaves, *ctx.args, saved, ctx.recompute
-        )
-    )
+def _moe_grad(ctx, grad_out, _grad_saved, _grad_saved_shared):
+    x, topk_idx, topk_weights, *leaves, saved, saved_shared = ctx.saved_tensors
+    args = (*leaves, *ctx.args, saved, saved_shared, ctx.recompute)
+    got = iter(torch.ops.mok.moe_backward(grad_out, x, topk_idx, topk_weights, *args))
     dx, d_topk = next(got), next(got)
     d_leaves = [None if t is None else next(got) for t in leaves]
     return (dx, None, d_topk, *d_leaves, None, None, None, None, None)

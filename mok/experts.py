@@ -31,6 +31,7 @@ __all__ = [
     "grouped_swiglu",
     "grouped_swiglu_saving",
     "dense_swiglu",
+    "dense_swiglu_saving",
     "swiglu_backward",
     "gate_up_dgrad",
     "clear_cache",
@@ -387,6 +388,11 @@ def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:
     """Whether the Hopper kernel (:func:`mok.ops.swiglu_backward_sm90`) takes these operands."""
     if not a.is_cuda or torch.cuda.get_device_capability(a.device) != (9, 0):
         return False
+    return _kernel_shapes_fit(a, w_gate_up, w_down, dy)
+
+
+def _kernel_shapes_fit(a, w_gate_up, w_down, dy) -> bool:
+    """:func:`_kernel_fits` but for the device."""
     hidden, inter = a.shape[1], w_down.shape[-1]
     experts = w_gate_up.shape[0] if w_gate_up.dim() == 3 else 1
     return (
@@ -438,12 +444,45 @@ def grouped_swiglu_saving(
     accumulators, as the backward would recompute them, so the backward from them is bitwise
     the recomputing one), the down projection by torch's grouped GEMM. Rows past ``offs[-1]``
     are unspecified."""
+    h, gu32 = _saving(a, w_gate_up, w_down, offs)
+    return _mm(h, w_down.transpose(1, 2), offs), gu32
+
+
+def dense_swiglu_saving(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`grouped_swiglu_saving` of one dense expert (the shared expert): x [n, H] bf16,
+    w_gate_up [2Is, H], w_down [H, Is] -> (y [n, H] bf16, the fp32 [n, 2Is] gate / up)."""
+    ends, wgu, wd = _groups(None, x.shape[0], w_gate_up, w_down, x.device)
+    h, gu32 = _saving(x, wgu, wd, ends)
+    return h @ w_down.T, gu32
+
+
+def saving_shapes_fit(
+    a: torch.Tensor, w_down: torch.Tensor, *w_gate_up: torch.Tensor | None
+) -> bool:
+    """Whether the saving forward (:func:`grouped_swiglu_saving`, :func:`dense_swiglu_saving`)
+    takes rows ``a`` with ``w_down`` and the gate / up weight tensors as given (one
+    ``[.., 2I, H]`` tensor or the two halves; None entries skipped), whose
+    :func:`gate_up_weight` is contiguous: shapes, dtypes and strides (a traced forward's fake
+    implementation asks it too); the device (a Hopper GPU) is the caller's to check."""
+    experts = w_down.shape[0] if w_down.dim() == 3 else 1
+    return (
+        _kernel_shapes_fit(a, a, w_down, a)
+        and experts <= KERNEL_MAX_EXPERTS
+        and all(w.dtype == torch.bfloat16 for w in w_gate_up if w is not None)
+    )
+
+
+def _saving(a, w_gate_up, w_down, ends) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [R, I] bf16, [g | u] [R, 2I] fp32) of the groups ``ends`` by the kernel's saving
+    mode."""
     rows, inter = a.shape[0], w_down.shape[-1]
     h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
     gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=a.device)
     none = torch.empty(0, dtype=a.dtype, device=a.device)
-    ops.swiglu_backward_sm90(a, a, w_gate_up, w_down, offs, None, h, none, None, gu32, _SAVE)
-    return _mm(h, w_down.transpose(1, 2), offs), gu32
+    ops.swiglu_backward_sm90(a, a, w_gate_up, w_down, ends, None, h, none, None, gu32, _SAVE)
+    return h, gu32
 
 
 def _swiglu_backward_torch(a, w_gate_up, w_down, dy, row_weight, offs):

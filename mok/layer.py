@@ -12,7 +12,14 @@ import torch
 
 from mok.comm import combine, dispatch
 from mok.errors import MoKInputError
-from mok.experts import dense_swiglu, gate_up_weight, grouped_swiglu, grouped_swiglu_saving
+from mok.experts import (
+    dense_swiglu,
+    dense_swiglu_saving,
+    gate_up_weight,
+    grouped_swiglu,
+    grouped_swiglu_saving,
+    saving_shapes_fit,
+)
 from mok.fused import forward
 from mok.schedule import build_schedule
 from mok.spec.config import MAX_COMM_SMS, MoKConfig
@@ -203,9 +210,23 @@ def moe_forward(
         _saved.append(gu32)
     else:
         y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends, exact=False, rows=rows)
-    shared_y = None
-    if getattr(weights, "shared_w_gate", None) is not None:
-        shared_y = dense_swiglu(
-            x, weights.shared_w_gate, weights.shared_w_up, weights.shared_w_down, exact=False
-        )
-    return combine(y, sched, shared_y=shared_y)
+    return combine(y, sched, shared_y=_shared_expert(x, weights, _saved))
+
+
+def _shared_expert(x: torch.Tensor, weights: MoEWeights, saved: list | None):
+    """The shared expert's output (None without one). ``saved`` (a list: recompute=False, on a
+    GPU the routed experts' saving kernel runs on): its fp32 gate / up outputs are appended
+    (None where it has no shared expert or the saving kernel does not take its weights,
+    :func:`mok.experts.saving_shapes_fit`); the output is then the kernel's h times w_down, as
+    for the routed experts."""
+    sg, su, sd = (getattr(weights, f"shared_w_{n}", None) for n in ("gate", "up", "down"))
+    keep = saved is not None and sg is not None and saving_shapes_fit(x, sd, sg, su)
+    if saved is not None and not keep:
+        saved.append(None)
+    if sg is None:
+        return None
+    if not keep:
+        return dense_swiglu(x, sg, su, sd, exact=False)
+    y, gu32 = dense_swiglu_saving(x, gate_up_weight(sg, su), sd)
+    saved.append(gu32)
+    return y

@@ -264,14 +264,15 @@ def test_torch_compile_gives_the_eager_gradients():
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_saved_activations_give_the_recomputed_gradients():
-    """recompute=False (the unfused forward keeps fp32 gate / up): every gradient bitwise the
-    recomputing backward's, also with NaN in the receive buffer's padding rows; the output
-    under the bf16 rule; the fused forward refuses it."""
+@pytest.mark.parametrize("case", [0, 1])  # with and without a shared expert
+def test_saved_activations_give_the_recomputed_gradients(case):
+    """recompute=False (the unfused forward keeps the routed and the shared experts' fp32 gate
+    / up): every gradient bitwise the recomputing backward's, also with NaN in the receive
+    buffer's padding rows; the output under the bf16 rule; the fused forward refuses it."""
     import mok
     from mok import functional as mf
 
-    shape, n, skew = CASES[1]
+    shape, n, skew = CASES[case]
     x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=23)
     cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
     _, want = _mok_grads(shape, x, idx, tw, w, grad_out, config=cfg)
@@ -293,6 +294,11 @@ def test_saved_activations_give_the_recomputed_gradients():
     assert torch.equal(xs.grad, want["dx"]) and torch.equal(tws.grad, want["d_topk_weights"])
     for k, t in leaves.items():
         assert torch.equal(t.grad, want[WEIGHT_GRAD[k]]), k
+    kept = []  # what the forward kept: the routed g / u, then the shared expert's (or None)
+    mf.moe_forward(x, idx, tw, w, shape.num_experts, cfg, _saved=kept)
+    si = shape.shared_intermediate
+    assert len(kept) == 2 and kept[0].shape[1] == 2 * shape.intermediate
+    assert (kept[1] is None) if not si else tuple(kept[1].shape) == (n, 2 * si)
     from reference.moe import moe_forward as ref_forward
 
     xc, ic, tc, wc = x.cpu(), idx.cpu(), tw.cpu(), _cpu(w)
@@ -307,26 +313,29 @@ def test_saved_activations_give_the_recomputed_gradients():
 @pytest.mark.sm90
 @pytest.mark.parametrize(("fused", "recompute"), [(False, True), (True, True), (False, False)])
 def test_compiled_module_gives_the_eager_gradients(fused, recompute):
-    """A torch.compile'd mok.MoE (whole graph; gate_up as one leaf), fused or not, saving its
-    activations or not: output and the gradients of x, the routing weights and every Parameter
-    bitwise equal to the eager module's."""
+    """A torch.compile'd mok.MoE (whole graph; gate_up as one leaf) with a shared expert, fused
+    or not, saving its activations or not: output and the gradients of x, the routing weights
+    and every Parameter bitwise equal to the eager module's."""
     import mok
 
-    shape, n, skew = CASES[1]
+    shape, n, skew = CASES[0]
     x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=23)
     cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
     gu = torch.cat([w.w_gate, w.w_up], 1).contiguous()
+    sgu = torch.cat([w.shared_w_gate, w.shared_w_up], 0).contiguous()
     runs = []
     for compiled in (False, True):
         m = mok.MoE.from_weights(
-            shape.num_experts, gu.clone(), w.w_down.clone(), config=cfg, recompute=recompute
-        )
+            shape.num_experts, gu.clone(), w.w_down.clone(), sgu.clone(), w.shared_w_down.clone(),
+            config=cfg, recompute=recompute,
+        )  # fmt: skip
         m.fused = fused
         f = torch.compile(m, fullgraph=True) if compiled else m
         xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
         out = f(xs, idx, tws)
         out.backward(grad_out)
-        runs.append((out.detach(), xs.grad, tws.grad, m.gate_up.grad, m.down.grad))
+        params = (m.gate_up, m.down, m.shared_gate_up, m.shared_down)
+        runs.append((out.detach(), xs.grad, tws.grad, *(p.grad for p in params)))
     for a, b in zip(*runs, strict=True):
         assert a is not None and torch.equal(a, b)
 

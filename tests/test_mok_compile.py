@@ -129,11 +129,13 @@ def test_the_traced_graph_holds_one_op_each_way():
 
 
 @pytest.mark.parametrize("recompute", [True, False])
-def test_fake_shapes_on_cuda_tensors(recompute):
+@pytest.mark.parametrize("shared", [0, 128, 64])  # Is = 64: the saving kernel needs Is % 128
+def test_fake_shapes_on_cuda_tensors(recompute, shared):
     """The ops' fake implementations on (fake) CUDA tensors, as torch.compile traces them on a
     GPU: the output like x; with recompute=False the kept fp32 gate / up of the rows one call
-    can fill (tokens x top-k plus 15 padding rows per expert region, the unfused row tile 16);
-    the gradients like their inputs."""
+    can fill (tokens x top-k plus 15 padding rows per expert region, the unfused row tile 16)
+    and the shared expert's of every token where the kernel takes its shape (else empty); the
+    gradients like their inputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     e, h, i, k, n = 8, 64, 128, 2, 16
@@ -144,11 +146,20 @@ def test_fake_shapes_on_cuda_tensors(recompute):
         tw = torch.empty(n, k, device="cuda")
         gu = torch.empty(e, 2 * i, h, device="cuda", dtype=torch.bfloat16)
         wd = torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16)
-        weights = (gu, None, wd, None, None, None)
-        out, saved = torch.ops.mok.moe(x, idx, tw, *weights, e, cfg, "", False, recompute)
-        grads = torch.ops.mok.moe_backward(out, x, idx, tw, *weights, e, cfg, "", saved, recompute)
+        sw = [None, None, None]
+        if shared:
+            sw = [torch.empty(2 * shared, h, device="cuda", dtype=torch.bfloat16), None,
+                  torch.empty(h, shared, device="cuda", dtype=torch.bfloat16)]  # fmt: skip
+        weights = (gu, None, wd, *sw)
+        out, saved, saved_sh = torch.ops.mok.moe(x, idx, tw, *weights, e, cfg, "", False, recompute)
+        grads = torch.ops.mok.moe_backward(
+            out, x, idx, tw, *weights, e, cfg, "", saved, saved_sh, recompute
+        )
         assert out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
         rows = 0 if recompute else n * k + e * (mf.UNFUSED_ROW_TILE - 1)
-        assert saved.dtype == torch.float32
+        assert saved.dtype == saved_sh.dtype == torch.float32
         assert tuple(saved.shape) == ((0,) if recompute else (rows, 2 * i))
-        assert [(t.shape, t.dtype) for t in grads] == [(t.shape, t.dtype) for t in (x, tw, gu, wd)]
+        keeps = not recompute and shared % 128 == 0 and shared > 0
+        assert tuple(saved_sh.shape) == ((n, 2 * shared) if keeps else (0,))
+        leaves = [t for t in (x, tw, gu, wd, *sw) if t is not None]
+        assert [(t.shape, t.dtype) for t in grads] == [(t.shape, t.dtype) for t in leaves]
