@@ -388,15 +388,16 @@ def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:
     """Whether the Hopper kernel (:func:`mok.ops.swiglu_backward_sm90`) takes these operands."""
     if not a.is_cuda or torch.cuda.get_device_capability(a.device) != (9, 0):
         return False
-    return _kernel_shapes_fit(a, w_gate_up, w_down, dy)
+    return _kernel_shapes_fit(a, w_down, w_gate_up, dy)
 
 
-def _kernel_shapes_fit(a, w_gate_up, w_down, dy) -> bool:
-    """:func:`_kernel_fits` but for the device."""
+def _kernel_shapes_fit(a, w_down, *others) -> bool:
+    """:func:`_kernel_fits` but for the device: ``a``, ``w_down`` and ``others`` bf16 and
+    contiguous, H a multiple of 64, I of 128, at most KERNEL_MAX_EXPERTS groups."""
     hidden, inter = a.shape[1], w_down.shape[-1]
-    experts = w_gate_up.shape[0] if w_gate_up.dim() == 3 else 1
+    experts = w_down.shape[0] if w_down.dim() == 3 else 1
     return (
-        all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (a, w_gate_up, w_down, dy))
+        all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (a, w_down, *others))
         and hidden % 64 == 0
         and inter % 128 == 0
         and experts <= KERNEL_MAX_EXPERTS
@@ -466,11 +467,8 @@ def saving_shapes_fit(
     ``[.., 2I, H]`` tensor or the two halves; None entries skipped), whose
     :func:`gate_up_weight` is contiguous: shapes, dtypes and strides (a traced forward's fake
     implementation asks it too); the device (a Hopper GPU) is the caller's to check."""
-    experts = w_down.shape[0] if w_down.dim() == 3 else 1
-    return (
-        _kernel_shapes_fit(a, a, w_down, a)
-        and experts <= KERNEL_MAX_EXPERTS
-        and all(w.dtype == torch.bfloat16 for w in w_gate_up if w is not None)
+    return _kernel_shapes_fit(a, w_down) and all(
+        w.dtype == torch.bfloat16 for w in w_gate_up if w is not None
     )
 
 

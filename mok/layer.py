@@ -220,13 +220,10 @@ def _shared_expert(x: torch.Tensor, weights: MoEWeights, saved: list | None):
     :func:`mok.experts.saving_shapes_fit`); the output is then the kernel's h times w_down, as
     for the routed experts."""
     sg, su, sd = (getattr(weights, f"shared_w_{n}", None) for n in ("gate", "up", "down"))
-    keep = saved is not None and sg is not None and saving_shapes_fit(x, sd, sg, su)
-    if saved is not None and not keep:
-        saved.append(None)
-    if sg is None:
-        return None
-    if not keep:
-        return dense_swiglu(x, sg, su, sd, exact=False)
+    if sg is None or saved is None or not saving_shapes_fit(x, sd, sg, su):
+        if saved is not None:
+            saved.append(None)
+        return None if sg is None else dense_swiglu(x, sg, su, sd, exact=False)
     y, gu32 = dense_swiglu_saving(x, gate_up_weight(sg, su), sd)
     saved.append(gu32)
     return y
