@@ -71,7 +71,7 @@ int launch_wgrad(const WgradLaunch& args, int grid, void* stream);
 // operands of SwigluBwdLaunch (its mode unused; its a [rows, H] the input of the weight
 // gradient dW_gate_up = dgu^T a) plus d_a [rows, H] bf16 out (dgu @ w_gate_up), d_w_gate_up
 // [L, 2I, H] and d_w_down [L, H, I] (bf16, or fp32 added onto: wgrad_out as WgradLaunch's out),
-// and uint32 counters of counters_len >= 1 + ceil(rows / 128) + 2 L words (zeroed by the
+// and uint32 counters of counters_len >= bwd_fused_counters(rows, L) words (zeroed by the
 // launcher). I and H multiples of 256, group ends multiples of 16. Params carries the error
 // record, the abort word and the timeout of the cross-block waits.
 struct FusedBwdLaunch {
@@ -85,6 +85,10 @@ struct FusedBwdLaunch {
   int64_t run;    // the task kinds (BwdRun in layer/sm90_bwd_fused.cuh)
   int64_t fault;  // tests only: the dh task that never reports done (-1: none)
 };
+
+// The counter words a launch of `rows` rows in `num_experts` groups needs: the next task, then
+// one per row tile and one per expert.
+int64_t bwd_fused_counters(int64_t rows, int64_t num_experts);
 
 // Launches it with at most `grid` blocks on `stream`. Returns a cudaError_t value.
 int launch_bwd_fused(const Params& params, const FusedBwdLaunch& args, int grid, void* stream);

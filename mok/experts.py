@@ -336,8 +336,8 @@ def gate_up_dgrad(dgu: torch.Tensor, w_gate_up: torch.Tensor, offs: torch.Tensor
     rows, hidden = dgu.shape[0], w_gate_up.shape[-1]
     d_a = torch.empty(rows, hidden, dtype=dgu.dtype, device=dgu.device)
     ops.bwd_fused_sm90(
-        dgu, dgu, w_gate_up, w_gate_up, offs, None, None, dgu, dgu, None, d_a, None, None,
-        False, ops.BWD_RUN_DA, -1,
+        None, None, w_gate_up, None, offs, None, None, None, dgu, None, d_a, None, None, False,
+        ops.BWD_RUN_DA, -1,
     )  # fmt: skip
     return d_a
 

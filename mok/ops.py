@@ -484,14 +484,16 @@ BWD_RUN_DH, BWD_RUN_DA, BWD_RUN_WGRAD, BWD_RUN_ALL = 1, 2, 4, 7
 
 @_mok_op("mok::bwd_fused_sm90", ("hw", "dgu", "part", "d_a", "d_w_gate_up", "d_w_down"))
 def bwd_fused_sm90(
-    a: torch.Tensor,  # [R, H] bf16 input rows, grouped by expert (dW_gate_up = dgu^T a)
-    dy: torch.Tensor,  # [R, H] bf16: the gradient of each row's output, before its weight
+    # [R, H] bf16 input rows, grouped by expert (dW_gate_up = dgu^T a; BWD_RUN_WGRAD)
+    a: torch.Tensor | None,
+    # [R, H] bf16: the gradient of each row's output, before its weight (BWD_RUN_DH, _WGRAD)
+    dy: torch.Tensor | None,
     w_gate_up: torch.Tensor,  # [L, 2I, H] bf16, contiguous
-    w_down: torch.Tensor,  # [L, H, I] bf16, contiguous
+    w_down: torch.Tensor | None,  # [L, H, I] bf16, contiguous (BWD_RUN_DH)
     group_ends: torch.Tensor,  # [L] int32, multiples of 16
     row_w: torch.Tensor | None,  # [R] fp32 routing weights (None: 1)
     gu32: torch.Tensor | None,  # [R, 2I] fp32 g | u kept by the saving forward (BWD_RUN_DH)
-    hw: torch.Tensor,  # [R, I] bf16 out (in without BWD_RUN_DH)
+    hw: torch.Tensor | None,  # [R, I] bf16 out (BWD_RUN_DH; in for BWD_RUN_WGRAD without it)
     dgu: torch.Tensor,  # [R, 2I] bf16 out (in without BWD_RUN_DH)
     part: torch.Tensor | None,  # [I / 128, R] fp32 out (router-weight partials), or None
     d_a: torch.Tensor | None,  # [R, H] bf16 out: dgu @ w_gate_up per group (BWD_RUN_DA)
@@ -506,12 +508,13 @@ def bwd_fused_sm90(
     dh tiles with the SwiGLU backward, the gate / up dgrad ``d_a`` and both weight gradients, over
     every SM of the GPU. A wait between its blocks that expires is recorded
     (:mod:`mok.record`) and raised at the next call. Rows past the last group end are left
-    unwritten."""
-    rows = a.shape[0]
+    unwritten. The operands a task kind named in ``run`` does not read may be None; the launch
+    refuses a missing one it needs."""
+    rows = dgu.shape[0]
     if rows == 0:
         return
     L, two_i, hidden = w_gate_up.shape
-    dev = a.device
+    dev = dgu.device
     out = 0  # WgradOut
     if d_w_gate_up is not None and d_w_down is not None:
         if d_w_down.dtype != d_w_gate_up.dtype:
@@ -522,23 +525,28 @@ def bwd_fused_sm90(
         if d_w_gate_up.dtype == torch.float32:
             out = 2 if accumulate else 1
     params = record.record_for(dev).params()
-    n_counters = 1 + (rows + 127) // 128 + 2 * L
+    ext = _ext.load()
+    n_counters = ext.bwd_fused_counters(rows, L)
     counters = torch.empty(n_counters, dtype=torch.int32, device=dev)
-    _ext.load().launch_bwd_fused(
+
+    def ptr(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    ext.launch_bwd_fused(
         params,
-        a.data_ptr(),
-        dy.data_ptr(),
+        ptr(a),
+        ptr(dy),
         w_gate_up.data_ptr(),
-        w_down.data_ptr(),
+        ptr(w_down),
         group_ends.data_ptr(),
-        0 if row_w is None else row_w.data_ptr(),
-        hw.data_ptr(),
+        ptr(row_w),
+        ptr(hw),
         dgu.data_ptr(),
-        0 if part is None else part.data_ptr(),
-        0 if gu32 is None else gu32.data_ptr(),
-        0 if d_a is None else d_a.data_ptr(),
-        0 if d_w_gate_up is None else d_w_gate_up.data_ptr(),
-        0 if d_w_down is None else d_w_down.data_ptr(),
+        ptr(part),
+        ptr(gu32),
+        ptr(d_a),
+        ptr(d_w_gate_up),
+        ptr(d_w_down),
         counters.data_ptr(),
         n_counters,
         out,

@@ -1,6 +1,7 @@
 """Layer problems of the tests: one rank's bf16 problem for the single-GPU tests (weights drawn
-in fp32 on the device: seconds instead of minutes of CPU randn at real sizes), and the small
-fp64 problems of the reference's property and expert-parallel tests."""
+in fp32 on the device: seconds instead of minutes of CPU randn at real sizes), the routed
+experts' operands of the backward-kernel tests, and the small fp64 problems of the reference's
+property and expert-parallel tests."""
 
 from __future__ import annotations
 
@@ -48,3 +49,24 @@ def fp64_problem(
         idx = torch.zeros(num_tokens, 0, dtype=torch.int64)
         tw = torch.zeros(num_tokens, 0, dtype=torch.float64)
     return x, go, idx, tw, w
+
+
+def expert_operands(hidden: int, inter: int, sizes: list[int], tail: int, seed: int = 0):
+    """The routed experts' operands on the GPU, rows grouped by expert: (a [R, H], w_gate_up
+    [L, 2I, H], w_down [L, H, I], dy [R, H] bf16, row weights [R] fp32 in [0, 1), int32 group
+    ends [L]) for groups of ``sizes`` rows and ``tail`` rows past the last group (R = their
+    sum), weights scaled by 1 / sqrt(fan-in), seeded."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = sum(sizes) + tail
+    L = len(sizes)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
+
+    a = rnd(rows, hidden)
+    dy = rnd(rows, hidden)
+    wgu = rnd(L, 2 * inter, hidden, scale=hidden**-0.5)
+    wd = rnd(L, hidden, inter, scale=inter**-0.5)
+    row_w = torch.rand(rows, device="cuda", generator=g)
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    return a, wgu, wd, dy, row_w, offs

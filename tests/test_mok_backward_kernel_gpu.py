@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from mok.experts import _swiglu_backward_sm90, _swiglu_backward_torch, swiglu_backward
 from tests import tolerances as tol
+from tests.layer_problem import expert_operands
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -26,20 +27,7 @@ CASES = [
 
 
 def _operands(hidden, inter, sizes, tail, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    rows = sum(sizes) + (37 if tail else 0)
-    L = len(sizes)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
-
-    a = rnd(rows, hidden)
-    dy = rnd(rows, hidden)
-    wgu = rnd(L, 2 * inter, hidden, scale=hidden**-0.5)
-    wd = rnd(L, hidden, inter, scale=inter**-0.5)
-    row_w = torch.rand(rows, device="cuda", generator=g)
-    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-    return a, wgu, wd, dy, row_w, offs
+    return expert_operands(hidden, inter, sizes, 37 if tail else 0, seed)
 
 
 def _oracle(a, wgu, wd, dy, row_w, sizes):

@@ -14,6 +14,7 @@ from mok import ops, record
 from mok.errors import MoKTimeoutError
 from mok.experts import gate_up_dgrad, grouped_swiglu_saving, swiglu_backward
 from tests import tolerances as tol
+from tests.layer_problem import expert_operands
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -28,19 +29,7 @@ TAIL = 48
 
 
 def _operands(hidden, inter, sizes, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    rows = sum(sizes) + TAIL
-    L = len(sizes)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
-
-    a = rnd(rows, hidden)
-    dy = rnd(rows, hidden)
-    wgu = rnd(L, 2 * inter, hidden, scale=hidden**-0.5)
-    wd = rnd(L, hidden, inter, scale=inter**-0.5)
-    row_w = torch.rand(rows, device="cuda", generator=g)
-    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    a, wgu, wd, dy, row_w, offs = expert_operands(hidden, inter, sizes, TAIL, seed)
     _, gu32 = grouped_swiglu_saving(a, wgu, wd, offs)
     return a, wgu, wd, dy, row_w, offs, gu32
 
@@ -84,7 +73,7 @@ def test_gate_up_dgrad_against_fp64(hidden, inter, sizes):
     tol.assert_bf16_rule(got[:n].double().cpu(), ref[:n].double().cpu(), torch.cat(oracle).cpu())
     sentinel = torch.full_like(got, float("nan"))
     ops.bwd_fused_sm90(
-        dgu, dgu, wgu, wgu, offs, None, None, dgu, dgu, None, sentinel, None, None, False,
+        None, None, wgu, None, offs, None, None, None, dgu, None, sentinel, None, None, False,
         ops.BWD_RUN_DA, -1,
     )  # fmt: skip
     assert torch.equal(sentinel[:n], got[:n]) and sentinel[n:].isnan().all()

@@ -111,13 +111,27 @@ int launch_fused_out(const FusedBwdKernelArgs& k, int grid, cudaStream_t stream)
 
 }  // namespace
 
+namespace {
+
+// Row tiles a launch of `rows` rows in `num_experts` groups can have (each group's last tile may
+// be partial): the length of the per-row-tile counters.
+int64_t max_row_tiles(int64_t rows, int64_t num_experts) {
+  return (rows + kTileM - 1) / kTileM + num_experts;
+}
+
+}  // namespace
+
+int64_t bwd_fused_counters(int64_t rows, int64_t num_experts) {
+  return 1 + max_row_tiles(rows, num_experts) + num_experts;
+}
+
 int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* stream_ptr) {
   const SwigluBwdLaunch& d = l.dh;
   const int64_t H = d.hidden, I = d.inter, L = d.num_experts, R = d.rows;
-  const int64_t max_row_tiles = (R + kTileM - 1) / kTileM + L;
+  const int64_t n_counters = bwd_fused_counters(R, L);
   if (R <= 0 || H <= 0 || H % 256 != 0 || I <= 0 || I % 256 != 0 || L < 1 ||
       L > kBwdMaxExperts || grid < 1 || R > INT32_MAX / 2 || L * 2 * I > INT32_MAX ||
-      L * H > INT32_MAX || l.counters == nullptr || l.counters_len < 1 + max_row_tiles + L ||
+      L * H > INT32_MAX || l.counters == nullptr || l.counters_len < n_counters ||
       l.wgrad_out < kWgradBf16 || l.wgrad_out > kWgradF32Add || l.run < 1 || l.run > kBwdRunAll)
     return static_cast<int>(cudaErrorInvalidValue);
   FusedBwdKernelArgs k{};
@@ -134,7 +148,7 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
     ok = d.gu32 != nullptr && encode_bf16_map(&b.map_dy, d.dy, R, H, kTileM, kK) &&
          encode_bf16_map(&b.map_wd, d.w_down, L * H, I, kK, 64) &&
          encode_f32_map(&k.map_gu, d.gu32, R, 2 * I, kTileM, kEpiCols) &&
-         encode_bf16_map(&k.map_hw_st, d.hw, R, I, kEpiStoreRows, kEpiCols,
+         encode_bf16_map(&b.map_h_st, d.hw, R, I, kEpiStoreRows, kEpiCols,
                          CU_TENSOR_MAP_SWIZZLE_64B) &&
          encode_bf16_map(&k.map_dgu_st, d.dgu, R, 2 * I, kEpiStoreRows, kEpiCols,
                          CU_TENSOR_MAP_SWIZZLE_64B);
@@ -170,12 +184,12 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   k.wgrad[1].m = static_cast<int>(H), k.wgrad[1].n = static_cast<int>(I);
   k.wgrad[0].num_experts = k.wgrad[1].num_experts = static_cast<int>(L);
   k.counters = l.counters;
-  k.max_row_tiles = static_cast<int>(max_row_tiles);
+  k.max_row_tiles = static_cast<int>(max_row_tiles(R, L));
   k.run = static_cast<int>(l.run);
   k.fault = l.fault;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   const cudaError_t z =
-      cudaMemsetAsync(l.counters, 0, sizeof(uint32_t) * (1 + max_row_tiles + L), stream);
+      cudaMemsetAsync(l.counters, 0, sizeof(uint32_t) * n_counters, stream);
   if (z != cudaSuccess) return finish_launch(z);
   if (l.wgrad_out == kWgradF32) return launch_fused_out<kWgradF32>(k, grid, stream);
   if (l.wgrad_out == kWgradF32Add) return launch_fused_out<kWgradF32Add>(k, grid, stream);

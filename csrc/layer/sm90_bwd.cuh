@@ -102,7 +102,7 @@ struct SwigluBwdKernelArgs {
   CUtensorMap map_dy;  // dy [rows, H], 128-row boxes
   CUtensorMap map_w;   // w_gate_up [L * 2I, H], 128-row boxes
   CUtensorMap map_wd;  // w_down [L * H, I], 64-row x 64-column boxes (N-major B)
-  CUtensorMap map_h_st;   // kSwigluSave: hw (h) [rows, I], 16 x 32 boxes, 64-byte swizzle (out)
+  CUtensorMap map_h_st;   // hw (kSwigluSave: h) [rows, I], 16 x 32 boxes, 64-byte swizzle (out)
   CUtensorMap map_gu_st;  // kSwigluSave: gu32 [rows, 2I] fp32, 16 x 32 boxes (out)
   const int32_t* ends;  // [L] group ends
   const float* row_w;   // [rows], or null (weight 1)

@@ -74,7 +74,7 @@ struct FusedBwdKernelArgs {
   CUtensorMap map_dgu;     // dgu [rows, 2I], 128-row x 64-column boxes (A of d_a)
   CUtensorMap map_wgu;     // w_gate_up [L * 2I, H], 64 x 64 boxes (N-major B of d_a)
   CUtensorMap map_gu;      // gu32 [rows, 2I] fp32, 128-row x 32-column boxes (dh epilogue in)
-  CUtensorMap map_hw_st;   // hw [rows, I], 16-row x 32-column boxes, 64-byte swizzle (out)
+  // hw out through dh.map_h_st (16-row x 32-column boxes, 64-byte swizzle), dgu through:
   CUtensorMap map_dgu_st;  // dgu [rows, 2I], the same boxes (out)
   uint16_t* d_a;           // [rows, H] bf16
   WgradKernelArgs wgrad[2];  // 0: dW_gate_up = dgu^T a (M 2I, N H); 1: dW_down = dy^T hw (H, I)
@@ -310,7 +310,7 @@ __device__ __forceinline__ void fused_dh_epilogue(const FusedBwdKernelArgs& f,
         const int row = row0 + wg * 64 + b * kEpiStoreRows;
         if (row >= end) break;
         const int at = b * kEpiStoreRows * 64;
-        tma_store_2d(&f.map_hw_st, hw_out + at, col, row);
+        tma_store_2d(&f.dh.map_h_st, hw_out + at, col, row);
         tma_store_2d(&f.map_dgu_st, dg_out + at, col, row);
         tma_store_2d(&f.map_dgu_st, u_rows + at, k.inter + col, row);
       }

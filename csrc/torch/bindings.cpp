@@ -158,6 +158,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch_swiglu_bwd", &launch_swiglu_bwd);
   m.def("launch_wgrad", &launch_wgrad);
   m.def("launch_bwd_fused", &launch_bwd_fused);
+  m.def("bwd_fused_counters", &mok::bwd_fused_counters);
 
   // Probe microbenchmarks (probe/probe.cu, mok/bench/probe.py): addresses and streams as ints,
   // each returns a cudaError_t value.
