@@ -212,6 +212,58 @@ def test_time_cuda_local_warms_up_then_takes_the_median(monkeypatch):
     assert us == 2000.0
 
 
+def test_warm_up_runs_for_its_seconds_then_times(monkeypatch):
+    """``warm_s``: untimed calls go on past ``warmup`` until that much host time has passed
+    (synchronised after each, so the host's clock follows the GPU's); the timed calls are
+    ``iters`` more, and a sampler brackets only them."""
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    now = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    ran, opened = [], []
+
+    def fn():
+        ran.append(1)
+        now[0] += 0.25  # each call: a quarter second
+        _Event.calls += 1
+
+    class Sampler:
+        def __enter__(self):
+            opened.append(len(ran))
+
+        def __exit__(self, *exc):
+            opened.append(len(ran))
+
+    _Event.calls = 0
+    common._event_times_us(fn, 3, 2, None, False, warm_s=1.0, sampler=Sampler())
+    assert len(ran) == 4 + 3 and opened == [4, 7]  # 4 warm-up calls fill the second
+    ran.clear()
+    common._event_times_us(fn, 3, 6, None, False, warm_s=1.0)
+    assert len(ran) == 6 + 3  # the count wins where it is longer
+
+
+def test_clock_sampler_reads_in_the_background_and_gives_the_median(monkeypatch):
+    from mok.bench import clocks
+
+    values = [1980.0, 1700.0, 1650.0, 1600.0, 1500.0]
+
+    def read():
+        if not values:
+            raise ValueError("no more")  # a failed read ends the sampling
+        return values.pop(0)
+
+    monkeypatch.setattr(clocks, "_reader", lambda device: read)
+    with clocks.ClockSampler(0, period_s=0.001) as s:
+        while values:
+            pass
+    assert s.samples == [1980.0, 1700.0, 1650.0, 1600.0, 1500.0]
+    assert s.median_mhz() == 1650.0
+    monkeypatch.setattr(clocks, "_reader", lambda device: None)  # nothing answers
+    with clocks.ClockSampler(0) as s:
+        pass
+    assert s.samples == [] and s.median_mhz() is None
+
+
 def test_parsers_keep_their_defaults():
     a = comm.build_parser().parse_args([])
     assert (a.csv, a.sms, a.engines, a.iters, a.warmup) == (

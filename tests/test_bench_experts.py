@@ -75,7 +75,7 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         t = make_routing(n, e, k, 1, skew, seed=seed)
         return torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights), t
 
-    def time_cuda(fn, iters, warmup, then=None):
+    def time_cuda(fn, iters, warmup, then=None, warm_s=0.0, clocks=False):
         fn()  # torch's pieces for real; mok's through the stand-ins below
         return Timing(100.0, 90.0, 120.0)
 
@@ -151,5 +151,5 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     rec.write()
     lines = (tmp_path / "experts.csv").read_text().splitlines()
     assert lines[0].startswith("model,hidden,intermediate,num_experts,num_topk,skew,")
-    assert lines[0].endswith(",tflops,gpu,num_ranks,torch,cuda,git_sha")
+    assert lines[0].endswith(",tflops,sm_mhz,gpu,num_ranks,torch,cuda,git_sha")
     assert len(lines) == 1 + len(rec.rows)

@@ -6,9 +6,10 @@
 - :func:`provenance`: the columns every CSV row carries (:data:`mok.spec.rows.PROVENANCE_COLUMNS`,
   less the per-row ``routing_seed``), from the getters of :data:`PROVENANCE`, which also give the
   probe JSON's ``meta`` (with ``driver`` and ``date``).
-- :func:`time_cuda`: CUDA-event times of back-to-back calls after warm-up, (median, p20, p80) in
-  us, each the max over ranks (:func:`max_over_ranks`); :func:`time_cuda_local` for one rank
-  alone.
+- :func:`time_cuda`: CUDA-event times of back-to-back calls after warm-up (a count of calls, and
+  optionally seconds of them, so that the GPU reaches its sustained, power-capped clock), (median,
+  p20, p80) in us, each the max over ranks (:func:`max_over_ranks`), and optionally the SM clock
+  the timed calls ran at; :func:`time_cuda_local` for one rank alone.
 - :class:`Recorder`: the rows of one CSV (GB/s over NVLink bytes, fraction of
   :data:`CEILING_GBPS`, provenance), printed as they come and written by rank 0;
   :class:`OneGpuRecorder` for the one-GPU benchmarks (no NVLink columns).
@@ -26,12 +27,14 @@ Importing this module touches neither CUDA nor the process group.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import itertools
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -39,6 +42,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from mok.bench.clocks import ClockSampler
 from mok.bench.env import disable_multicast
 from mok.errors import MoKUnsupportedError
 from mok.spec.rows import PROVENANCE_COLUMNS, bench_routing_seed, git_sha
@@ -49,6 +53,7 @@ __all__ = [
     "OneGpuRecorder",
     "Recorder",
     "Timing",
+    "add_warm_s",
     "case_jobs",
     "check_one_gpu",
     "close_dist",
@@ -151,11 +156,14 @@ def provenance() -> dict:
 
 # ---- timing ------------------------------------------------------------------------------------
 class Timing(NamedTuple):
-    """Per-call time in us of back-to-back calls (max over ranks)."""
+    """Per-call time in us of back-to-back calls (max over ranks), and the SM clock they ran at
+    (MHz, the median of :class:`mok.bench.clocks.ClockSampler`'s samples, lowest over ranks;
+    None where it was not read)."""
 
     median_us: float
     p20_us: float
     p80_us: float
+    sm_mhz: float | None = None
 
 
 def max_over_ranks(values: Sequence[float]) -> list[float]:
@@ -165,12 +173,19 @@ def max_over_ranks(values: Sequence[float]) -> list[float]:
     return [float(v) for v in q.cpu()]
 
 
-def _event_times_us(fn, iters: int, warmup: int, then, barrier: bool) -> list[float]:
-    """Sorted per-call CUDA-event times (us) of ``iters`` calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
+def _event_times_us(fn, iters, warmup, then, barrier, warm_s=0.0, sampler=None) -> list[float]:
+    """Sorted per-call CUDA-event times (us) of ``iters`` calls after the warm-up: at least
+    ``warmup`` untimed calls, and more until ``warm_s`` seconds have passed (the GPU settles at
+    its power-capped clock under sustained work, which short bursts do not reach). ``sampler``
+    (a :class:`mok.bench.clocks.ClockSampler`) reads the clock during the timed calls."""
+    start, done = time.perf_counter(), 0
+    while done < warmup or time.perf_counter() - start < warm_s:
         fn()
         if then is not None:
             then()
+        done += 1
+        if warm_s > 0:
+            torch.cuda.synchronize()  # the host's clock then follows the GPU's work
     torch.cuda.synchronize()
     if barrier:
         dist.barrier()
@@ -178,23 +193,43 @@ def _event_times_us(fn, iters: int, warmup: int, then, barrier: bool) -> list[fl
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(iters)
     ]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-        if then is not None:
-            then()
-    torch.cuda.synchronize()
+    with sampler if sampler is not None else contextlib.nullcontext():
+        for s, e in ev:
+            s.record()
+            fn()
+            e.record()
+            if then is not None:
+                then()
+        torch.cuda.synchronize()
     return sorted(s.elapsed_time(e) * 1e3 for s, e in ev)
 
 
-def time_cuda(fn, iters: int, warmup: int, then=None) -> Timing:
-    """Median, p20 and p80 (us) of ``fn``'s back-to-back calls timed with CUDA events after
-    ``warmup`` untimed calls, the ranks in step (a barrier before the timed calls), each the max
-    over ranks. ``then`` (untimed) runs after every call: for steps that need their consumer to
-    run before they can run again."""
-    t = torch.tensor(_event_times_us(fn, iters, warmup, then, True), dtype=torch.float64)
-    return Timing(*max_over_ranks([t.median(), t.quantile(0.2), t.quantile(0.8)]))
+def time_cuda(fn, iters: int, warmup: int, then=None, warm_s: float = 0.0, clocks=False) -> Timing:
+    """Median, p20 and p80 (us) of ``fn``'s back-to-back calls timed with CUDA events after the
+    warm-up (``warmup`` calls at least, ``warm_s`` seconds at least), the ranks in step (a barrier
+    before the timed calls), each the max over ranks. ``then`` (untimed) runs after every call:
+    for steps that need their consumer to run before they can run again. ``clocks``: sample the
+    SM clock during the timed calls (:attr:`Timing.sm_mhz`)."""
+    sampler = ClockSampler(torch.cuda.current_device()) if clocks else None
+    t = torch.tensor(
+        _event_times_us(fn, iters, warmup, then, True, warm_s, sampler), dtype=torch.float64
+    )
+    med, p20, p80 = max_over_ranks([t.median(), t.quantile(0.2), t.quantile(0.8)])
+    mhz = None if sampler is None else sampler.median_mhz()
+    if mhz is not None and world_size() > 1:
+        mhz = -max_over_ranks([-mhz])[0]  # the slowest rank's
+    return Timing(med, p20, p80, mhz)
+
+
+def add_warm_s(ap, default: float = 1.0) -> None:
+    """The ``--warm-s`` option of the benchmarks that time sustained tensor-core work."""
+    ap.add_argument(
+        "--warm-s",
+        type=float,
+        default=default,
+        help="seconds of untimed calls before each timed row (the GPU reaches its sustained, "
+        "power-capped clock after ~0.1-0.2 s of such work)",
+    )
 
 
 def time_cuda_local(fn, iters: int, warmup: int) -> float:

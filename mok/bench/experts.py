@@ -25,9 +25,12 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
   torch-best's forward experts: bf16 grouped GEMMs on the fused gate / up weight, prepared once
   (``mok.experts.grouped_swiglu``, ``exact=False``).
 
+Each piece is timed after ``--warm-s`` seconds of the same calls (default 1: the sustained,
+power-capped clock of a training step; a burst of a few calls runs faster, docs/perf-notes.md).
 Rows: ``model, hidden, intermediate, num_experts, num_topk, skew, tokens_per_rank, routing_seed,
-emulated_ep, rows, padded_rows, piece, impl, median_us, p20_us, p80_us, flops, tflops`` and the
-run's provenance. Speeds are printed and written, never asserted.
+emulated_ep, rows, padded_rows, piece, impl, median_us, p20_us, p80_us, flops, tflops, sm_mhz``
+(the median SM clock sampled during the timed calls) and the run's provenance. Speeds are
+printed and written, never asserted.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 
 from mok.bench.common import (
     OneGpuRecorder,
+    add_warm_s,
     case_jobs,
     check_one_gpu,
     draw_routing,
@@ -94,7 +98,7 @@ def piece_flops(piece: str, rows: int, hidden: int, inter: int) -> int:
     }[piece]
 
 
-def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device):
+def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, warm_s=0.0):
     """The rows of one (model, tokens, skew): every piece of ``pieces``, mok and torch, on the
     same operands."""
     import mok
@@ -164,7 +168,7 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device):
     for piece in pieces:
         flops = piece_flops(piece, real, H, inter)
         for impl, fn in calls[piece].items():
-            t = time_cuda(fn, iters, warmup)
+            t = time_cuda(fn, iters, warmup, warm_s=warm_s, clocks=True)
             rec.add(
                 **base,
                 piece=piece,
@@ -174,6 +178,7 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device):
                 p80_us=t.p80_us,
                 flops=flops,
                 tflops=round(flops / (t.median_us * 1e6), 1),
+                sm_mhz=t.sm_mhz,
             )
 
 
@@ -191,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    add_warm_s(ap)
     ap.add_argument("--csv", default="mok-bench-experts.csv")
     return ap
 
@@ -204,7 +210,9 @@ def main(argv: list[str]) -> int:
     rec = ExpertsRecorder(args.csv, provenance())
 
     def run(model, n, skew):
-        run_case(rec, model, n, skew, pieces, args.iters, args.warmup, args.emulate_ep, dev)
+        run_case(
+            rec, model, n, skew, pieces, args.iters, args.warmup, args.emulate_ep, dev, args.warm_s
+        )
 
     return run_cases(rec, case_jobs(args), "experts", run)
 

@@ -17,8 +17,8 @@ this GPU, and the same tokens, so the same rows per expert as a rank of EP N get
   the activations (no recompute). Timed eager (mode ``eager``) and ``torch.compile``d
   (``compile``: the forward function, ``dynamic=False``; a compile that fails drops the row and
   says why);
-- ``mok-saved``: ``mok-unfused`` with ``recompute=False`` (the forward keeps the routed
-  experts' fp32 gate / up for the backward; the shared expert is still recomputed);
+- ``mok-saved``: ``mok-unfused`` with ``recompute=False`` (the forward keeps the routed and the
+  shared experts' fp32 gate / up for the backward, which then recomputes nothing);
 - ``mok-unfused`` / ``mok-fused``: a :class:`mok.MoE` (what a model holds: its ``gate_up``
   ``[L, 2I, H]``, ``down`` and shared-expert Parameters, so gate and up run as one GEMM forward
   and backward and both gradients land in ``gate_up``) with ``fused=False`` (the default config,
@@ -26,14 +26,18 @@ this GPU, and the same tokens, so the same rows per expert as a rank of EP N get
   or ``fused=True`` for each ``--sms`` (the communication SMs; the rest of the config is
   :class:`mok.MoKConfig`'s defaults, which are ``mok.bench layer``'s).
 
-Both mok rows share the backward of :mod:`mok.autograd`: it saves only the inputs, recomputes the
-gate / up GEMMs (in the experts' backward kernel on Hopper, with the down dgrad and the SwiGLU
-backward; :func:`mok.experts.swiglu_backward`) and runs the dgrads and wgrads as grouped GEMMs.
+The mok rows share the backward of :mod:`mok.autograd`: ``mok-unfused`` and ``mok-fused`` save
+only the inputs and recompute the gate / up GEMMs (in the experts' backward kernel on Hopper, with
+the down dgrad and the SwiGLU backward; :func:`mok.experts.swiglu_backward`); ``mok-saved`` runs
+the routed experts' backward from the kept g / u as one launch.
 
 A step: every leaf's gradient set to None, the forward, ``out.backward(grad_out)`` with a fixed
 random ``grad_out``. ``step_us`` is the CUDA-event median of back-to-back steps after warm-up
 (:func:`mok.bench.common.time_cuda`; ``p20_us`` / ``p80_us`` are the step's), ``fwd_us`` that of
 the forward alone (grad mode on, the same call, its graph dropped), ``bwd_us`` their difference.
+Each is timed after ``--warm-s`` seconds of the same calls (default 1), so both run at the
+sustained, power-capped clock a training step runs at; ``sm_mhz`` is the median SM clock sampled
+during the timed steps (empty where neither NVML nor ``nvidia-smi`` answers).
 FLOPs count the real rows (no padding), as ``layer``: ``flops_fwd`` = tokens x k x 6 H I + tokens
 x 6 H Is; a step does 3 x ``flops_fwd`` of useful work (the backward's dgrad and wgrad are 2 x the
 forward), so ``step_tflops`` = 3 ``flops_fwd`` / step time and ``bwd_tflops`` = 2 ``flops_fwd`` /
@@ -59,6 +63,7 @@ import torch.nn.functional as F
 
 from mok.bench.common import (
     OneGpuRecorder,
+    add_warm_s,
     case_jobs,
     check_one_gpu,
     compiled,
@@ -176,7 +181,9 @@ def _tflops(flops: int, us: float) -> float:
     return round(flops / (us * 1e6), 1) if us > 0 else 0.0
 
 
-def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, device="cuda"):
+def run_model(
+    rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, device="cuda", warm_s=0.0
+):
     """The rows of one (model, tokens, skew) case: every implementation of ``impls`` (mok-fused
     once per comm-SM count of ``sms``) on the same routing, x, grad_out and weight values."""
     import mok
@@ -209,8 +216,8 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
                 t.grad = None
             fwd().backward(grad_out)
 
-        tf = time_cuda(fwd, iters, warmup)
-        ts = time_cuda(step, iters, warmup)
+        tf = time_cuda(fwd, iters, warmup, warm_s=warm_s, clocks=True)
+        ts = time_cuda(step, iters, warmup, warm_s=warm_s, clocks=True)
         peak, added = step_memory(step, leaves)
         missing = [name for name, t in leaves.items() if t.grad is None]
         if missing:
@@ -234,6 +241,7 @@ def run_model(rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, devi
             bwd_tflops=_tflops(2 * flops_fwd, bwd),
             peak_mem_gib=round(peak, 3),
             step_mem_gib=round(added, 3),
+            sm_mhz=ts.sm_mhz,
         )
 
     def torch_best(mode):
@@ -326,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sms", default="8,16", help="mok-fused's communication SMs (comma list)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    add_warm_s(ap)
     ap.add_argument("--csv", default="mok-bench-train.csv")
     return ap
 
@@ -346,8 +355,9 @@ def main(argv: list[str]) -> int:
 
     def run(model, n, skew):
         run_model(
-            rec, model, n, skew, impls, sms, args.iters, args.warmup, args.emulate_ep, device=dev
-        )
+            rec, model, n, skew, impls, sms, args.iters, args.warmup, args.emulate_ep, dev,
+            args.warm_s,
+        )  # fmt: skip
 
     return run_cases(rec, case_jobs(args), "train", run)
 
