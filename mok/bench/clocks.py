@@ -91,10 +91,7 @@ class ClockSampler:
 
     def __exit__(self, *exc) -> None:
         if self._energy is not None:
-            try:
-                self.energy_j = (self._energy() - self._e0) / 1e3
-            except Exception:  # noqa: BLE001 - an NVML error late in the run: no energy, no crash
-                self.energy_j = None
+            self.energy_j = (self._energy() - self._e0) / 1e3
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
