@@ -252,19 +252,16 @@ def test_clock_sampler_reads_in_the_background_and_gives_the_median(monkeypatch)
             raise ValueError("no more")  # a failed read ends the sampling
         return values.pop(0)
 
-    counter = iter([1000.0, 3500.0])  # NVML's energy counter (mJ) at the block's start and end
     monkeypatch.setattr(clocks, "_reader", lambda device: read)
-    monkeypatch.setattr(clocks, "_energy_reader", lambda device: lambda: next(counter))
     with clocks.ClockSampler(0, period_s=0.001) as s:
         while values:
             pass
     assert s.samples == [1980.0, 1700.0, 1650.0, 1600.0, 1500.0]
-    assert s.median_mhz() == 1650.0 and s.energy_j == 2.5
+    assert s.median_mhz() == 1650.0
     monkeypatch.setattr(clocks, "_reader", lambda device: None)  # nothing answers
-    monkeypatch.setattr(clocks, "_energy_reader", lambda device: None)
     with clocks.ClockSampler(0) as s:
         pass
-    assert s.samples == [] and s.median_mhz() is None and s.energy_j is None
+    assert s.samples == [] and s.median_mhz() is None
 
 
 def test_parsers_keep_their_defaults():

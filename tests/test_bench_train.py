@@ -25,7 +25,7 @@ META = {"gpu": "NVIDIA H200", "num_ranks": 1, "torch": "2.11", "cuda": "13.0", "
 TRAIN_COLUMNS = (
     "model,hidden,intermediate,num_experts,num_topk,skew,tokens_per_rank,routing_seed,emulated_ep,"
     "impl,mode,sms,fwd_us,bwd_us,step_us,p20_us,p80_us,flops_fwd,flops_recompute,step_tflops,"
-    "bwd_tflops,peak_mem_gib,step_mem_gib,sm_mhz,step_j,gpu,num_ranks,torch,cuda,git_sha"
+    "bwd_tflops,peak_mem_gib,step_mem_gib,sm_mhz,gpu,num_ranks,torch,cuda,git_sha"
 )
 TINY = [
     ModelShape("shared", 8, 64, 32, 4, shared_intermediate=32),

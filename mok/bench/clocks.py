@@ -1,4 +1,4 @@
-"""The SM clock a timed region ran at, and the energy it drew.
+"""The SM clock a timed region ran at.
 
 Under sustained tensor-core work an H200 reaches its 700 W power limit within ~0.1 s and lowers
 its SM clock from 1980 MHz (docs/perf-notes.md, "Sustained work runs power-capped"), so a rate
@@ -6,10 +6,7 @@ measured over a short burst and one measured in a training step's steady state d
 The benchmarks warm up for a time (``--warm-s``) and record the clock their timed calls ran at:
 :class:`ClockSampler` reads it from a background thread every ``period_s`` while its ``with``
 block runs, through NVML (``torch.cuda.clock_rate``, where ``pynvml`` is installed) or else
-``nvidia-smi``; where neither answers, :meth:`ClockSampler.median_mhz` is None. At the power
-cap a step's time follows its energy, so the sampler also reads NVML's energy counter (mJ since
-the driver loaded) when the block opens and closes: :attr:`ClockSampler.energy_j`, None without
-NVML.
+``nvidia-smi``; where neither answers, :meth:`ClockSampler.median_mhz` is None.
 """
 
 from __future__ import annotations
@@ -44,36 +41,18 @@ def _reader(device: int):
     return lambda: float(subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout)
 
 
-def _energy_reader(device: int):
-    """A function returning NVML's energy counter of ``device`` (mJ), or None without NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByPciBusId(_pci_id(device))
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-    except Exception:  # noqa: BLE001 - no pynvml, no NVML, or no energy counter on this GPU
-        return None
-    return lambda: float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
-
-
 class ClockSampler:
     """``with ClockSampler(device):`` samples the SM clock every ``period_s`` seconds in a
-    background thread; :meth:`median_mhz` is the median of the samples (None without any) and
-    :attr:`energy_j` the joules the GPU drew while the block ran (None without NVML)."""
+    background thread; :meth:`median_mhz` is the median of the samples (None without any)."""
 
     def __init__(self, device: int, period_s: float = 0.02):
         self.device, self.period_s = device, period_s
         self.samples: list[float] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._energy, self._e0 = None, None
-        self.energy_j: float | None = None
 
     def __enter__(self) -> ClockSampler:
         self.samples, read = [], _reader(self.device)
-        self._energy, self.energy_j = _energy_reader(self.device), None
-        self._e0 = None if self._energy is None else self._energy()
         self._stop.clear()
         if read is not None:
             self._thread = threading.Thread(target=self._run, args=(read,), daemon=True)
@@ -90,8 +69,6 @@ class ClockSampler:
                 return
 
     def __exit__(self, *exc) -> None:
-        if self._energy is not None:
-            self.energy_j = (self._energy() - self._e0) / 1e3
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

@@ -158,14 +158,12 @@ def provenance() -> dict:
 class Timing(NamedTuple):
     """Per-call time in us of back-to-back calls (max over ranks), and the SM clock they ran at
     (MHz, the median of :class:`mok.bench.clocks.ClockSampler`'s samples, lowest over ranks;
-    None where it was not read), and the joules per call the GPU drew over the timed calls (the
-    sum over ranks; None without NVML)."""
+    None where it was not read)."""
 
     median_us: float
     p20_us: float
     p80_us: float
     sm_mhz: float | None = None
-    energy_j: float | None = None
 
 
 def max_over_ranks(values: Sequence[float]) -> list[float]:
@@ -211,22 +209,16 @@ def time_cuda(fn, iters: int, warmup: int, then=None, warm_s: float = 0.0, clock
     warm-up (``warmup`` calls at least, ``warm_s`` seconds at least), the ranks in step (a barrier
     before the timed calls), each the max over ranks. ``then`` (untimed) runs after every call:
     for steps that need their consumer to run before they can run again. ``clocks``: sample the
-    SM clock during the timed calls (:attr:`Timing.sm_mhz`) and read the energy they drew
-    (:attr:`Timing.energy_j`)."""
+    SM clock during the timed calls (:attr:`Timing.sm_mhz`)."""
     sampler = ClockSampler(torch.cuda.current_device()) if clocks else None
     t = torch.tensor(
         _event_times_us(fn, iters, warmup, then, True, warm_s, sampler), dtype=torch.float64
     )
     med, p20, p80 = max_over_ranks([t.median(), t.quantile(0.2), t.quantile(0.8)])
     mhz = None if sampler is None else sampler.median_mhz()
-    joules = None if sampler is None or sampler.energy_j is None else sampler.energy_j / iters
-    if world_size() > 1 and mhz is not None:
+    if mhz is not None and world_size() > 1:
         mhz = -max_over_ranks([-mhz])[0]  # the slowest rank's
-    if world_size() > 1 and joules is not None:
-        q = torch.tensor([joules], dtype=torch.float64, device="cuda")
-        dist.all_reduce(q)
-        joules = float(q.item())
-    return Timing(med, p20, p80, mhz, joules)
+    return Timing(med, p20, p80, mhz)
 
 
 def add_warm_s(ap, default: float = 1.0) -> None:

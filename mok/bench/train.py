@@ -37,8 +37,7 @@ random ``grad_out``. ``step_us`` is the CUDA-event median of back-to-back steps 
 the forward alone (grad mode on, the same call, its graph dropped), ``bwd_us`` their difference.
 Each is timed after ``--warm-s`` seconds of the same calls (default 1), so both run at the
 sustained, power-capped clock a training step runs at; ``sm_mhz`` is the median SM clock sampled
-during the timed steps (empty where neither NVML nor ``nvidia-smi`` answers), ``step_j`` the
-joules per step the GPU drew over them (NVML's energy counter; empty without NVML).
+during the timed steps (empty where neither NVML nor ``nvidia-smi`` answers).
 FLOPs count the real rows (no padding), as ``layer``: ``flops_fwd`` = tokens x k x 6 H I + tokens
 x 6 H Is; a step does 3 x ``flops_fwd`` of useful work (the backward's dgrad and wgrad are 2 x the
 forward), so ``step_tflops`` = 3 ``flops_fwd`` / step time and ``bwd_tflops`` = 2 ``flops_fwd`` /
@@ -243,7 +242,6 @@ def run_model(
             peak_mem_gib=round(peak, 3),
             step_mem_gib=round(added, 3),
             sm_mhz=ts.sm_mhz,
-            step_j=None if ts.energy_j is None else round(ts.energy_j, 3),
         )
 
     def torch_best(mode):
