@@ -11,6 +11,7 @@ block runs, through NVML (``torch.cuda.clock_rate``, where ``pynvml`` is install
 
 from __future__ import annotations
 
+import functools
 import statistics
 import subprocess
 import threading
@@ -25,20 +26,26 @@ def _pci_id(device: int) -> str:
     return f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
 
 
+@functools.cache
 def _reader(device: int):
-    """A function returning the SM clock (MHz) of ``device`` now, or None where none answers."""
+    """A function returning the SM clock (MHz) of ``device`` now, or None where none answers
+    (found once per device: the nvidia-smi probe is a process)."""
     try:
         torch.cuda.clock_rate(device)
         return lambda: float(torch.cuda.clock_rate(device))
     except Exception:  # noqa: BLE001 - no pynvml (or no NVML): try nvidia-smi
         pass
     cmd = ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"]
+
+    def read() -> float:
+        return float(subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout)
+
     try:
         cmd += ["-i", _pci_id(device)]
-        float(subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout)
+        read()
     except (OSError, ValueError, AttributeError, RuntimeError, subprocess.SubprocessError):
         return None
-    return lambda: float(subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout)
+    return read
 
 
 class ClockSampler:

@@ -31,6 +31,7 @@ import contextlib
 import csv
 import datetime
 import itertools
+import math
 import os
 import socket
 import subprocess
@@ -216,8 +217,9 @@ def time_cuda(fn, iters: int, warmup: int, then=None, warm_s: float = 0.0, clock
     )
     med, p20, p80 = max_over_ranks([t.median(), t.quantile(0.2), t.quantile(0.8)])
     mhz = None if sampler is None else sampler.median_mhz()
-    if mhz is not None and world_size() > 1:
-        mhz = -max_over_ranks([-mhz])[0]  # the slowest rank's
+    if sampler is not None and world_size() > 1:  # every rank joins: the slowest rank's clock
+        low = -max_over_ranks([-(math.inf if mhz is None else mhz)])[0]
+        mhz = None if math.isinf(low) else low
     return Timing(med, p20, p80, mhz)
 
 
