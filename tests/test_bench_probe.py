@@ -78,6 +78,7 @@ def test_parse_args_fills_full_and_quick_defaults():
     assert full.gemm_rows == [128, 256, 512, 1024, 2048, 4096]
     assert quick.quick and len(quick.sms) < len(full.sms) and quick.iters < full.iters
     assert quick.gemm_shapes == ["h7168_i2048", "h2048_i768"]
+    assert (full.gemm_warm_s, quick.gemm_warm_s) == (2.0, 0.5)
     a = parse_args(["--sms", "4,8", "--skip", "green,peer", "--green-sms", "", "--out", "x.json"])
     assert (a.sms, a.skip, a.green_sms, a.out) == ([4, 8], ["green", "peer"], [], "x.json")
 
@@ -90,6 +91,7 @@ def test_parse_args_fills_full_and_quick_defaults():
         (["--chunks", "1000"], r"TMA chunks must be positive multiples of 16"),
         (["--chunks", "16384", "--inflight", "10"], r"\(inflight \+ 4\) x chunk <= 220 KiB"),
         (["--iters", "0"], r"--iters, --latency-iters and --timeout-s must be positive"),
+        (["--gemm-warm-s", "-1"], r"--gemm-warm-s must be >= 0 \(found -1.0\)"),
     ],
 )
 def test_bad_arguments_say_what_is_supported(argv, match):
@@ -327,10 +329,16 @@ def test_reader_round_trips_what_the_writer_wrote(tmp_path):
     res.add_grouped("h2048_i768", 2048, 768, 8, "down", 1024, 66, 50.0, by="sms")
     res.add_grouped("h2048_i768", 2048, 768, 8, "down", 1024, 32, 60.0, by="sms", method="green")
     res.mark_sm_limit("grouped_gemm_by_sms", "h2048_i768_rows1024", True, 1.9)
+    res.add_bf16_gemm_sustained(640.5, 1515.0, 2.0)
     res.skip("green", "--skip")
     res.write(tmp_path / "p.json")
     back = ProbeResults.read(tmp_path / "p.json")
     assert back.to_json() == json.loads((tmp_path / "p.json").read_text())
+    gemm = back.to_json()["results"]["bf16_gemm_and_copy"]
+    assert (gemm["bf16_tflops_sustained"], gemm["sustained_sm_mhz"]) == (640.5, 1515.0)
+    cases = {(r["case"], r["value"], r["unit"]) for r in back.rows}
+    assert ("bf16 matmul 8192^3 sustained", 640.5, "TFLOP/s") in cases
+    assert ("bf16 matmul 8192^3 sustained SM clock", 1515.0, "MHz") in cases
     assert sorted(map(str, back.rows), key=str) != [] and back.table().endswith(
         "skipped  green: --skip"
     )

@@ -37,6 +37,7 @@ DEFAULTS = {
     "hbm_mib": (1024, 512),
     "a2a_tokens": ("512,4096,16384", "4096"),
     "gemm_rows": ("128,256,512,1024,2048,4096", "128,1024,4096"),
+    "gemm_warm_s": (2.0, 0.5),
     "gemm_sms": ("8,16,32,66,100,132", "32,66,132"),
     "green_sms": ("16,32,64,128", "32,64"),
     "poll_flags": ("1,2,4,8,16,32,64,128", "1,8,32,128"),
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gemm-shapes", default=",".join(GEMM_SHAPES), help="grouped GEMM shapes")
     ap.add_argument("--gemm-experts", type=int, default=8, help="experts per grouped GEMM")
     ap.add_argument("--gemm-rows", help="rows per expert (comma list)")
+    ap.add_argument(
+        "--gemm-warm-s",
+        type=float,
+        help="seconds of untimed matmuls before the sustained one (the power-capped clock)",
+    )
     ap.add_argument("--gemm-sms", help="compute SM counts for the carveout sweep (comma list)")
     ap.add_argument("--gemm-sms-rows", type=int, default=2048, help="rows per expert there")
     ap.add_argument("--green-sms", help="green-context SM counts (comma list, '' to skip)")
@@ -133,6 +139,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     if a.iters < 1 or a.warmup < 0 or a.latency_iters < 1 or a.timeout_s <= 0:
         raise SystemExit("probe: --iters, --latency-iters and --timeout-s must be positive")
+    if a.gemm_warm_s < 0:
+        raise SystemExit(f"probe: --gemm-warm-s must be >= 0 (found {a.gemm_warm_s})")
     if (
         a.poll_sweeps < 1
         or not all(1 <= k <= POLL_MAX_FLAGS for k in a.poll_flags)
@@ -170,7 +178,7 @@ def plan_points(
     shapes = len(a.gemm_shapes)
     plan = {
         "hbm": 3,
-        "gemm": 1,
+        "gemm": 2,
         "grouped": shapes * 2 * (len(a.gemm_rows) + len([s for s in a.gemm_sms if s <= num_sms])),
         "local": len(sms) * (1 + len(a.chunks)) + 2 + len(a.chase_mb),
         "peer": 4 * len(sms) * (1 + len(a.chunks)) + 2 + len(a.chase_mb) + len(a.a2a_tokens)

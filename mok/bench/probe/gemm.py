@@ -1,5 +1,6 @@
-"""GEMM rates: a bf16 ``torch.mm`` 8192^3, ``torch._grouped_mm`` by rows per expert on all SMs,
-by SM count through torch's SM carveout, and (cross-check) inside CUDA green contexts."""
+"""GEMM rates: a bf16 ``torch.mm`` 8192^3 (a short burst, and sustained past the GPU's power cap
+with the SM clock it ran at), ``torch._grouped_mm`` by rows per expert on all SMs, by SM count
+through torch's SM carveout, and (cross-check) inside CUDA green contexts."""
 
 from __future__ import annotations
 
@@ -8,20 +9,35 @@ import math
 
 import torch
 
+from mok.bench.common import time_cuda
 from mok.bench.probe.args import GEMM_SHAPES
 from mok.bench.probe.context import ProbeContext
 from mok.errors import MoKUnsupportedError
 
 __all__ = ["grouped_fn", "measure_bf16_gemm", "measure_green", "measure_grouped"]
 
+SUSTAINED_CALLS = 100  # timed calls of the sustained matmul (at least --iters)
+
 
 def measure_bf16_gemm(p: ProbeContext) -> None:
     n = 8192
     a, b = (torch.randn(n, n, device=p.dev, generator=p.gen).to(torch.bfloat16) for _ in range(2))
     c = torch.empty_like(a)
-    us = p.time(lambda: torch.mm(a, b, out=c))
-    p.res.add_bf16_gemm(2.0 * n**3 / (us * 1e-6) / 1e12)
+
+    def mm():
+        torch.mm(a, b, out=c)
+
+    flop = 2.0 * n**3
+    us = p.time(mm)
+    p.res.add_bf16_gemm(flop / (us * 1e-6) / 1e12)
     p.tick("bf16 matmul")
+    # Sustained: ``--gemm-warm-s`` seconds of untimed calls first, then enough timed calls
+    # (~1.4 ms each on an H200) for the clock sampler's 20 ms period to see several samples.
+    t = time_cuda(
+        mm, max(p.a.iters, SUSTAINED_CALLS), p.a.warmup, warm_s=p.a.gemm_warm_s, clocks=True
+    )
+    p.res.add_bf16_gemm_sustained(flop / (t.median_us * 1e-6) / 1e12, t.sm_mhz, p.a.gemm_warm_s)
+    p.tick("bf16 matmul sustained")
 
 
 def grouped_fn(p: ProbeContext, hidden: int, inter: int, op: str, rows: int):

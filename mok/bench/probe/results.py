@@ -61,7 +61,9 @@ METHODS = {
     "direction); local = both on one GPU. pull_copy_correct: checksum after a pull.",
     "copy_checks": "after the largest SM count, the destination is poisoned, copied once more and "
     "its int64 checksum compared with the source's (true = equal).",
-    "bf16_gemm_and_copy": "torch.mm 8192x8192x8192 bf16 on random data, median; d2d copy "
+    "bf16_gemm_and_copy": "torch.mm 8192x8192x8192 bf16 on random data, median; *_sustained: "
+    "the same after sustained_warm_s seconds of untimed calls (the GPU at its power-capped "
+    "clock), sustained_sm_mhz the median SM clock sampled during its timed calls; d2d copy "
     "(Tensor.copy_) of hbm_bandwidth.bytes counting read+write.",
     "hbm_bandwidth": "copy_GBps_rw: Tensor.copy_ between two device buffers, bytes read + "
     "written / time; read_GBps: a 16-byte load kernel over the buffer (2 blocks of 1024 threads "
@@ -266,6 +268,16 @@ class ProbeResults:
     def add_bf16_gemm(self, tflops: float) -> None:
         self._at("bf16_gemm_and_copy")["bf16_tflops"] = round(float(tflops), 1)
         self._row("gemm", "bf16 matmul 8192^3", None, round(float(tflops), 1), "TFLOP/s")
+
+    def add_bf16_gemm_sustained(self, tflops: float, sm_mhz: float | None, warm_s: float) -> None:
+        at = self._at("bf16_gemm_and_copy")
+        at["bf16_tflops_sustained"] = round(float(tflops), 1)
+        at["sustained_warm_s"] = float(warm_s)
+        case = "bf16 matmul 8192^3 sustained"
+        self._row("gemm", case, None, round(float(tflops), 1), "TFLOP/s")
+        if sm_mhz is not None:
+            at["sustained_sm_mhz"] = round(float(sm_mhz), 1)
+            self._row("gemm", f"{case} SM clock", None, round(float(sm_mhz), 1), "MHz")
 
     def add_hbm(self, nbytes: int, copy_rw_gbps: float, read_gbps: float, write_gbps: float):
         rw = round(float(copy_rw_gbps), 1)
@@ -494,6 +506,10 @@ def _replay(res: ProbeResults, results: dict) -> None:
         elif key == "bf16_gemm_and_copy":
             if "bf16_tflops" in v:
                 res.add_bf16_gemm(v["bf16_tflops"])
+            if "bf16_tflops_sustained" in v:
+                res.add_bf16_gemm_sustained(
+                    v["bf16_tflops_sustained"], v.get("sustained_sm_mhz"), v["sustained_warm_s"]
+                )
             if "hbm_bandwidth" not in results and "d2d_copy_GBps_rw" in v:
                 res._row("hbm", "copy (read+write)", None, v["d2d_copy_GBps_rw"], "GB/s")
         elif key == "hbm_bandwidth":
