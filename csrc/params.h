@@ -216,6 +216,11 @@ struct LayerArgs {
   // Rows of w_gate (and of w_up) from one expert's first row to the next expert's: I for two
   // [L, I, H] tensors, 2I for the two halves of one [L, 2I, H] tensor (gate rows, then up rows).
   int64_t gate_up_stride;
+  // Saving mode (the backward from kept activations; null: off): every gate/up tile's fp32
+  // accumulators, g in columns [0, I) and u in [I, 2I), row r of gu32 [receive rows, 2I] being
+  // receive row r (not its ring row); shared_gu32 [N, 2Is] the shared expert's, by token.
+  float* gu32;
+  float* shared_gu32;
 };
 
 }  // namespace mok

@@ -219,6 +219,8 @@ class LayerArgs(ctypes.Structure):
         ("trace", _U64),
         ("trace_entries", _I64),
         ("gate_up_stride", _I64),
+        ("gu32", _U64),
+        ("shared_gu32", _U64),
     ]
 
 

@@ -43,12 +43,11 @@ from mok.experts import _kernel_fits, gate_up_weight, saving_shapes_fit, swiglu_
 from mok.layer import (
     as_config,
     moe_forward,
-    routed_rows_bound,
     unfused_config,
     unfused_row_tile,
 )
 from mok.ops import TAGS, traced
-from mok.schedule import build_schedule
+from mok.schedule import build_schedule, routed_rows_bound
 from mok.spec.config import MoKConfig
 from mok.workspace import get_workspace
 from reference.moe import MoEGrads
@@ -76,13 +75,16 @@ def moe(
     gives gradients for x (bf16), topk_weights (its dtype) and every weight tensor of
     ``weights`` (their dtype). The backward runs at one rank (MoKUnsupportedError at more).
 
-    ``recompute=False`` (unfused forward on Hopper only) keeps the routed experts' fp32 gate /
-    up outputs from the forward ([rows, 2I] fp32, 1.03 GiB at DeepSeek-V3's per-rank work of
-    EP2), and the shared expert's ([num_tokens, 2Is] fp32, 64 MiB there) where the kernel takes
-    its shapes, instead of computing them again in the backward; the gradients are bitwise the
-    same, the forward's output is the kernel's (h from fp32 g / u) rather than torch's. Under
-    torch.compile the kept g / u are the forward op's second and third outputs (routed rows:
-    what one call can fill, :func:`_saved_rows`).
+    ``recompute=False`` (Hopper) keeps the routed experts' fp32 gate / up outputs from the
+    forward ([rows, 2I] fp32, 1.03 GiB at DeepSeek-V3's per-rank work of EP2), and the shared
+    expert's ([num_tokens, 2Is] fp32, 64 MiB there) where the backward's kernel takes its
+    shapes, instead of computing them again in the backward. The unfused forward keeps them
+    from its saving kernel (its output is then that kernel's, h from fp32 g / u, rather than
+    torch's); the fused one writes them from its gate / up tiles (its output unchanged, its rows
+    padded to its row tile, so up to ``L * (row_tile - 16)`` more rows). The gradients are the
+    backward's that recomputes them, bit for bit. Under torch.compile the kept g / u are the
+    forward op's second and third outputs (routed rows: what one call can fill,
+    :func:`_saved_rows`).
 
     Where w_gate and w_up (or the shared expert's) are views of the two halves of one tensor
     (``mok.MoE``'s ``gate_up``), that tensor is what autograd differentiates: its gradient is
@@ -242,15 +244,16 @@ def moe_backward(
 
 
 def _layer_grads(
-    grad_out, x, topk_idx, topk_weights, leaves, num_experts, config, group, saved=None
-) -> list:
+    grad_out, x, topk_idx, topk_weights, leaves, num_experts, config, group, saved=None,
+    fused=False,
+) -> list:  # fmt: skip
     """The gradients of (x, topk_weights, *leaves) (None for a None leaf), each in its input's
-    dtype: mok's backward on CUDA (:func:`_backward`, ``saved`` as there), else the
-    reference's."""
+    dtype: mok's backward on CUDA (:func:`_backward`, ``saved`` and ``fused`` as there), else
+    the reference's."""
     if x.is_cuda:
         grads = _backward(
             grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], num_experts, config,
-            group, saved,
+            group, saved, fused=fused,
         )  # fmt: skip
     else:
         grads = _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, group)
@@ -259,21 +262,28 @@ def _layer_grads(
 
 
 def _check_saving(x, weights, fused: bool, recompute: bool) -> None:
-    """MoKUnsupportedError where ``recompute=False`` cannot keep gate / up (on CUDA)."""
+    """MoKUnsupportedError where ``recompute=False`` cannot keep gate / up (on CUDA): the
+    backward from them runs in mok's Hopper kernel (the fused forward checks the rest)."""
     if recompute:
         return
     gu = gate_up_weight(weights.w_gate, weights.w_up)
-    if fused or not _kernel_fits(x, gu, weights.w_down, x):
+    if not _kernel_fits(x, gu, weights.w_down, x):
         raise MoKUnsupportedError(
-            "recompute=False keeps gate / up from mok's Hopper kernel in the unfused forward; "
-            f"found fused={fused} on {x.device} (the fused kernel does not output them yet)"
+            "recompute=False keeps gate / up for mok's Hopper backward kernel, which does not "
+            f"take these operands (x {tuple(x.shape)} {x.dtype} on {x.device}, w_down "
+            f"{tuple(weights.w_down.shape)}; it needs a Hopper GPU, bf16, H a multiple of 64, "
+            "I of 128); use recompute=True"
         )
 
 
-def _saved_rows(num_tokens: int, num_topk: int, num_local_experts: int, config: MoKConfig):
+def _saved_rows(
+    num_tokens: int, num_topk: int, num_local_experts: int, config: MoKConfig, fused: bool
+) -> int:
     """Rows of the fp32 gate / up that a traced ``recompute=False`` forward outputs: the receive
-    rows one rank's unfused call can fill, known from the shapes."""
-    return routed_rows_bound(num_tokens, num_topk, num_local_experts, unfused_row_tile(config))
+    rows one rank's call can fill, known from the shapes (regions padded to the fused layer's
+    row tile, or to the unfused path's)."""
+    tile = config.row_tile if fused else unfused_row_tile(config)
+    return routed_rows_bound(num_tokens, num_topk, num_local_experts, tile)
 
 
 def _leaves(w_gate: torch.Tensor, w_up: torch.Tensor) -> list:
@@ -347,7 +357,7 @@ class _MoE(torch.autograd.Function):
             _saved=saved,
         )  # fmt: skip
         ctx.save_for_backward(topk_idx, *tensors, *(saved or [None, None]))
-        ctx.args, ctx.into = (num_experts, config, group), into
+        ctx.args, ctx.into, ctx.fused = (num_experts, config, group), into, fused
         return out
 
     @staticmethod
@@ -356,26 +366,30 @@ class _MoE(torch.autograd.Function):
         topk_idx, x, topk_weights, *leaves, saved_gu, saved_shared = ctx.saved_tensors
         grads = _backward(
             grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], *ctx.args,
-            (saved_gu, saved_shared), ctx.into,
+            (saved_gu, saved_shared), ctx.into, ctx.fused,
         )  # fmt: skip
         return (None,) * 8 + grads
 
 
 def _backward(
     grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group,
-    saved=None, into=None,
+    saved=None, into=None, fused=False,
 ):  # fmt: skip
     """Gradients for (x, topk_weights, *routed, *shared), the leaves of :func:`_leaves`: one
     [L, 2I, H] gradient (and None) where gate and up came as one tensor. ``saved``: the fp32
     gate / up outputs the forward kept (recompute=False), (routed, shared), either None
-    (computed again). ``into``: the fp32 accumulators of the one gate_up leaf and of w_down
+    (computed again); ``fused``: the fused forward kept them (its receive rows, regions padded
+    to its row tile). ``into``: the fp32 accumulators of the one gate_up leaf and of w_down
     (either None) that their weight gradients are added onto; those leaves then get None."""
     saved_gu, saved_shared = (None, None) if saved is None else saved
     wd = routed[2]
     num_tokens, hidden = x.shape
-    cfg = unfused_config(
-        as_config(config), torch.cuda.get_device_properties(x.device).multi_processor_count
-    )
+    config = as_config(config)
+    cfg = unfused_config(config, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    if fused and saved_gu is not None and cfg.row_tile != config.row_tile:
+        # NOTE: the kept rows are where the fused forward put them: this schedule must pad the
+        # expert regions as it did (the comm kernels still get every SM)
+        cfg = dataclasses.replace(cfg, row_tile=config.row_tile)
     ws = get_workspace(
         num_tokens, hidden, topk_idx.shape[1], num_experts, x.dtype, cfg, group, x.device
     )
@@ -515,7 +529,7 @@ def _moe_op(
     )
     if recompute:
         return out, none(), none()
-    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], cfg)
+    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], cfg, fused)
     gu32, shared32 = saved
     if gu32.shape[0] < rows:  # a receive buffer smaller than the bound (capacity_factor < 1)
         gu32 = torch.cat([gu32, gu32.new_zeros(rows - gu32.shape[0], gu32.shape[1])])
@@ -524,12 +538,12 @@ def _moe_op(
 
 @_moe_op.register_fake
 def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, *rest) -> tuple:
-    shared, config, recompute = rest[:3], rest[4], rest[7]
+    shared, config, fused, recompute = rest[:3], rest[4], rest[6], rest[7]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     none = functools.partial(_nothing, x)
     if recompute or x.device.type != "cuda":
         return out, none(), none()
-    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], _config(config))
+    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], _config(config), fused)
     gu32 = x.new_empty(rows, 2 * w_down.shape[-1], dtype=torch.float32)
     if not _shared_saved(x, *shared):
         return out, gu32, none()
@@ -568,6 +582,7 @@ def _moe_backward_op(
     saved: torch.Tensor,  # the forward op's second output
     saved_shared: torch.Tensor,  # its third
     recompute: bool,
+    fused: bool,  # the forward was the fused kernel (its saved rows' layout)
 ) -> list[torch.Tensor]:
     """[dx, d_topk_weights, then the gradient of each weight that is not None], contiguous, in
     the dtypes of their inputs."""
@@ -575,7 +590,7 @@ def _moe_backward_op(
     kept = None if recompute else (saved, saved_shared if saved_shared.numel() else None)
     grads = _layer_grads(
         grad_out, x, topk_idx, topk_weights, leaves, num_experts, _config(config),
-        _group(group), kept,
+        _group(group), kept, fused,
     )  # fmt: skip
     # NOTE: an op's outputs alias neither its inputs nor each other: the two halves of one
     # gate_up gradient (gate and up given as separate leaves) are copied apart.
@@ -614,12 +629,12 @@ def _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, g
 def _setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:9], output[1], output[2])
     ctx.args = inputs[9:12]  # num_experts, config, group
-    ctx.recompute = inputs[13]
+    ctx.fused, ctx.recompute = inputs[12], inputs[13]
 
 
 def _moe_grad(ctx, grad_out, _grad_saved, _grad_saved_shared):
     x, topk_idx, topk_weights, *leaves, saved, saved_shared = ctx.saved_tensors
-    args = (*leaves, *ctx.args, saved, saved_shared, ctx.recompute)
+    args = (*leaves, *ctx.args, saved, saved_shared, ctx.recompute, ctx.fused)
     got = iter(torch.ops.mok.moe_backward(grad_out, x, topk_idx, topk_weights, *args))
     dx, d_topk = next(got), next(got)
     d_leaves = [None if t is None else next(got) for t in leaves]

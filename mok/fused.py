@@ -17,7 +17,7 @@ from mok.workspace import Workspace
 
 if TYPE_CHECKING:
     from reference.weights import MoEWeights
-from mok.schedule import DeviceSchedule
+from mok.schedule import DeviceSchedule, received_rows_bound
 
 __all__ = ["forward"]
 
@@ -70,6 +70,7 @@ def forward(
     schedule: DeviceSchedule,
     weights: MoEWeights,
     trace: torch.Tensor | None = None,
+    keep: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """The fused MoE layer forward on this rank (one kernel launch; Hopper).
 
@@ -91,6 +92,13 @@ def forward(
             multiple of 256, I and Is multiples of 128.
         trace: a buffer from :func:`mok.layer_trace.new_trace` that the kernel fills with
             per-tile timestamps, or None.
+        keep: the saving mode (the backward from kept activations, ``recompute=False``): a
+            pair of contiguous fp32 buffers that the kernel fills with the gate / up GEMMs'
+            fp32 outputs, g in columns [0, I) and u in [I, 2I): the routed experts'
+            [rows, 2I], row r being receive row r of the schedule (at least ``num_rows`` rows
+            of it; padding rows get whatever their tile computed, rows past ``num_rows`` stay
+            untouched), and the shared expert's [num_tokens, 2Is] (None: not kept). The output
+            is the same bits with or without it.
 
     Returns:
         [num_tokens, hidden] bf16, a new tensor.
@@ -110,6 +118,8 @@ def forward(
     ws = schedule.ws
     _check_fused(ws, weights, x, schedule.num_tokens)
     out = torch.empty_like(x)
+    gu32, shared_gu32 = (None, None) if keep is None else keep
+    _check_keep(ws, weights, gu32, shared_gu32, num_tokens=schedule.num_tokens)
     ops.layer_forward(
         x,
         ws.sched,
@@ -121,7 +131,30 @@ def forward(
         weights.shared_w_up,
         weights.shared_w_down,
         out,
+        gu32,
+        shared_gu32,
         ws.id,
         trace,
     )
     return out
+
+
+def _check_keep(ws: Workspace, weights: MoEWeights, gu32, shared_gu32, num_tokens: int) -> None:
+    """MoKInputError for saving-mode buffers the kernel cannot fill (it writes every receive
+    row it computes, up to the workspace's capacity, so the routed one must hold that many)."""
+    inter = weights.w_gate.shape[1]
+    if gu32 is not None:
+        rows = gu32.shape[0] if gu32.ndim == 2 else -1
+        check_tensor("keep[0]", gu32, (rows, 2 * inter), (torch.float32,), ws.device)
+        if not gu32.is_contiguous() or rows < received_rows_bound(ws, num_tokens):
+            raise MoKInputError(
+                f"keep[0] must be a contiguous fp32 [rows, {2 * inter}] buffer of at least "
+                f"{received_rows_bound(ws, num_tokens)} rows (found {rows})"
+            )
+    if shared_gu32 is not None:
+        if weights.shared_w_gate is None:
+            raise MoKInputError("keep[1] is given but the layer has no shared expert")
+        shape = (num_tokens, 2 * weights.shared_w_gate.shape[0])
+        check_tensor("keep[1]", shared_gu32, shape, (torch.float32,), ws.device)
+        if not shared_gu32.is_contiguous():
+            raise MoKInputError("keep[1] must be contiguous")

@@ -21,7 +21,7 @@ from mok.experts import (
     saving_shapes_fit,
 )
 from mok.fused import forward
-from mok.schedule import build_schedule
+from mok.schedule import build_schedule, received_rows_bound
 from mok.spec.config import MAX_COMM_SMS, MoKConfig
 from mok.workspace import get_workspace
 
@@ -84,25 +84,6 @@ def unfused_config(config: MoKConfig, num_sms: int) -> MoKConfig:
 def unfused_row_tile(config: MoKConfig) -> int:
     """The row tile :func:`unfused_config` pads expert regions to."""
     return min(config.row_tile, UNFUSED_ROW_TILE)
-
-
-def routed_rows_bound(num_tokens: int, num_topk: int, num_experts: int, row_tile: int) -> int:
-    """The receive rows one rank's call fills at most when every routed row is local: its
-    ``num_tokens * num_topk`` rows plus each of ``num_experts`` regions' padding to
-    ``row_tile``."""
-    return num_tokens * num_topk + num_experts * (row_tile - 1)
-
-
-def _received_rows_bound(ws, num_tokens: int) -> int:
-    """An upper bound, known on the host, of the receive rows a call fills (the schedule's
-    padded row count lives on the device): at one rank :func:`routed_rows_bound`; with peers
-    the workspace's capacity (a peer may send up to its own ``max_tokens``)."""
-    if ws.num_ranks > 1:
-        return ws.capacity
-    bound = routed_rows_bound(
-        num_tokens, ws.shapes.num_topk, ws.num_local_experts, ws.config.row_tile
-    )
-    return min(ws.capacity, bound)
 
 
 def moe_forward(
@@ -197,9 +178,9 @@ def moe_forward(
         )
     sched = build_schedule(topk_idx, topk_weights, ws)
     if fused:
-        return forward(x, sched, weights)
+        return forward(x, sched, weights, keep=_fused_keep(x, weights, ws, _saved))
     recv = dispatch(x, sched)
-    rows = _received_rows_bound(ws, x.shape[0])
+    rows = received_rows_bound(ws, x.shape[0])
     # NOTE: checked on the device (no synchronisation): SwiGLU leaves rows past the bound
     # unwritten, so a wrong bound must stop the call rather than feed garbage to the combine.
     torch._assert_async(sched.group_ends[-1] <= rows, "mok: receive rows past the host bound")
@@ -227,3 +208,20 @@ def _shared_expert(x: torch.Tensor, weights: MoEWeights, saved: list | None):
     y, gu32 = dense_swiglu_saving(x, gate_up_weight(sg, su), sd)
     saved.append(gu32)
     return y
+
+
+def _fused_keep(x: torch.Tensor, weights: MoEWeights, ws, saved: list | None):
+    """The fused kernel's saving-mode buffers (None without ``saved``, recompute=True), also
+    appended to ``saved``: the routed experts' fp32 [rows, 2I] g / u by receive row and the
+    shared expert's [num_tokens, 2Is] (None where it has none or the backward's kernel does not
+    take its shapes, :func:`mok.experts.saving_shapes_fit`, as in the unfused path)."""
+    if saved is None:
+        return None
+    rows, inter = received_rows_bound(ws, x.shape[0]), weights.w_gate.shape[1]
+    gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=x.device)
+    sg, su, sd = (getattr(weights, f"shared_w_{n}", None) for n in ("gate", "up", "down"))
+    shared = None
+    if sg is not None and saving_shapes_fit(x, sd, sg, su):
+        shared = torch.empty(x.shape[0], 2 * sg.shape[0], dtype=torch.float32, device=x.device)
+    saved.extend([gu32, shared])
+    return gu32, shared

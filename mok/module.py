@@ -43,7 +43,7 @@ class MoE(nn.Module):
         group: the expert-parallel process group (None: one rank).
         fused: run the fused forward kernel on Hopper (the backward is the same).
         recompute: the backward computes the routed experts' gate / up again (True) or the
-            unfused forward keeps them in fp32 (False: Hopper, ``fused=False``; see
+            forward keeps them in fp32 (False: Hopper, fused or not; see
             :func:`mok.functional.moe`).
         main_grad: Parameters with a ``main_grad`` attribute (fp32, their shape; Megatron's
             optimizer sets it) get their gradients added there, not into ``.grad``; on CUDA

@@ -314,7 +314,7 @@ def _(y, sched, topk_idx, topk_weights, shared_y, out, handle, mode) -> None:
     return None
 
 
-@_mok_op("mok::layer_forward", ("out", "trace"))
+@_mok_op("mok::layer_forward", ("out", "gu32", "shared_gu32", "trace"))
 def layer_forward(
     x: torch.Tensor,  # [num_tokens, hidden] bf16
     sched: torch.Tensor,  # workspace schedule storage, int32 (built for this routing)
@@ -326,6 +326,11 @@ def layer_forward(
     shared_w_up: torch.Tensor | None,  # [Is, H] bf16
     shared_w_down: torch.Tensor | None,  # [H, Is] bf16
     out: torch.Tensor,  # [num_tokens, hidden] bf16
+    # the saving mode (recompute=False): fp32 [receive rows, 2I] g | u of every routed row
+    # (rows past the schedule's num_rows untouched) and [num_tokens, 2Is] of the shared
+    # expert; None: off
+    gu32: torch.Tensor | None,
+    shared_gu32: torch.Tensor | None,
     handle: int,
     # int64 [num_sms, 2, entries, 2], zeroed (layer_trace), or None. NOTE: no default: the
     # dispatcher drops trailing defaulted arguments, and torch 2.11's mutation bookkeeping then
@@ -362,6 +367,10 @@ def layer_forward(
     a.counters, a.counters_len = bufs["counters"].data_ptr(), bufs["counters"].numel()
     if trace is not None:
         a.trace, a.trace_entries = trace.data_ptr(), trace.shape[2]
+    if gu32 is not None:
+        a.gu32 = gu32.data_ptr()
+    if shared_gu32 is not None:
+        a.shared_gu32 = shared_gu32.data_ptr()
     if ws.fault is not None:
         p.in3, p.flags = 2 * ws.fault[0] + ws.fault[1], p.flags | _ext.FLAG_FAULT
     ws.launch_layer(p, a)
@@ -380,6 +389,8 @@ def _(
     shared_w_up,
     shared_w_down,
     out,
+    gu32,
+    shared_gu32,
     handle,
     trace,
 ) -> None:

@@ -19,7 +19,7 @@ from mok.workspace import Workspace
 if TYPE_CHECKING:
     pass
 
-__all__ = ["DeviceSchedule", "build_schedule"]
+__all__ = ["DeviceSchedule", "build_schedule", "received_rows_bound", "routed_rows_bound"]
 
 
 @dataclass
@@ -304,3 +304,22 @@ def build_schedule(
         # Every rank learns of it in this schedule build; this rank knows now.
         ws.check()
     return DeviceSchedule(ws, idx, w)
+
+
+def routed_rows_bound(num_tokens: int, num_topk: int, num_experts: int, row_tile: int) -> int:
+    """The receive rows one rank's call fills at most when every routed row is local: its
+    ``num_tokens * num_topk`` rows plus each of ``num_experts`` regions' padding to
+    ``row_tile``."""
+    return num_tokens * num_topk + num_experts * (row_tile - 1)
+
+
+def received_rows_bound(ws: Workspace, num_tokens: int) -> int:
+    """An upper bound, known on the host, of the receive rows a call fills (the schedule's
+    padded row count lives on the device): at one rank :func:`routed_rows_bound`; with peers
+    the workspace's capacity (a peer may send up to its own ``max_tokens``)."""
+    if ws.num_ranks > 1:
+        return ws.capacity
+    bound = routed_rows_bound(
+        num_tokens, ws.shapes.num_topk, ws.num_local_experts, ws.config.row_tile
+    )
+    return min(ws.capacity, bound)

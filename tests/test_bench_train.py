@@ -42,7 +42,7 @@ def test_parser_keeps_its_defaults():
         "uniform,hot:0.5",
     )
     assert (a.impls, a.sms, a.iters, a.warmup, a.emulate_ep) == (
-        "torch-best,mok-unfused,mok-saved,mok-fused",
+        "torch-best,mok-unfused,mok-saved,mok-fused,mok-fused-saved",
         "8,16",
         10,
         3,
@@ -226,7 +226,7 @@ def no_gpu(monkeypatch):
         return Timing(3000.0, 2900.0, 3300.0) if step else Timing(1000.0, 900.0, 1100.0)
 
     def moe(x, idx, tw, w, num_experts, config=None, group=None, fused=False, recompute=True):
-        calls["moe"].append((w, config, fused, num_experts))
+        calls["moe"].append((w, config, fused, num_experts, recompute))
         return moe_forward(x, idx, tw, w, torch.float32).to(x.dtype)
 
     monkeypatch.setattr(train, "draw_routing", draw)
@@ -322,3 +322,14 @@ def test_a_step_that_leaves_a_leaf_without_gradient_is_an_error(no_gpu, monkeypa
     rec = train.TrainRecorder(None, META)
     with pytest.raises(RuntimeError, match=r"mok-unfused \(dedup_pull\): the step left no grad"):
         train.run_model(rec, "tiny", 8, "uniform", ("mok-unfused",), (), 1, 0, 0, "cpu")
+
+
+def test_saving_rows_recompute_nothing(no_gpu, tmp_path):
+    """mok-saved and mok-fused-saved call the layer with recompute=False (the fused one per comm-SM
+    count) and count no recomputed FLOPs: the tiny shape's shared expert is kept too."""
+    rec = train.TrainRecorder(str(tmp_path / "train.csv"), META)
+    impls = ("mok-saved", "mok-fused-saved")
+    train.run_model(rec, "tiny", 40, "uniform", impls, (8, 16), 2, 1, 2, device="cpu")
+    got = [(r["impl"], r["sms"], r["flops_recompute"]) for r in rec.rows]
+    assert got == [("mok-saved", 132, 0), ("mok-fused-saved", 8, 0), ("mok-fused-saved", 16, 0)]
+    assert {(c[2], c[4]) for c in no_gpu["moe"]} == {(False, False), (True, False)}

@@ -115,7 +115,8 @@ def test_custom_ops_trace_with_fake_tensors():
         torch.ops.mok.dedup_sum(sched, None, out, 0)
         wg = torch.zeros(2, 128, h).bfloat16()
         wd = torch.zeros(2, h, 128).bfloat16()
-        torch.ops.mok.layer_forward(x, sched, w, wg, wg, wd, None, None, None, out, 0, None)
+        none3 = (None, None, None)
+        torch.ops.mok.layer_forward(x, sched, w, wg, wg, wd, *none3, out, None, None, 0, None)
         # the experts' backward kernels (gate/up as one [L, 2I, H] tensor)
         gu = torch.zeros(2, 256, h).bfloat16()
         rows = recv.shape[0]

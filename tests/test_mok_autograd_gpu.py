@@ -37,7 +37,7 @@ def _inputs(shape: ModelShape, n: int, skew: str, seed: int = 0):
     return x, idx, tw, w, grad_out
 
 
-def _mok_grads(shape, x, idx, tw, w, grad_out, fused=False, config=None):
+def _mok_grads(shape, x, idx, tw, w, grad_out, fused=False, config=None, recompute=True):
     import mok
     from mok import functional as mf
 
@@ -49,7 +49,7 @@ def _mok_grads(shape, x, idx, tw, w, grad_out, fused=False, config=None):
             v.requires_grad_(True)
     xs, tws = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
     cfg = config or mok.MoKConfig(num_comm_sms=16, minibatch_size=1024)
-    out = mf.moe(xs, idx, tws, w, shape.num_experts, cfg, fused=fused)
+    out = mf.moe(xs, idx, tws, w, shape.num_experts, cfg, fused=fused, recompute=recompute)
     out.backward(grad_out)
     got = {"dx": xs.grad, "d_topk_weights": tws.grad}
     got.update({g: getattr(w, n).grad for g, n in WEIGHTS.items() if getattr(w, n) is not None})
@@ -268,7 +268,7 @@ def test_torch_compile_gives_the_eager_gradients():
 def test_saved_activations_give_the_recomputed_gradients(case):
     """recompute=False (the unfused forward keeps the routed and the shared experts' fp32 gate
     / up): every gradient bitwise the recomputing backward's, also with NaN in the receive
-    buffer's padding rows; the output under the bf16 rule; the fused forward refuses it."""
+    buffer's padding rows; the output under the bf16 rule."""
     import mok
     from mok import functional as mf
 
@@ -305,13 +305,43 @@ def test_saved_activations_give_the_recomputed_gradients(case):
     oracle = ref_forward(xc.double(), ic, tc.double(), wc.to(torch.float64), torch.float64)
     ref16 = ref_forward(xc, ic, tc, wc, torch.bfloat16)
     tol.assert_bf16_rule(out.detach().cpu().double(), ref16.double(), oracle)
-    with pytest.raises(mok.MoKUnsupportedError, match="recompute=False"):
-        mf.moe(xs, idx, tws, ws, shape.num_experts, cfg, fused=True, recompute=False)
+
+
+FUSED_SAVING = [
+    (0, dict(num_comm_sms=16, minibatch_size=1024)),
+    (1, dict(num_comm_sms=16, minibatch_size=1024)),
+    (0, CONFIGS[2]),  # row_tile 64: 128-row blocks split between experts; the rings wrap
+    (1, CONFIGS[2]),
+    (0, CONFIGS[3]),  # dedup_pull
+    (2, dict(num_comm_sms=24, minibatch_size=512)),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize(("fused", "recompute"), [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize(("case", "over"), FUSED_SAVING)
+def test_fused_forward_keeps_gate_up(case, over):
+    """recompute=False with the fused forward (its gate / up tiles write the fp32 g / u by
+    receive row, regions padded to its row tile): every gradient bitwise the recomputing
+    backward's; the output bitwise the fused forward's without saving."""
+    import mok
+
+    mok.clear_workspaces()  # each config is a workspace of its own (and its backward's another)
+    shape, n, skew = CASES[case]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=31)
+    cfg = mok.MoKConfig(**{"wait_timeout_ms": 10_000.0, **over})
+    plain, want = _mok_grads(shape, x, idx, tw, w, grad_out, fused=True, config=cfg)
+    out, got = _mok_grads(shape, x, idx, tw, w, grad_out, True, cfg, recompute=False)
+    assert torch.equal(out, plain), "saving changed the fused forward's output"
+    for name, g in want.items():
+        assert torch.equal(g, got[name]), f"{over}: {name} differs from the recomputed one"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize(
+    ("fused", "recompute"), [(False, True), (True, True), (False, False), (True, False)]
+)
 def test_compiled_module_gives_the_eager_gradients(fused, recompute):
     """A torch.compile'd mok.MoE (whole graph; gate_up as one leaf) with a shared expert, fused
     or not, saving its activations or not: output and the gradients of x, the routing weights
@@ -397,8 +427,8 @@ def test_main_grad_gets_the_kernels_fp32_sums(recompute):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("recompute", [True, False])
-def test_garbage_in_freed_memory_reaches_no_gradient(recompute):
+@pytest.mark.parametrize(("fused", "recompute"), [(False, True), (False, False), (True, False)])
+def test_garbage_in_freed_memory_reaches_no_gradient(fused, recompute):
     """The backward's receive buffers come uninitialised from the allocator and only their
     padding rows are zeroed: with the allocator's free memory full of NaN first, every gradient
     is finite and bitwise the one of a run on clean memory."""
@@ -414,7 +444,7 @@ def test_garbage_in_freed_memory_reaches_no_gradient(recompute):
         leaves = {k: v.detach().clone().requires_grad_() for k, v in given.items()}
         ww = dataclasses.replace(w, **leaves)
         xs, tws = x.clone().requires_grad_(), tw.clone().requires_grad_()
-        out = mf.moe(xs, idx, tws, ww, shape.num_experts, cfg, fused=False, recompute=recompute)
+        out = mf.moe(xs, idx, tws, ww, shape.num_experts, cfg, fused=fused, recompute=recompute)
         out.backward(grad_out)
         return [xs.grad, tws.grad] + [v.grad for v in vars(ww).values() if v is not None]
 

@@ -128,18 +128,20 @@ def test_the_traced_graph_holds_one_op_each_way():
     assert not any("copy_" in t or "auto_functionalize" in t for t in targets[0] + targets[1])
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("shared", [0, 128, 64])  # Is = 64: the saving kernel needs Is % 128
-def test_fake_shapes_on_cuda_tensors(recompute, shared):
+def test_fake_shapes_on_cuda_tensors(fused, recompute, shared):
     """The ops' fake implementations on (fake) CUDA tensors, as torch.compile traces them on a
     GPU: the output like x; with recompute=False the kept fp32 gate / up of the rows one call
-    can fill (tokens x top-k plus 15 padding rows per expert region, the unfused row tile 16)
-    and the shared expert's of every token where the kernel takes its shape (else empty); the
-    gradients like their inputs."""
+    can fill (tokens x top-k plus the padding of each expert region: 15 rows at the unfused row
+    tile 16, row_tile - 1 for the fused forward) and the shared expert's of every token where
+    the kernel takes its shape (else empty); the gradients like their inputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     e, h, i, k, n = 8, 64, 128, 2, 16
-    cfg = mok.MoKConfig().to_json()
+    config = mok.MoKConfig()
+    cfg = config.to_json()
     with FakeTensorMode():
         x = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
         idx = torch.empty(n, k, device="cuda", dtype=torch.int64)
@@ -151,12 +153,13 @@ def test_fake_shapes_on_cuda_tensors(recompute, shared):
             sw = [torch.empty(2 * shared, h, device="cuda", dtype=torch.bfloat16), None,
                   torch.empty(h, shared, device="cuda", dtype=torch.bfloat16)]  # fmt: skip
         weights = (gu, None, wd, *sw)
-        out, saved, saved_sh = torch.ops.mok.moe(x, idx, tw, *weights, e, cfg, "", False, recompute)
+        out, saved, saved_sh = torch.ops.mok.moe(x, idx, tw, *weights, e, cfg, "", fused, recompute)
         grads = torch.ops.mok.moe_backward(
-            out, x, idx, tw, *weights, e, cfg, "", saved, saved_sh, recompute
+            out, x, idx, tw, *weights, e, cfg, "", saved, saved_sh, recompute, fused
         )
         assert out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
-        rows = 0 if recompute else n * k + e * (mf.UNFUSED_ROW_TILE - 1)
+        tile = config.row_tile if fused else mf.UNFUSED_ROW_TILE
+        rows = 0 if recompute else n * k + e * (tile - 1)
         assert saved.dtype == saved_sh.dtype == torch.float32
         assert tuple(saved.shape) == ((0,) if recompute else (rows, 2 * i))
         keeps = not recompute and shared % 128 == 0 and shared > 0

@@ -12,7 +12,9 @@
 //                      it out and publishes the tile while the warpgroup starts the next one.
 // Tile order: shared gate/up, shared down, then GU(0), [GU(m), DN(m-1)] for m = 1.., DN(last)
 // (GU(0), DN(0), GU(1), DN(1), ... when the ring has one minibatch slot). A gate/up tile holds
-// 128 gate and 128 up columns of one expert; its epilogue writes h = bf16(silu(g) * u). A down
+// 128 gate and 128 up columns of one expert; its epilogue writes h = bf16(silu(g) * u) and, in
+// the saving mode (LayerArgs::gu32 / shared_gu32 set), the fp32 g and u themselves, each thread
+// straight from its accumulators to the tile's receive rows (not ring rows). A down
 // tile's epilogue pushes each real row into the home rank's combine slot token * k + j
 // (padding rows are dropped there). With expert regions padded to 64 rows (row_tile 64), a
 // routed 128-row block whose halves belong to two experts (or whose upper half lies past the
@@ -464,6 +466,28 @@ __device__ __forceinline__ void post_chunk(uint64_t* epi_full, volatile int* job
   }
 }
 
+// Saving mode: a warpgroup's fp32 gate / up accumulators (an m64n128 or m64n64 layout, kJ
+// 8-column groups: g in d, the matching up columns in u) into gu [rows, 2 * half]: row row0 +
+// warp * 16 + lane / 4 (+ 8), g from column col0 on, u from half + col0 on; rows at or past
+// `rows` are dropped. Each lane writes 8-byte pairs, four lanes one 32-byte sector of a row.
+template <int kJ>
+__device__ __forceinline__ void save_gate_up(const float* d, const float* u, float* gu,
+                                             int64_t half, int row0, int rows, int64_t col0,
+                                             int warp, int lane) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = row0 + warp * 16 + lane / 4 + 8 * hr;
+    if (row >= rows) continue;
+    float* g = gu + static_cast<int64_t>(row) * 2 * half + col0 + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      *reinterpret_cast<float2*>(g + 8 * j) = make_float2(d[4 * j + 2 * hr], d[4 * j + 2 * hr + 1]);
+      *reinterpret_cast<float2*>(g + half + 8 * j) =
+          make_float2(u[4 * j + 2 * hr], u[4 * j + 2 * hr + 1]);
+    }
+  }
+}
+
 // Consumer warpgroup `wg` (0 or 1): rows wg * 64.. of every full tile of this worker. Its
 // epilogue stages bf16 rows in its shared-memory buffer and hands them to its store warp
 // (layer_storer); it waits only for that warp to have read the previous chunk.
@@ -510,6 +534,15 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
       b = buffer_free();
       if (t.kind == kTileGU || t.kind == kTileSharedGU) {
         stage_chunk<true>(acc0, acc1, epi_memory(wg) + b * kEpiBytes, warp, lane);
+        // NOTE: one call for both kinds, after the staging: a call per kind, or the save before
+        // stage_chunk, makes ptxas (nvcc 13.0) serialise the consumers' wgmma (C7511).
+        const bool routed = t.kind == kTileGU;
+        float* gu = routed ? k.a.gu32 : k.a.shared_gu32;
+        if (gu != nullptr) {
+          save_gate_up<16>(acc0, acc1, gu, routed ? k.a.inter : k.a.shared_inter,
+                           t.rb * kTileM + wg * 64, routed ? o.num_rows : k.p.num_tokens,
+                           t.nb * 128, warp, lane);
+        }
         if (writer) tr.add(kEvEpiStaged, t.kind, i);
         post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, i, t, wg * 64, 0, 16, 1);
       } else {
@@ -531,6 +564,10 @@ __device__ __forceinline__ void layer_consumer(const Ctx& c, const LayerKernelAr
           if (writer && last) tr.add(kEvMainDone, t.kind, i);
           b = buffer_free();
           stage_chunk<true, 8>(acc0, acc0 + 32, epi_memory(wg) + b * kEpiBytes, warp, lane);
+          if (k.a.gu32 != nullptr) {
+            save_gate_up<8>(acc0, acc0 + 32, k.a.gu32, k.a.inter, t.rb * kTileM + 64 * h,
+                            o.num_rows, t.nb * 128 + wg * 64, warp, lane);
+          }
           if (writer && last) tr.add(kEvEpiStaged, t.kind, i);
           post_chunk(&wsh.epi_full[wg][b], wsh.jobs[wg] + 9 * b, wg, tid, i, t, 64 * h, wg * 64, 8, last);
         } else {

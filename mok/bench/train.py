@@ -19,6 +19,8 @@ this GPU, and the same tokens, so the same rows per expert as a rank of EP N get
   says why);
 - ``mok-saved``: ``mok-unfused`` with ``recompute=False`` (the forward keeps the routed and the
   shared experts' fp32 gate / up for the backward, which then recomputes nothing);
+- ``mok-fused-saved``: ``mok-fused`` with ``recompute=False`` (the fused kernel's gate / up tiles
+  write their fp32 g / u too; the backward schedules its rows as the fused forward padded them);
 - ``mok-unfused`` / ``mok-fused``: a :class:`mok.MoE` (what a model holds: its ``gate_up``
   ``[L, 2I, H]``, ``down`` and shared-expert Parameters, so gate and up run as one GEMM forward
   and backward and both gradients land in ``gate_up``) with ``fused=False`` (the default config,
@@ -28,8 +30,8 @@ this GPU, and the same tokens, so the same rows per expert as a rank of EP N get
 
 The mok rows share the backward of :mod:`mok.autograd`: ``mok-unfused`` and ``mok-fused`` save
 only the inputs and recompute the gate / up GEMMs (in the experts' backward kernel on Hopper, with
-the down dgrad and the SwiGLU backward; :func:`mok.experts.swiglu_backward`); ``mok-saved`` runs
-the routed experts' backward from the kept g / u as one launch.
+the down dgrad and the SwiGLU backward; :func:`mok.experts.swiglu_backward`); ``mok-saved`` and
+``mok-fused-saved`` run the routed experts' backward from the kept g / u as one launch.
 
 A step: every leaf's gradient set to None, the forward, ``out.backward(grad_out)`` with a fixed
 random ``grad_out``. ``step_us`` is the CUDA-event median of back-to-back steps after warm-up
@@ -80,7 +82,7 @@ from mok.experts import clear_cache
 from mok.spec.rows import bench_routing_seed
 from mok.spec.workload import ModelShape
 
-IMPLS = ("torch-best", "mok-unfused", "mok-fused", "mok-saved")
+IMPLS = ("torch-best", "mok-unfused", "mok-fused", "mok-saved", "mok-fused-saved")
 TIMES = ("fwd_us", "bwd_us", "step_us", "p20_us", "p80_us")
 GIB = float(2**30)
 
@@ -143,6 +145,23 @@ def step_flops(shape: ModelShape, tokens: int, recompute: bool) -> tuple[int, in
     fwd = tokens * (shape.routed_flops_per_token() + shape.shared_flops_per_token())
     again = fwd // 3 * 2  # gate / up: 4 of the 6 H I (H Is) of every routed (shared) row
     return fwd, again if recompute else 0
+
+
+def shared_kept(shape: ModelShape) -> bool:
+    """Whether a ``recompute=False`` forward keeps the shared expert's gate / up too (it has
+    none, or mok's saving kernel takes its shape: :func:`mok.experts.saving_shapes_fit`)."""
+    from mok.experts import saving_shapes_fit
+
+    si = shape.shared_intermediate
+    if not si:
+        return True
+
+    def meta(*size):
+        return torch.empty(*size, dtype=torch.bfloat16, device="meta")
+
+    return saving_shapes_fit(
+        meta(1, shape.hidden), meta(shape.hidden, si), meta(2 * si, shape.hidden)
+    )
 
 
 def train_weights(shape: ModelShape, device, seed: int = 7) -> dict:
@@ -299,17 +318,21 @@ def run_model(
     if "mok-unfused" in impls:
         add("mok-unfused", ran.dispatch_mode, ran.num_comm_sms, mok_layer(False), flops_again)
         mok.clear_workspaces()
+    # recompute=False: the forward keeps the routed experts' fp32 gate / up for the backward, and
+    # the shared expert's where the kernel takes its shape (else it recomputes those 4 of its
+    # 6 H Is per token)
+    shared_again = 0 if shared_kept(shape) else n * shape.shared_flops_per_token() // 3 * 2
     if "mok-saved" in impls:
-        # the unfused forward keeping the routed experts' fp32 gate / up for the backward; the
-        # shared expert still recomputes its gate / up (4 of its 6 H Is per token)
-        shared_again = n * shape.shared_flops_per_token() // 3 * 2
         add("mok-saved", ran.dispatch_mode, ran.num_comm_sms, mok_layer(False, None, False),
             shared_again)  # fmt: skip
         mok.clear_workspaces()
-    if "mok-fused" in impls:
+    for impl, recompute in (("mok-fused", True), ("mok-fused-saved", False)):
+        if impl not in impls:
+            continue
         for s in sms:
             cfg = mok.MoKConfig(num_comm_sms=s)
-            add("mok-fused", cfg.dispatch_mode, s, mok_layer(True, cfg), flops_again)
+            again = flops_again if recompute else shared_again
+            add(impl, cfg.dispatch_mode, s, mok_layer(True, cfg, recompute), again)
             mok.clear_workspaces()
     clear_cache()  # the next model's weights replace these
 
@@ -321,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skews", default="uniform,hot:0.5")
     ap.add_argument(
         "--impls",
-        default="torch-best,mok-unfused,mok-saved,mok-fused",
+        default="torch-best,mok-unfused,mok-saved,mok-fused,mok-fused-saved",
         help=f"comma list of {', '.join(IMPLS)}",
     )
     ap.add_argument(
@@ -331,7 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the per-rank work of this EP size on the one GPU (the model's experts / N, "
         "same tokens; 0 or 1: all of the model's experts)",
     )
-    ap.add_argument("--sms", default="8,16", help="mok-fused's communication SMs (comma list)")
+    ap.add_argument(
+        "--sms", default="8,16", help="mok-fused's (and mok-fused-saved's) comm SMs (comma list)"
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     add_warm_s(ap)

@@ -272,9 +272,11 @@ def validate_layer_model_rows(rows: Iterable[dict], gemm_profile: str | None = N
 # the quantities of a train row, each one record (``what``): the measured column is f"{q}_us"
 TRAIN_QUANTITIES = ("fwd", "bwd", "step")
 # the train rows the layer model predicts
-TRAIN_MOK_IMPLS = ("mok-unfused", "mok-saved", "mok-fused")
+TRAIN_MOK_IMPLS = ("mok-unfused", "mok-saved", "mok-fused", "mok-fused-saved")
 # the train rows whose backward reads the forward's saved gate / up (no recompute)
-TRAIN_SAVED_IMPLS = ("mok-saved",)
+TRAIN_SAVED_IMPLS = ("mok-saved", "mok-fused-saved")
+# the train rows whose forward is the fused kernel (the layer model's overlapped layer)
+TRAIN_FUSED_IMPLS = ("mok-fused", "mok-fused-saved")
 # the comm SMs of the simulated backward: the rows' config's num_comm_sms_bwd (mok.bench train
 # leaves it at MoKConfig's default; mok's backward today does not read it, its kernels run one
 # after another on all SMs); minibatch and row tile: MoKConfig's, as the train rows ran them
@@ -299,9 +301,10 @@ TRAIN_MODEL_NOTES = (
     "local (the per-rank work of EP2: the model's / 2), routing make_routing(tokens, "
     "num_experts, top-k, 1 rank, skew, routing_seed); the forward and the backward simulated "
     "apart, step = their sum",
-    "forward (mok-fused rows): the layer model's overlapped layer, as the fused kernel runs it: "
-    f"the row's comm SMs and mode, minibatch {TRAIN_MINIBATCH}, row tile {TRAIN_ROW_TILE}, the "
-    "whole receive buffer",
+    "forward (mok-fused and mok-fused-saved rows): the layer model's overlapped layer, as the "
+    f"fused kernel runs it: the row's comm SMs and mode, minibatch {TRAIN_MINIBATCH}, row tile "
+    f"{TRAIN_ROW_TILE}, the whole receive buffer (mok-fused-saved's fp32 gate / up stores are "
+    "not modelled)",
     "backward (every mok row): the simulator's fused-backward design (sim.layer.backward), "
     "NOT what mok runs today: pull reverse combine and push reverse dispatch on "
     f"{TRAIN_BWD_COMM_SMS} comm SMs (MoKConfig.num_comm_sms_bwd) overlapping per-round dgrads "
@@ -363,7 +366,8 @@ def train_model_config(
         row_tile=rt,
         gemm_profile=gemm_profile,
     )
-    fwd = base.replace(num_comm_sms=int(row["sms"])) if impl == "mok-fused" else None
+    fused = impl in TRAIN_FUSED_IMPLS
+    fwd = base.replace(num_comm_sms=int(row["sms"])) if fused else None
     return wl, plan, fwd, backward_config(base, recompute=impl not in TRAIN_SAVED_IMPLS)
 
 
