@@ -206,9 +206,10 @@ plt.show()
 # What one step of the layer costs at a model's size: the committed `mok.bench train` run (one
 # H200, the per-rank work of EP2 at 4096 tokens, gradients for x, the routing weights and every
 # weight). `torch-best` is a careful torch layer under autograd (fused gate / up grouped GEMM,
-# one permutation, its faster of eager and compiled); `mok-saved` keeps the routed experts' fp32
-# gate / up from the forward (`mok.MoE(recompute=False)`), the other mok rows recompute them in
-# the backward. The dashed line is torch-best's step / 1.5, the speed goal of the backward work.
+# one permutation, its faster of eager and compiled); `mok-saved` and `mok-fused-saved` keep the
+# experts' fp32 gate / up from the unfused or the fused forward (`mok.MoE(recompute=False)`,
+# `fused=True` for the second), the other mok rows recompute them in the backward. The dashed
+# line is torch-best's step / 1.5, the speed goal of the backward work.
 # Re-run on a GPU with `python -m mok.bench train --csv my.csv` and point `TRAIN_CSV` at it.
 
 # %%
