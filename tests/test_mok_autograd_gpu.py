@@ -339,6 +339,59 @@ def test_fused_forward_keeps_gate_up(case, over):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("row_tile", [128, 64])
+def test_fused_keep_holds_each_receive_rows_gate_up(row_tile):
+    """mok.functional.forward(..., keep=...): each real receive row of the kept fp32 buffer is
+    its token's gate / up (x @ w_gate_up[e].T) within the fp32 GEMM bound of the fp64 product,
+    the shared expert's row of every token too; the output is the same bits as without keep;
+    buffers of the wrong dtype or too few rows, or a shared buffer without a shared expert,
+    raise MoKInputError."""
+    import mok
+    from mok import functional as mf
+
+    mok.clear_workspaces()
+    shape, n, skew = CASES[0]
+    x, idx, tw, w, _ = _inputs(shape, n, skew, seed=37)
+    cfg = mok.MoKConfig(num_comm_sms=16, minibatch_size=1024, row_tile=row_tile)
+    ws = mok.get_workspace(
+        n, shape.hidden, shape.num_topk, shape.num_experts, x.dtype, cfg, None, x.device,
+        fused=True,
+    )  # fmt: skip
+    sched = mf.build_schedule(idx, tw, ws)
+    inter, si = shape.intermediate, shape.shared_intermediate
+    rows = ws.capacity
+    gu32 = torch.full((rows, 2 * inter), float("nan"), device="cuda")
+    shared = torch.full((n, 2 * si), float("nan"), device="cuda")
+    out = mf.forward(x, sched, w, keep=(gu32, shared))
+    assert torch.equal(out, mf.forward(x, sched, w))
+    k = shape.num_topk
+    offs = sched.offsets.long().tolist()
+    src = sched.src_index[:rows].long()
+    for e in range(shape.num_experts):
+        at = torch.arange(offs[e], offs[e + 1], device="cuda")
+        at = at[src[at] >= 0]
+        if at.numel() == 0:
+            continue
+        a = x[src[at] // k].double()
+        wgu = torch.cat([w.w_gate[e], w.w_up[e]]).double()
+        tol.assert_fp32_gemm(gu32[at], a @ wgu.T, a.abs() @ wgu.abs().T)
+    swgu = torch.cat([w.shared_w_gate, w.shared_w_up]).double()
+    tol.assert_fp32_gemm(shared, x.double() @ swgu.T, x.double().abs() @ swgu.abs().T)
+    bad = [
+        (gu32.bfloat16(), None, "float32"),
+        (gu32[:10], None, "rows"),
+        (None, shared[:, :8], "shape"),
+    ]
+    for g, sh, what in bad:
+        with pytest.raises(mok.MoKInputError, match=what):
+            mf.forward(x, sched, w, keep=(g, sh))
+    no_shared = dataclasses.replace(w, shared_w_gate=None, shared_w_up=None, shared_w_down=None)
+    with pytest.raises(mok.MoKInputError, match="no shared expert"):
+        mf.forward(x, sched, no_shared, keep=(None, shared))
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize(
     ("fused", "recompute"), [(False, True), (True, True), (False, False), (True, False)]
 )
