@@ -116,6 +116,11 @@ class SimConfig:
     # backward only: the SwiGLU backward in the down dgrad's epilogue, HBM bytes per element of
     # the intermediate (read the saved g, u in bf16: 4; write dG, dU in bf16: 4)
     swiglu_bwd_bytes_per_elem: float = 8.0
+    # backward only: the weight gradients' depth step (rows): each expert's rows rounded up to
+    # it. mok's weight-gradient kernel steps 16 rows at a time and stops at its group's end: 16
+    # where the regions are padded to 16 (the unfused path's backward), the row tile where the
+    # backward runs over regions padded to it (from the fused forward's kept g / u)
+    wgrad_depth_step: int = 16
 
     def __post_init__(self) -> None:
         if self.dispatch_mode not in DISPATCH_MODES:
@@ -160,6 +165,10 @@ class SimConfig:
             raise ValueError(f"recompute must be True or False (found {self.recompute!r})")
         if self.recompute and self.direction != "backward":
             raise ValueError("recompute=True applies to direction='backward' only")
+        if not isinstance(self.wgrad_depth_step, int) or self.wgrad_depth_step < 1:
+            raise ValueError(
+                f"wgrad_depth_step must be a positive int (found {self.wgrad_depth_step!r})"
+            )
         if self.swiglu_bwd_bytes_per_elem < 0:
             raise ValueError(
                 f"swiglu_bwd_bytes_per_elem must be >= 0 (found {self.swiglu_bwd_bytes_per_elem})"

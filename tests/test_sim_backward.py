@@ -195,6 +195,8 @@ def test_config_validation():
         SimConfig(direction="backward", recompute=1)
     with pytest.raises(ValueError, match="swiglu"):
         SimConfig(swiglu_bwd_bytes_per_elem=-1.0)
+    with pytest.raises(ValueError, match="wgrad_depth_step"):
+        SimConfig(wgrad_depth_step=0)
     with pytest.raises(ValueError, match="direction='backward'"):
         BackwardBuilder(TINY_EP2, SimConfig(), plan_for(TINY_EP2))
     assert "backward recompute" in SimConfig(direction="backward", recompute=True).label()

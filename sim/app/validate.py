@@ -308,14 +308,16 @@ TRAIN_MODEL_NOTES = (
     "backward (every mok row): the simulator's fused-backward design (sim.layer.backward), "
     "NOT what mok runs today: pull reverse combine and push reverse dispatch on "
     f"{TRAIN_BWD_COMM_SMS} comm SMs (MoKConfig.num_comm_sms_bwd) overlapping per-round dgrads "
-    "(gate/up recomputed, except on mok-saved rows; down dgrad with the SwiGLU backward; "
-    "gate/up dgrad) and the weight "
-    "gradients on the other SMs, every GEMM at the forward's rates. mok's backward "
+    "(gate/up recomputed, except on the saving rows, mok-saved and mok-fused-saved; down "
+    "dgrad with the SwiGLU backward; gate/up dgrad) and the weight gradients on the other SMs"
+    " (depth: each expert's rows rounded up to 16, to the row tile on mok-fused-saved rows, "
+    "whose regions are padded to it), every GEMM at the forward's rates. mok's backward "
     "(docs/backward.md) runs one piece after another on all SMs: the schedule again, two "
-    "dispatches, the experts' backward kernel (down dgrad + gate/up recompute), torch grouped "
-    "GEMMs for the gate/up dgrad and the weight gradients, the shared expert, a combine; each "
-    "at its own measured rate, which no profile of the model holds. A backward error is the "
-    "distance between that design at those rates and today's code",
+    "dispatches, the experts' backward kernel (down dgrad, with the gate/up recompute where "
+    "not saved), mok's gate/up dgrad and weight-gradient GEMMs (one launch from saved g/u), "
+    "the shared expert, a combine; each at its own measured rate, which no profile of the "
+    "model holds. A backward error is the distance between that design at those rates and "
+    "today's code",
 )
 
 
@@ -368,7 +370,12 @@ def train_model_config(
     )
     fused = impl in TRAIN_FUSED_IMPLS
     fwd = base.replace(num_comm_sms=int(row["sms"])) if fused else None
-    return wl, plan, fwd, backward_config(base, recompute=impl not in TRAIN_SAVED_IMPLS)
+    bwd = backward_config(base, recompute=impl not in TRAIN_SAVED_IMPLS)
+    if fused and impl in TRAIN_SAVED_IMPLS:
+        # its backward runs over the fused forward's rows, regions padded to the row tile, and
+        # its weight gradients step over that padding (the others' regions are padded to 16)
+        bwd = bwd.replace(wgrad_depth_step=rt)
+    return wl, plan, fwd, bwd
 
 
 def _train_record(i: int, row: dict, q: str, **over) -> dict:

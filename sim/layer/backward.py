@@ -26,10 +26,10 @@ roles reversed:
   over its whole token axis (the forward GEMMs' FLOPs again, so the backward's GEMM FLOPs are
   2x the forward's, plus one forward gate/up with ``recompute``), as two GEMMs on all
   compute SMs after the last dgrad round, overlapping the last reverse dispatches. Their
-  ``[N_out, K_out]`` tiles have the expert's rows rounded up to :data:`WGRAD_DEPTH_STEP` as
-  depth (the weight-gradient kernel's k step; its region's padding to the row tile is not
-  computed); the model gives every local expert the mean depth (the FLOPs are exact; an
-  uneven split over the experts is not seen).
+  ``[N_out, K_out]`` tiles have the expert's rows rounded up to ``wgrad_depth_step`` as
+  depth (the weight-gradient kernel's k step, 16 by default: its region's padding to the row
+  tile is then not computed); the model gives every local expert the mean depth (the FLOPs
+  are exact; an uneven split over the experts is not seen).
 
 MoK's choice, modelled whatever the forward's policies: pull reverse combine, push reverse
 dispatch (``dispatch_mode`` / ``combine_mode`` keep naming the forward; only ``dedup_pull``
@@ -59,8 +59,6 @@ __all__ = ["BackwardPass", "BACKWARD_ROLES", "backward_config"]
 # kernel_knobs): the reverse combine (a pull, in the dispatch's place before the GEMMs) and the
 # reverse dispatch (a push, in the combine's)
 BACKWARD_ROLES = ("rev_combine", "rev_dispatch")
-# the weight gradients' depth step (rows): mok's weight-gradient kernel runs 16-row k steps
-WGRAD_DEPTH_STEP = 16
 
 
 def backward_config(cfg: SimConfig, recompute: bool | None = None) -> SimConfig:
@@ -143,7 +141,7 @@ class BackwardPass:
 
     def wgrad_specs(self, experts: int, rows: float, intermediate: int) -> list[GemmSpec]:
         """The weight gradients of ``experts`` experts with ``rows`` rows in all (each
-        expert's rounded up to :data:`WGRAD_DEPTH_STEP`):
+        expert's rounded up to ``cfg.wgrad_depth_step``):
         ``dW_down [H, I]`` and ``dW_gate/up [2I, H]`` per expert, depth = the mean rows per
         expert; each writes its gradient once (the weight-streaming term)."""
         if experts <= 0 or rows <= 0:
@@ -221,11 +219,12 @@ class BackwardPass:
 
     def _wgrad_depth_rows(self) -> np.ndarray:
         """[R, local experts] the weight gradients' depth of each expert: its rows rounded up
-        to :data:`WGRAD_DEPTH_STEP` (mok's weight-gradient kernel reduces an expert's rows in
-        16-row k steps and stops at the last that holds its rows, so the padding of its region
-        to the row tile is not part of the depth)."""
+        to ``cfg.wgrad_depth_step`` (mok's weight-gradient kernel reduces an expert's rows in
+        16-row k steps up to its group's end: with regions padded to 16 rows that is the last
+        step that holds its rows, so the padding to the GEMM row tile is not part of the depth;
+        over regions padded to the row tile it is)."""
         plan = self.plan
-        step = WGRAD_DEPTH_STEP
+        step = self.cfg.wgrad_depth_step
         rows = -(-plan.expert_counts.sum(axis=1) // step) * step
         return rows.reshape(plan.num_ranks, plan.num_local_experts)
 
