@@ -95,10 +95,11 @@ def forward(
         keep: the saving mode (the backward from kept activations, ``recompute=False``): a
             pair of contiguous fp32 buffers that the kernel fills with the gate / up GEMMs'
             fp32 outputs, g in columns [0, I) and u in [I, 2I): the routed experts'
-            [rows, 2I], row r being receive row r of the schedule (at least ``num_rows`` rows
-            of it; padding rows get whatever their tile computed, rows past ``num_rows`` stay
-            untouched), and the shared expert's [num_tokens, 2Is] (None: not kept). The output
-            is the same bits with or without it.
+            [rows, 2I], row r being receive row r of the schedule (at least
+            :func:`mok.schedule.received_rows_bound` rows, what a call can fill; padding rows
+            get whatever their tile computed, rows past ``num_rows`` stay untouched), and the
+            shared expert's [num_tokens, 2Is] (None: not kept). The output is the same bits
+            with or without it.
 
     Returns:
         [num_tokens, hidden] bf16, a new tensor.
@@ -110,7 +111,8 @@ def forward(
             minibatch_size not a multiple of 128, num_comm_sms not in [1, SMs)); hidden or
             intermediate sizes off the tiles above; a call inside a CUDA graph capture.
         MoKInputError: x or a weight of the wrong shape, dtype or device, not contiguous or not
-            16-byte aligned.
+            16-byte aligned; a ``keep`` buffer of the wrong shape, dtype or device, not
+            contiguous or of too few rows, or a shared one without a shared expert.
         MoKInputError, MoKCapacityError, MoKTimeoutError: errors the kernel records (bad
             routing, capacity, timeouts) are raised by the next mok call or
             :meth:`Workspace.check` / :func:`mok.check`; this call raises those of earlier ones.
@@ -140,8 +142,9 @@ def forward(
 
 
 def _check_keep(ws: Workspace, weights: MoEWeights, gu32, shared_gu32, num_tokens: int) -> None:
-    """MoKInputError for saving-mode buffers the kernel cannot fill (it writes every receive
-    row it computes, up to the workspace's capacity, so the routed one must hold that many)."""
+    """MoKInputError for saving-mode buffers the kernel cannot fill: it writes every receive
+    row it computes, so the routed one must hold as many as a call can fill
+    (:func:`mok.schedule.received_rows_bound`)."""
     inter = weights.w_gate.shape[1]
     if gu32 is not None:
         rows = gu32.shape[0] if gu32.ndim == 2 else -1
