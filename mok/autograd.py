@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from mok.comm import combine, dispatch
 from mok.errors import MoKInputError, MoKUnsupportedError
-from mok.experts import _kernel_fits, gate_up_weight, saving_shapes_fit, swiglu_backward
+from mok.experts import _kernel_fits, gate_up_weight, shared_kept, swiglu_backward
 from mok.layer import (
     as_config,
     moe_forward,
@@ -282,8 +282,14 @@ def _saved_rows(
     """Rows of the fp32 gate / up that a traced ``recompute=False`` forward outputs: the receive
     rows one rank's call can fill, known from the shapes (regions padded to the fused layer's
     row tile, or to the unfused path's)."""
-    tile = config.row_tile if fused else unfused_row_tile(config)
+    tile = _kept_row_tile(config, fused)
     return routed_rows_bound(num_tokens, num_topk, num_local_experts, tile)
+
+
+def _kept_row_tile(config: MoKConfig, fused: bool) -> int:
+    """The row tile the expert regions of a ``recompute=False`` forward's kept rows are padded
+    to: the config's in the fused forward, the unfused path's otherwise."""
+    return config.row_tile if fused else unfused_row_tile(config)
 
 
 def _leaves(w_gate: torch.Tensor, w_up: torch.Tensor) -> list:
@@ -386,10 +392,10 @@ def _backward(
     num_tokens, hidden = x.shape
     config = as_config(config)
     cfg = unfused_config(config, torch.cuda.get_device_properties(x.device).multi_processor_count)
-    if fused and saved_gu is not None and cfg.row_tile != config.row_tile:
-        # NOTE: the kept rows are where the fused forward put them: this schedule must pad the
-        # expert regions as it did (the comm kernels still get every SM)
-        cfg = dataclasses.replace(cfg, row_tile=config.row_tile)
+    if saved_gu is not None:
+        # NOTE: the kept rows are where the forward put them: this schedule must pad the expert
+        # regions as it did (the comm kernels still get every SM)
+        cfg = dataclasses.replace(cfg, row_tile=_kept_row_tile(config, fused))
     ws = get_workspace(
         num_tokens, hidden, topk_idx.shape[1], num_experts, x.dtype, cfg, group, x.device
     )
@@ -516,7 +522,7 @@ def _moe_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the layer's output, the fp32 gate / up kept for the backward: the routed experts'
     [:func:`_saved_rows`, 2I] and the shared expert's [num_tokens, 2Is] with ``recompute=False``
-    on CUDA (the shared one where :func:`_shared_saved` holds), else empty)."""
+    on CUDA (the shared one where :func:`mok.experts.shared_kept` holds), else empty)."""
     weights = _weights(w_gate, w_up, w_down, shared_w_gate, shared_w_up, shared_w_down)
     none = functools.partial(_nothing, x)
     cfg, grp = _config(config), _group(group)
@@ -545,7 +551,7 @@ def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, *rest) -> tuple:
         return out, none(), none()
     rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], _config(config), fused)
     gu32 = x.new_empty(rows, 2 * w_down.shape[-1], dtype=torch.float32)
-    if not _shared_saved(x, *shared):
+    if not shared_kept(x, *shared):
         return out, gu32, none()
     return out, gu32, x.new_empty(x.shape[0], 2 * shared[2].shape[-1], dtype=torch.float32)
 
@@ -553,15 +559,6 @@ def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, *rest) -> tuple:
 def _nothing(x: torch.Tensor) -> torch.Tensor:
     """An empty fp32 output (a new one each: an op's outputs must not alias each other)."""
     return x.new_empty(0, dtype=torch.float32)
-
-
-def _shared_saved(x, shared_w_gate, shared_w_up, shared_w_down) -> bool:
-    """Whether a ``recompute=False`` forward keeps the shared expert's gate / up: it has one
-    and the saving kernel takes it (:func:`mok.experts.saving_shapes_fit`, as the forward
-    asks)."""
-    if shared_w_down is None:
-        return False
-    return saving_shapes_fit(x, shared_w_down, shared_w_gate, shared_w_up)
 
 
 @torch.library.custom_op("mok::moe_backward", mutates_args=(), tags=TAGS)

@@ -472,6 +472,20 @@ def saving_shapes_fit(
     )
 
 
+def shared_kept(
+    x: torch.Tensor,
+    shared_w_gate: torch.Tensor | None,
+    shared_w_up: torch.Tensor | None,
+    shared_w_down: torch.Tensor | None,
+) -> bool:
+    """Whether a ``recompute=False`` forward keeps the shared expert's fp32 gate / up (fused or
+    not, and a traced forward's fake implementation): it has one (``shared_w_down`` not None)
+    and the saving kernel takes its weights (:func:`saving_shapes_fit`)."""
+    if shared_w_down is None:
+        return False
+    return saving_shapes_fit(x, shared_w_down, shared_w_gate, shared_w_up)
+
+
 def _saving(a, w_gate_up, w_down, ends) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [R, I] bf16, [g | u] [R, 2I] fp32) of the groups ``ends`` by the kernel's saving
     mode."""

@@ -147,12 +147,12 @@ def _check_keep(ws: Workspace, weights: MoEWeights, gu32, shared_gu32, num_token
     (:func:`mok.schedule.received_rows_bound`)."""
     inter = weights.w_gate.shape[1]
     if gu32 is not None:
-        rows = gu32.shape[0] if gu32.ndim == 2 else -1
+        rows, need = (gu32.shape[0] if gu32.ndim == 2 else -1), received_rows_bound(ws, num_tokens)
         check_tensor("keep[0]", gu32, (rows, 2 * inter), (torch.float32,), ws.device)
-        if not gu32.is_contiguous() or rows < received_rows_bound(ws, num_tokens):
+        if not gu32.is_contiguous() or rows < need:
             raise MoKInputError(
                 f"keep[0] must be a contiguous fp32 [rows, {2 * inter}] buffer of at least "
-                f"{received_rows_bound(ws, num_tokens)} rows (found {rows})"
+                f"{need} rows (found {rows})"
             )
     if shared_gu32 is not None:
         if weights.shared_w_gate is None:

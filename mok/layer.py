@@ -18,7 +18,7 @@ from mok.experts import (
     gate_up_weight,
     grouped_swiglu,
     grouped_swiglu_saving,
-    saving_shapes_fit,
+    shared_kept,
 )
 from mok.fused import forward
 from mok.schedule import build_schedule, received_rows_bound
@@ -198,10 +198,10 @@ def _shared_expert(x: torch.Tensor, weights: MoEWeights, saved: list | None):
     """The shared expert's output (None without one). ``saved`` (a list: recompute=False, on a
     GPU the routed experts' saving kernel runs on): its fp32 gate / up outputs are appended
     (None where it has no shared expert or the saving kernel does not take its weights,
-    :func:`mok.experts.saving_shapes_fit`); the output is then the kernel's h times w_down, as
+    :func:`mok.experts.shared_kept`); the output is then the kernel's h times w_down, as
     for the routed experts."""
     sg, su, sd = (getattr(weights, f"shared_w_{n}", None) for n in ("gate", "up", "down"))
-    if sg is None or saved is None or not saving_shapes_fit(x, sd, sg, su):
+    if saved is None or not shared_kept(x, sg, su, sd):
         if saved is not None:
             saved.append(None)
         return None if sg is None else dense_swiglu(x, sg, su, sd, exact=False)
@@ -214,14 +214,14 @@ def _fused_keep(x: torch.Tensor, weights: MoEWeights, ws, saved: list | None):
     """The fused kernel's saving-mode buffers (None without ``saved``, recompute=True), also
     appended to ``saved``: the routed experts' fp32 [rows, 2I] g / u by receive row and the
     shared expert's [num_tokens, 2Is] (None where it has none or the backward's kernel does not
-    take its shapes, :func:`mok.experts.saving_shapes_fit`, as in the unfused path)."""
+    take its shapes, :func:`mok.experts.shared_kept`, as in the unfused path)."""
     if saved is None:
         return None
     rows, inter = received_rows_bound(ws, x.shape[0]), weights.w_gate.shape[1]
     gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=x.device)
     sg, su, sd = (getattr(weights, f"shared_w_{n}", None) for n in ("gate", "up", "down"))
     shared = None
-    if sg is not None and saving_shapes_fit(x, sd, sg, su):
+    if shared_kept(x, sg, su, sd):
         shared = torch.empty(x.shape[0], 2 * sg.shape[0], dtype=torch.float32, device=x.device)
     saved.extend([gu32, shared])
     return gu32, shared

@@ -149,8 +149,8 @@ def step_flops(shape: ModelShape, tokens: int, recompute: bool) -> tuple[int, in
 
 def shared_kept(shape: ModelShape) -> bool:
     """Whether a ``recompute=False`` forward keeps the shared expert's gate / up too (it has
-    none, or mok's saving kernel takes its shape: :func:`mok.experts.saving_shapes_fit`)."""
-    from mok.experts import saving_shapes_fit
+    none, or :func:`mok.experts.shared_kept` holds for its shapes)."""
+    from mok import experts
 
     si = shape.shared_intermediate
     if not si:
@@ -159,9 +159,8 @@ def shared_kept(shape: ModelShape) -> bool:
     def meta(*size):
         return torch.empty(*size, dtype=torch.bfloat16, device="meta")
 
-    return saving_shapes_fit(
-        meta(1, shape.hidden), meta(shape.hidden, si), meta(2 * si, shape.hidden)
-    )
+    return experts.shared_kept(meta(1, shape.hidden), meta(2 * si, shape.hidden), None,
+                               meta(shape.hidden, si))  # fmt: skip
 
 
 def train_weights(shape: ModelShape, device, seed: int = 7) -> dict:
