@@ -76,6 +76,20 @@ int launch_wgrad(const WgradLaunch& args, int grid, void* stream);
 // record, the abort word and the timeout of the cross-block waits.
 struct FusedBwdLaunch {
   SwigluBwdLaunch dh;
+  // The token transfers (one rank), all null without them: the launch copies each receive row's
+  // grad_out / x row [num_tokens, H] (row_src [rows]: token * num_topk + k, -1 for a row without
+  // a token) into dh.dy / dh.a, stores d_a by (token, k) into slots [num_tokens * num_topk, H]
+  // instead of d_a, and sums them in k order onto dx_shared (fp32 [num_tokens, H], or null)
+  // into dx [num_tokens, H] bf16 (dedup: as the dedup combine sums, a bf16 partial of the k
+  // rows first). It then needs every task kind (run). copy_ahead (>= 1): the experts whose row
+  // copies are handed out ahead of their dh tiles.
+  const void* grad_out;
+  const void* x;
+  const int32_t* row_src;
+  void* slots;
+  const float* dx_shared;
+  void* dx;
+  int64_t num_tokens, num_topk, dedup, copy_ahead;
   void* d_a;
   void* d_w_gate_up;
   void* d_w_down;
@@ -86,8 +100,8 @@ struct FusedBwdLaunch {
   int64_t fault;  // tests only: the dh task that never reports done (-1: none)
 };
 
-// The counter words a launch of `rows` rows in `num_experts` groups needs: the next task, then
-// one per row tile and one per expert.
+// The counter words a launch of `rows` rows in `num_experts` groups needs: the next task, one
+// per row tile and one per expert (dh tiles done), one per row tile (copied) and one (d_a done).
 int64_t bwd_fused_counters(int64_t rows, int64_t num_experts);
 
 // Launches it with at most `grid` blocks on `stream`. Returns a cudaError_t value.

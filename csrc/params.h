@@ -43,6 +43,8 @@ enum WaitId : int {
   kWaitLayerPulled = 106,    // communication blocks wait for each other's dedup rows
   kWaitLayerPipeline = 107,  // a worker's TMA / MMA pipeline stage (a local deadlock)
   kWaitBwdDgrad = 108,       // a fused-backward task waits for the dh tiles it reads
+  kWaitBwdCopy = 109,        // a fused-backward dh tile waits for its rows' copy
+  kWaitBwdDa = 110,          // a fused-backward sum waits for every d_a tile
 };
 
 enum ErrorCode : int {

@@ -104,6 +104,8 @@ LOCAL_WAITS = {
     106: "layer dedup rows pulled",
     107: "layer GEMM pipeline stage",
     108: "backward dh tiles done",
+    109: "backward rows copied",
+    110: "backward d_a tiles done",
 }
 ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT, ERR_UNSUPPORTED = 1, 2, 3, 4, 5
 ERR_TOO_MANY_TOKENS = 6

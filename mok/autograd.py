@@ -39,7 +39,14 @@ from torch.autograd.function import once_differentiable
 
 from mok.comm import combine, dispatch
 from mok.errors import MoKInputError, MoKUnsupportedError
-from mok.experts import _kernel_fits, gate_up_weight, shared_kept, swiglu_backward
+from mok.experts import (
+    _kernel_fits,
+    gate_up_weight,
+    shared_kept,
+    swiglu_backward,
+    swiglu_backward_tokens,
+    tokens_backward_misfit,
+)
 from mok.layer import (
     as_config,
     moe_forward,
@@ -56,6 +63,14 @@ from reference.moe import moe_forward as reference_forward
 from reference.weights import MoEWeights
 
 __all__ = ["moe", "moe_backward"]
+
+# True: the backward from saved g / u moves its tokens inside the routed experts' launch where
+# that launch takes the operands (mok.experts.swiglu_backward_tokens) instead of running the
+# communication kernels around it. The same bits either way (tests compare them). Off by
+# default: at one rank it measured 0.2-0.6 ms slower per step at DeepSeek-V3 and up to 0.5 ms
+# at Kimi-K2, 0.07 ms faster at Qwen3-30B (docs/perf-notes.md, "The backward's transfers in
+# its launch").
+TRANSFERS_IN_LAUNCH = False
 
 
 def moe(
@@ -430,30 +445,52 @@ def _backward(
     mode = "pull" if cfg.dispatch_mode == "push" else None
     g_out = grad_out.to(torch.bfloat16).contiguous()
     empty = torch.empty(cap, hidden, dtype=x.dtype, device=x.device)
-    dy = dispatch(g_out, sched, mode, out=empty, zero_padding=True)
-    # the experts, recomputed from x dispatched again
-    recv = dispatch(x, sched, mode, out=torch.empty_like(dy), zero_padding=True)
+    recv = torch.empty_like(empty)
     gu = _gate_up(routed[0], routed[1])
-    d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
-        recv, gu, wd, dy, row_w, sched.group_ends, group_align=cfg.row_tile,
-        saved_gu=saved_gu, wgrad_into=into,
-    )  # fmt: skip
-    del recv, dy
+    dedup = cfg.dispatch_mode == "dedup_pull"
+    in_launch = TRANSFERS_IN_LAUNCH and saved_gu is not None
+    if in_launch:
+        in_launch = not tokens_backward_misfit(
+            empty, gu, wd, sched.group_ends, saved_gu, cfg.row_tile, into
+        )
+    if in_launch:
+        # one launch: the reverse combine, the routed experts, the reverse dispatch onto the
+        # shared expert's input gradient (computed first)
+        dx_shared, d_shared = _shared_backward(x, g_out, shared, saved_shared)
+        row_src = torch.where(valid, sched.src_index[:cap], -1).to(torch.int32)
+        dx, d_row_w, d_wgu, d_wd = swiglu_backward_tokens(
+            g_out, x.contiguous(), row_src, topk_idx.shape[1], (empty, recv), gu, wd, row_w,
+            sched.group_ends, saved_gu, dx_shared, into, dedup,
+        )  # fmt: skip
+    else:
+        dy = dispatch(g_out, sched, mode, out=empty, zero_padding=True)
+        # the experts, recomputed from x dispatched again
+        recv = dispatch(x, sched, mode, out=recv, zero_padding=True)
+        d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
+            recv, gu, wd, dy, row_w, sched.group_ends, group_align=cfg.row_tile,
+            saved_gu=saved_gu, wgrad_into=into,
+        )  # fmt: skip
+        del recv, dy
+        dx_shared, d_shared = _shared_backward(x, g_out, shared, saved_shared)
+        # reverse dispatch: dx = dx_shared + sum_k dRecv[t, k], fixed k order, fp32, bf16 once
+        # (the combine reads only the rows that hold a token)
+        dx = combine(d_recv, sched, shared_y=dx_shared)
     # router weights: each (token, k) has its own receive row at one rank
     d_topk = d_row_w[sched.dst_index.long()].to(topk_weights.dtype)
     d_routed = _in_main_grad([*_split(d_wgu, routed), d_wd], routed, into)
-    # the shared expert, its input gradient kept fp32 for the reverse dispatch's sum
-    dx_shared, d_shared = None, (None, None, None)
-    if shared[2] is not None:
-        sgu = _gate_up(shared[0], shared[1])
-        dx_shared, _, d_sgu, d_swd = swiglu_backward(
-            x, sgu, shared[2], g_out, d_a_dtype=torch.float32, saved_gu=saved_shared
-        )
-        d_shared = _split(d_sgu, shared) + (d_swd,)
-    # reverse dispatch: dx = dx_shared + sum_k dRecv[t, k], fixed k order, fp32, bf16 once
-    # (the combine reads only the rows that hold a token)
-    dx = combine(d_recv, sched, shared_y=dx_shared)
     return (dx.to(x.dtype), d_topk, *d_routed, *d_shared)
+
+
+def _shared_backward(x, g_out, shared, saved_shared) -> tuple:
+    """(the shared expert's input gradient, fp32 for the reverse dispatch's sum, or None; its
+    weight gradients, the leaves' layout)."""
+    if shared[2] is None:
+        return None, (None, None, None)
+    sgu = _gate_up(shared[0], shared[1])
+    dx_shared, _, d_sgu, d_swd = swiglu_backward(
+        x, sgu, shared[2], g_out, d_a_dtype=torch.float32, saved_gu=saved_shared
+    )
+    return dx_shared, _split(d_sgu, shared) + (d_swd,)
 
 
 def _split(d_gate_up: torch.Tensor, leaves) -> tuple:

@@ -364,6 +364,69 @@ def _swiglu_backward_fused(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu,
     return d_a, None if part is None else part.sum(0), d_wgu, d_wd
 
 
+# Experts whose row copies swiglu_backward_tokens's launch hands out ahead of their dh tiles.
+COPY_AHEAD = 32
+
+
+def tokens_backward_misfit(recv, w_gate_up, w_down, offs, saved_gu, group_align, into) -> str:
+    """Why :func:`swiglu_backward_tokens` does not take these operands ("" where it does):
+    those of the fused kernel (:func:`swiglu_backward` with ``fused=True``), ``recv`` the
+    [R, H] receive buffers it fills."""
+    kernel = _kernel_fits(recv, w_gate_up, w_down, recv)
+    return _fused_misfit(kernel, recv, w_down, offs, saved_gu, None, None, group_align, into)
+
+
+def swiglu_backward_tokens(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    row_src: torch.Tensor,
+    num_topk: int,
+    recv: tuple[torch.Tensor, torch.Tensor],
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    row_weight: torch.Tensor,
+    offs: torch.Tensor,
+    saved_gu: torch.Tensor,
+    dx_shared: torch.Tensor | None = None,
+    wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dedup: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routed experts' backward at one rank from saved g / u with the token transfers in
+    the same launch (:func:`mok.ops.bwd_layer_sm90`; :func:`tokens_backward_misfit` says
+    where it runs): the reverse combine fills ``recv`` = (dy, x by receive row, [R, H] bf16)
+    from ``grad_out`` / ``x`` ([T, H] bf16, contiguous) by ``row_src`` ([R] int32, token *
+    ``num_topk`` + k, -1 for a row without a token), then :func:`swiglu_backward`'s fused
+    tasks, then the reverse dispatch sums each token's row gradients in k order onto
+    ``dx_shared`` (fp32 [T, H], or None; as the dedup combine does with ``dedup``).
+
+    Returns:
+        (dx [T, H] bf16, d_row_weight [R] fp32, d_w_gate_up, d_w_down): the bits of
+        :func:`mok.comm.dispatch`, :func:`swiglu_backward` and :func:`mok.comm.combine` run
+        one after another.
+    """
+    recv_dy, recv_x = recv
+    rows, inter = recv_x.shape[0], w_down.shape[-1]
+    (num_tokens, hidden), dev = x.shape, x.device
+    hw = torch.empty(rows, inter, dtype=x.dtype, device=dev)
+    dgu = torch.empty(rows, 2 * inter, dtype=x.dtype, device=dev)
+    part = torch.empty(inter // 128, rows, dtype=torch.float32, device=dev)
+    slots = torch.empty(num_tokens * num_topk, hidden, dtype=x.dtype, device=dev)
+    dx = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
+    if wgrad_into is not None and all(t is None for t in wgrad_into):
+        wgrad_into = None
+    _check_into(wgrad_into, w_gate_up, w_down)
+    if wgrad_into is None:
+        d_wgu, d_wd = torch.empty_like(w_gate_up), torch.empty_like(w_down)
+    else:
+        d_wgu, d_wd = wgrad_into
+    ops.bwd_layer_sm90(
+        grad_out, x, row_src, w_gate_up, w_down, offs, row_weight.float().contiguous(), saved_gu,
+        recv_dy, recv_x, hw, dgu, part, slots, d_wgu, d_wd, dx_shared, dx,
+        wgrad_into is not None, dedup, COPY_AHEAD,
+    )  # fmt: skip
+    return dx, part.sum(0), d_wgu, d_wd
+
+
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: int, into=None):
     """``a[e]^T b[e]`` per group (one [M, N] without ``offs``): mok's Hopper kernel where the
     shapes and the groups' alignment allow it, else torch's grouped GEMM. ``into``: an fp32

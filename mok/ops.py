@@ -29,6 +29,7 @@ __all__ = [
     "swiglu_backward_sm90",
     "wgrad_sm90",
     "bwd_fused_sm90",
+    "bwd_layer_sm90",
 ]
 
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
@@ -521,6 +522,18 @@ def bwd_fused_sm90(
     (:mod:`mok.record`) and raised at the next call. Rows past the last group end are left
     unwritten. The operands a task kind named in ``run`` does not read may be None; the launch
     refuses a missing one it needs."""
+    _launch_bwd_fused(
+        a, dy, w_gate_up, w_down, group_ends, row_w, gu32, hw, dgu, part, d_a, d_w_gate_up,
+        d_w_down, accumulate, run, fault, None,
+    )  # fmt: skip
+
+
+def _launch_bwd_fused(
+    a, dy, w_gate_up, w_down, group_ends, row_w, gu32, hw, dgu, part, d_a, d_w_gate_up,
+    d_w_down, accumulate, run, fault, xfer,
+) -> None:  # fmt: skip
+    """One launch of the fused backward; ``xfer``: (grad_out, x, row_src, slots, dx_shared,
+    dx, num_topk) of :func:`bwd_layer_sm90`, or None."""
     rows = dgu.shape[0]
     if rows == 0:
         return
@@ -543,6 +556,9 @@ def bwd_fused_sm90(
     def ptr(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.data_ptr()
 
+    grad_out, x, row_src, slots, dx_shared, dx, topk, dedup, ahead = (
+        (None,) * 6 + (0, False, 0) if xfer is None else xfer
+    )
     ext.launch_bwd_fused(
         params,
         ptr(a),
@@ -567,6 +583,16 @@ def bwd_fused_sm90(
         hidden,
         two_i // 2,
         L,
+        ptr(grad_out),
+        ptr(x),
+        ptr(row_src),
+        ptr(slots),
+        ptr(dx_shared),
+        ptr(dx),
+        0 if x is None else x.shape[0],
+        topk,
+        int(dedup),
+        ahead,
         torch.cuda.get_device_properties(dev).multi_processor_count,
         torch.cuda.current_stream(dev).cuda_stream,
     )
@@ -576,5 +602,54 @@ def bwd_fused_sm90(
 def _(
     a, dy, w_gate_up, w_down, group_ends, row_w, gu32, hw, dgu, part, d_a, d_w_gate_up,
     d_w_down, accumulate, run, fault,
+) -> None:  # fmt: skip
+    return None
+
+
+@_mok_op(
+    "mok::bwd_layer_sm90",
+    ("recv_dy", "recv_x", "hw", "dgu", "part", "slots", "d_w_gate_up", "d_w_down", "dx"),
+)
+def bwd_layer_sm90(
+    grad_out: torch.Tensor,  # [T, H] bf16: the layer's output gradient
+    x: torch.Tensor,  # [T, H] bf16: the layer's input
+    row_src: torch.Tensor,  # [R] int32: token * K + k of each receive row, -1 for no token
+    w_gate_up: torch.Tensor,  # [L, 2I, H] bf16, contiguous
+    w_down: torch.Tensor,  # [L, H, I] bf16, contiguous
+    group_ends: torch.Tensor,  # [L] int32, multiples of 16
+    row_w: torch.Tensor,  # [R] fp32 routing weights
+    gu32: torch.Tensor,  # [R, 2I] fp32 g | u kept by the saving forward
+    recv_dy: torch.Tensor,  # [R, H] bf16 scratch out: grad_out by receive row
+    recv_x: torch.Tensor,  # [R, H] bf16 scratch out: x by receive row
+    hw: torch.Tensor,  # [R, I] bf16 scratch out
+    dgu: torch.Tensor,  # [R, 2I] bf16 scratch out
+    part: torch.Tensor,  # [I / 128, R] fp32 out (router-weight partials)
+    slots: torch.Tensor,  # [T * K, H] bf16 scratch out: d_a by (token, k)
+    d_w_gate_up: torch.Tensor,  # [L, 2I, H] bf16 out, or fp32 (added onto with accumulate)
+    d_w_down: torch.Tensor,  # [L, H, I], as d_w_gate_up
+    dx_shared: torch.Tensor | None,  # [T, H] fp32: the shared expert's input gradient
+    dx: torch.Tensor,  # [T, H] bf16 out
+    accumulate: bool,
+    dedup: bool,  # sum as the dedup combine does (a bf16 partial of the k rows, then dx_shared)
+    copy_ahead: int,  # experts whose row copies are handed out ahead of their dh tiles (>= 1)
+) -> None:
+    """The routed experts' backward at one rank with its token transfers, one launch
+    (csrc/layer/sm90_bwd_fused.cuh with BwdTransfers): :func:`bwd_fused_sm90`'s tasks, the
+    reverse combine (each receive row gets its token's grad_out and x rows, zeros where it
+    holds none) and the reverse dispatch (``dx = bf16(dx_shared + sum_k d_a[t, k])``, fixed k
+    order; with ``dedup`` ``bf16(dx_shared + bf16(sum_k d_a[t, k]))``, the combine kernels'
+    sums), so that ``dx`` is bitwise what dispatch + the fused backward + combine give."""
+    topk = slots.shape[0] // max(1, x.shape[0])
+    _launch_bwd_fused(
+        recv_x, recv_dy, w_gate_up, w_down, group_ends, row_w, gu32, hw, dgu, part, None,
+        d_w_gate_up, d_w_down, accumulate, BWD_RUN_ALL, -1,
+        (grad_out, x, row_src, slots, dx_shared, dx, topk, dedup, copy_ahead),
+    )  # fmt: skip
+
+
+@bwd_layer_sm90.register_fake
+def _(
+    grad_out, x, row_src, w_gate_up, w_down, group_ends, row_w, gu32, recv_dy, recv_x, hw, dgu,
+    part, slots, d_w_gate_up, d_w_down, dx_shared, dx, accumulate, dedup, copy_ahead,
 ) -> None:  # fmt: skip
     return None

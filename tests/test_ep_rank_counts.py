@@ -68,6 +68,8 @@ _WAITS_CPP = {
     106: "kWaitLayerPulled",
     107: "kWaitLayerPipeline",
     108: "kWaitBwdDgrad",
+    109: "kWaitBwdCopy",
+    110: "kWaitBwdDa",
 }
 _ERROR_FIELDS_CPP = ["Code", "Wait", "Peer", "Observed", "Expected", "Rank", "Epoch", "Extra"]
 

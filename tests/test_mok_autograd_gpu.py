@@ -337,6 +337,50 @@ def test_fused_forward_keeps_gate_up(case, over):
         assert torch.equal(g, got[name]), f"{over}: {name} differs from the recomputed one"
 
 
+TRANSFERS = [
+    (0, 300, {}, False),  # dedup_pull (the default): the dedup combine's sum
+    (0, 300, {}, True),
+    (0, 5, dict(dispatch_mode="pull", combine_mode="push"), False),
+    (1, 513, dict(dispatch_mode="pull", combine_mode="pull"), False),  # hot: empty experts
+    (1, 1, dict(dispatch_mode="push", combine_mode="push"), False),
+    (1, 7, dict(dispatch_mode="pull", combine_mode="push"), True),
+    (2, 130, dict(row_tile=64, minibatch_size=128, macrobatch_size=128), True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize(("case", "n", "over", "fused"), TRANSFERS)
+def test_transfers_in_the_launch_give_the_kernels_bits(case, n, over, fused, monkeypatch):
+    """recompute=False: the backward with its token transfers inside the routed experts'
+    launch (reverse combine, d_a by (token, k), the reverse dispatch's sum) gives every gradient
+    bitwise as the communication kernels around the launch do, for each dispatch / combine
+    mode, a token or a few, empty experts, the fused forward's regions."""
+    import mok
+    import mok.autograd as ma
+
+    mok.clear_workspaces()
+    shape, _, skew = CASES[case]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=41)
+    cfg = mok.MoKConfig(**{"num_comm_sms": 16, "minibatch_size": 1024, **over})
+    calls, launch = [], ma.swiglu_backward_tokens
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return launch(*args, **kwargs)
+
+    runs = {}
+    for inside in (False, True):
+        monkeypatch.setattr(ma, "TRANSFERS_IN_LAUNCH", inside)
+        monkeypatch.setattr(ma, "swiglu_backward_tokens", counted)
+        runs[inside] = _mok_grads(shape, x, idx, tw, w, grad_out, fused, cfg, recompute=False)
+        assert len(calls) == int(inside), "the in-launch transfers did not run (or ran unasked)"
+    (out0, want), (out1, got) = runs[False], runs[True]
+    assert torch.equal(out0, out1)
+    for name, g in want.items():
+        assert torch.equal(g, got[name]), f"{over}: {name} differs with the transfers in the launch"
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("row_tile", [128, 64])

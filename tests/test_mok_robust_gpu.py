@@ -233,3 +233,21 @@ def test_writing_tokens_into_the_x_buffer_after_wait_x_free(problem):
         real = (h["src_rank"] >= 0).nonzero().squeeze(1)
         want = xs[(h["src_index"][real] // K).cuda()]
         assert torch.equal(recv[real.cuda()], want), step
+
+
+def test_a_refused_kernel_launch_raises_with_its_shape():
+    """A launcher that refuses its arguments raises RuntimeError naming the kernel and the shape
+    (formatting that message once crashed the process), and the next call works."""
+    from mok import _ext, record
+
+    ext = _ext.load()
+    stream = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(RuntimeError, match=r"weight-gradient kernel \(16 rows, 100 x 256"):
+        ext.launch_wgrad(0, 0, 0, 0, 16, 100, 256, 1, 0, 1, stream)  # m not a multiple of 128
+    with pytest.raises(RuntimeError, match=r"experts' backward kernel \(0 rows, hidden 512"):
+        ext.launch_swiglu_bwd(*([0] * 12), 0, 512, 256, 1, 1, stream)
+    params = record.record_for(torch.device("cuda")).params()
+    with pytest.raises(RuntimeError, match=r"fused experts' backward \(0 rows, hidden 512"):
+        ext.launch_bwd_fused(params, *([0] * 18), 0, 512, 256, 1, *([0] * 10), 1, stream)
+    w, x, idx, tw = layer_problem(SHAPE, 64, SEED)
+    _check_rule(_layer(w, x, idx, tw, _cfg("pull", "push"), False), w, x, idx, tw)

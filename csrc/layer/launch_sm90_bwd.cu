@@ -122,7 +122,7 @@ int64_t max_row_tiles(int64_t rows, int64_t num_experts) {
 }  // namespace
 
 int64_t bwd_fused_counters(int64_t rows, int64_t num_experts) {
-  return 1 + max_row_tiles(rows, num_experts) + num_experts;
+  return 1 + 2 * max_row_tiles(rows, num_experts) + num_experts + 1;
 }
 
 int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* stream_ptr) {
@@ -133,6 +133,12 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
       L > kBwdMaxExperts || grid < 1 || R > INT32_MAX / 2 || L * 2 * I > INT32_MAX ||
       L * H > INT32_MAX || l.counters == nullptr || l.counters_len < n_counters ||
       l.wgrad_out < kWgradBf16 || l.wgrad_out > kWgradF32Add || l.run < 1 || l.run > kBwdRunAll)
+    return static_cast<int>(cudaErrorInvalidValue);
+  const bool xfer = l.row_src != nullptr;
+  if (xfer && (l.run != kBwdRunAll || l.grad_out == nullptr || l.x == nullptr ||
+               l.slots == nullptr || l.dx == nullptr || d.dy == nullptr || d.a == nullptr ||
+               l.num_tokens < 1 || l.num_tokens > INT32_MAX / 32 || l.num_topk < 1 ||
+               l.num_topk > kMaxTopk || l.copy_ahead < 1))
     return static_cast<int>(cudaErrorInvalidValue);
   FusedBwdKernelArgs k{};
   k.p = p;
@@ -153,7 +159,7 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
          encode_bf16_map(&k.map_dgu_st, d.dgu, R, 2 * I, kEpiStoreRows, kEpiCols,
                          CU_TENSOR_MAP_SWIZZLE_64B);
   if (ok && (l.run & kBwdRunDa))
-    ok = l.d_a != nullptr && encode_bf16_map(&k.map_dgu, d.dgu, R, 2 * I, kTileM, kK) &&
+    ok = (xfer || l.d_a != nullptr) && encode_bf16_map(&k.map_dgu, d.dgu, R, 2 * I, kTileM, kK) &&
          encode_bf16_map(&k.map_wgu, d.w_gate_up, L * 2 * I, H, kK, 64);
   if (ok && (l.run & kBwdRunWgrad)) {
     ok = encode_bf16_map(&k.wgrad[0].map_a, d.dgu, R, 2 * I, 64, 64) &&
@@ -179,6 +185,21 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   b.inter = static_cast<int>(I);
   b.num_experts = static_cast<int>(L);
   k.d_a = static_cast<uint16_t*>(l.d_a);
+  if (xfer) {
+    BwdTransfers& x = k.xfer;
+    x.grad_out = static_cast<const uint16_t*>(l.grad_out);
+    x.x = static_cast<const uint16_t*>(l.x);
+    x.row_src = l.row_src;
+    x.dy_rows = static_cast<uint16_t*>(const_cast<void*>(d.dy));
+    x.a_rows = static_cast<uint16_t*>(const_cast<void*>(d.a));
+    x.slots = static_cast<uint16_t*>(l.slots);
+    x.dx_shared = l.dx_shared;
+    x.dx = static_cast<uint16_t*>(l.dx);
+    x.num_tokens = static_cast<int>(l.num_tokens);
+    x.num_topk = static_cast<int>(l.num_topk);
+    x.dedup = l.dedup != 0;
+    x.copy_ahead = static_cast<int>(l.copy_ahead);
+  }
   k.wgrad[0].ends = k.wgrad[1].ends = d.ends;
   k.wgrad[0].m = static_cast<int>(2 * I), k.wgrad[0].n = static_cast<int>(H);
   k.wgrad[1].m = static_cast<int>(H), k.wgrad[1].n = static_cast<int>(I);

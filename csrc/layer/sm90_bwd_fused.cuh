@@ -12,7 +12,19 @@
 //   wgrad tiles   dW_gate_up[e] = dgu^T a, dW_down[e] = dy^T hw (sm90_bwd.cuh's weight-gradient
 //                 tiles, the same bits).
 // Tasks are numbered: every dh tile (expert, column block, row block), then every d_a tile in
-// the same order, then per expert its dW_gate_up tiles and its dW_down tiles. Each block's
+// the same order, then per expert its dW_gate_up tiles and its dW_down tiles.
+//
+// With the token transfers (FusedBwdKernelArgs::xfer.row_src set; one rank) the launch also
+// moves the rows itself:
+//   copy tiles    the reverse combine: each receive row of a row tile gets its token's output
+//                 gradient and input row (grad_out, x -> the dy and a rows; zeros in rows
+//                 without a token); the copies of expert e + copy_ahead's row tiles are
+//                 numbered just before expert e's dh tiles, so they run under earlier GEMMs;
+//   d_a tiles     store each row into its (token, k) slot instead of its receive row;
+//   sum tasks     after every d_a tile, the reverse dispatch: dx[t] = bf16(dx_shared[t] +
+//                 slot[t, 0] + slot[t, 1] + ...) in fixed k order (comm/combine.cuh's sum, so
+//                 the bits of the combine kernel), numbered after the d_a tiles.
+// A dh tile then also waits for the copy of its row tile, a sum task for every d_a tile. Each block's
 // producer thread claims the next task from one counter, so a task is claimed only after every
 // task before it, and it waits only on tasks before it: a d_a tile on the dh tiles of its row
 // block, a weight-gradient tile on every dh tile of its expert (counters raised by the dh
@@ -37,6 +49,7 @@
 
 #include <cstdint>
 
+#include "common/rows.cuh"
 #include "common/waits.cuh"
 #include "layer/counters.cuh"
 #include "layer/sm90_bwd.cuh"
@@ -46,7 +59,11 @@ namespace mok {
 
 // The task kinds a launch runs (a mask): a launch without kBwdRunDh takes hw / dgu as inputs.
 enum BwdRun : int { kBwdRunDh = 1, kBwdRunDa = 2, kBwdRunWgrad = 4, kBwdRunAll = 7 };
-enum BwdTask : int { kTaskDh = 0, kTaskDa = 1 };
+enum BwdTask : int { kTaskDh = 0, kTaskDa = 1, kTaskCopy = 2, kTaskSum = 3 };
+
+// Tokens per sum task (transfers).
+constexpr int kSumTokens = 32;
+constexpr int kConsumerWarps = 8;
 
 constexpr int kFusedDgradStages = BwdPipe<kSwigluSavedWide>::kNumStages;
 static_assert(kFusedDgradStages * kStageBytes <= kWgradStages * kStageBytes + 4 * kEpiBytes,
@@ -68,6 +85,21 @@ constexpr int kDhEpiWgBytes = 64 * 128;     // a warpgroup's 64 rows of a g or u
 constexpr int kDhEpiPiece = 64 * 64;        // a warpgroup's hw, dg or du: 64 rows x 32 bf16
 static_assert(2 * kDhEpiBox + 2 * kDhEpiWgBytes <= kStageBytes, "a dh epilogue stage");
 
+// The token transfers of a launch that runs them (row_src set): bf16 rows of H columns.
+struct BwdTransfers {
+  const uint16_t* grad_out;  // [T, H] the layer's output gradient
+  const uint16_t* x;         // [T, H] the layer's input
+  const int32_t* row_src;    // [rows] token * K + k of each receive row (-1: no token); or null
+  uint16_t* dy_rows;         // [rows, H] out: grad_out by receive row (dh.map_dy's memory)
+  uint16_t* a_rows;          // [rows, H] out: x by receive row (wgrad[0].map_b's memory)
+  uint16_t* slots;           // [T * K, H] d_a by (token, k)
+  const float* dx_shared;    // [T, H] fp32, the shared expert's input gradient, or null
+  uint16_t* dx;              // [T, H] out
+  int num_tokens, num_topk;
+  int dedup;  // sum as the dedup combine does (a bf16 partial of the k rows, then dx_shared)
+  int copy_ahead;  // experts whose row copies are numbered ahead of their dh tiles (>= 1)
+};
+
 struct FusedBwdKernelArgs {
   Params p;                // error record, abort word, timeout
   SwigluBwdKernelArgs dh;  // map_dy, map_wd, ends, row_w, hw, dgu, part, gu32, sizes
@@ -78,7 +110,9 @@ struct FusedBwdKernelArgs {
   CUtensorMap map_dgu_st;  // dgu [rows, 2I], the same boxes (out)
   uint16_t* d_a;           // [rows, H] bf16
   WgradKernelArgs wgrad[2];  // 0: dW_gate_up = dgu^T a (M 2I, N H); 1: dW_down = dy^T hw (H, I)
-  // [0] the next task; then per row tile (tiles_before order) and per expert the dh tiles done.
+  BwdTransfers xfer;
+  // [0] the next task; then per row tile (tiles_before order) and per expert the dh tiles done;
+  // then per row tile its copy done, and the d_a tiles done (transfers).
   uint32_t* counters;
   int max_row_tiles;  // the row-tile counters' length
   int run;            // BwdRun mask
@@ -86,17 +120,21 @@ struct FusedBwdKernelArgs {
 };
 
 // The tile a dgrad stage's first k-block belongs to: kind (-1: the end of the dgrad tasks),
-// first row, its expert's end row, column block, row tile, expert, task.
+// first row, its expert's end row, column block, row tile, expert, task. A copy or sum task
+// takes a stage without data.
 struct FusedShared {
   int task[kFusedDgradStages][7];
 };
+
 static __shared__ __align__(8) FusedShared fsh;
 
 // How a launch's tasks are numbered (every block computes the same): dh tasks [0, da0), d_a
 // tasks [da0, n_dgrad), weight-gradient tasks [n_dgrad, n_tasks).
+// With transfers: copy and dh tasks interleaved in [0, da0), sum tasks [sum0, n_dgrad).
 struct FusedTasks {
   int row_tiles, dh_blocks, da_blocks, wgu_tiles, wd_tiles;
-  int da0, n_dgrad, n_tasks;
+  int da0, sum0, n_dgrad, n_tasks;
+  bool xfer;
   __device__ FusedTasks(const FusedBwdKernelArgs& f) {
     const SwigluBwdKernelArgs& k = f.dh;
     row_tiles = bsh.tiles_before[k.num_experts];
@@ -107,11 +145,70 @@ struct FusedTasks {
     const int n_dh = (f.run & kBwdRunDh) ? row_tiles * dh_blocks : 0;
     const int n_da = (f.run & kBwdRunDa) ? row_tiles * da_blocks : 0;
     const int n_wg = (f.run & kBwdRunWgrad) ? k.num_experts * (wgu_tiles + wd_tiles) : 0;
-    da0 = n_dh;
-    n_dgrad = n_dh + n_da;
+    xfer = f.xfer.row_src != nullptr;
+    const int n_copy = xfer ? row_tiles : 0;
+    const int n_sum = xfer ? (f.xfer.num_tokens + kSumTokens - 1) / kSumTokens : 0;
+    da0 = n_copy + n_dh;
+    sum0 = da0 + n_da;
+    n_dgrad = sum0 + n_sum;
     n_tasks = n_dgrad + n_wg;
   }
 };
+
+// A task before da0 -> kind (kTaskDh or kTaskCopy), expert, first row, column block (dh) and
+// row tile. Without transfers every one is a dh tile in find_tile's order. With them (D =
+// copy_ahead), the copies of experts [0, D) come first, then per expert e the copies of expert
+// e + D and the dh tiles of e: expert e's block starts at tiles_before[min(e + D, L)] +
+// dh_blocks * tiles_before[e] (non-decreasing in e).
+__device__ __forceinline__ void find_dh_or_copy(const SwigluBwdKernelArgs& k, const FusedTasks& t,
+                                                int kCopyAhead, int i, int& kind, int& e,
+                                                int& row0, int& nb, int& rt) {
+  const int L = k.num_experts;
+  const int* tb = bsh.tiles_before;
+  kind = kTaskDh;
+  if (!t.xfer) {
+    find_tile(k, i, t.dh_blocks, e, row0, nb);
+    rt = tb[e] + (row0 - group_start(k, e)) / kTileM;
+    return;
+  }
+  int copy = i;  // the row tile of a copy task
+  if (i >= tb[min(kCopyAhead, L)]) {
+    int lo = 0, hi = L - 1;
+    while (lo < hi) {  // the last expert whose block starts at or before i
+      const int mid = (lo + hi + 1) / 2;
+      if (tb[min(mid + kCopyAhead, L)] + t.dh_blocks * tb[mid] <= i) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int local = i - tb[min(lo + kCopyAhead, L)] - t.dh_blocks * tb[lo];
+    const int ahead = lo + kCopyAhead;
+    const int copies = ahead < L ? tb[ahead + 1] - tb[ahead] : 0;
+    if (local >= copies) {
+      e = lo;
+      const int m_tiles = tb[e + 1] - tb[e];
+      const int d = local - copies;
+      nb = d / m_tiles;
+      rt = tb[e] + d % m_tiles;
+      row0 = group_start(k, e) + (d % m_tiles) * kTileM;
+      return;
+    }
+    copy = tb[ahead] + local;
+  }
+  kind = kTaskCopy;
+  find_tile(k, copy, 1, e, row0, nb);
+  rt = copy;
+}
+
+// Hands a task without operands (a copy or a sum) to the consumers through a stage.
+__device__ __forceinline__ void fused_hand(const int (&fields)[7], int& stage, uint32_t& phase) {
+  mbar_wait(&bsh.empty[stage], phase ^ 1);
+#pragma unroll
+  for (int q = 0; q < 7; ++q) vol(fsh.task[stage][q]) = fields[q];
+  mbar_arrive(&bsh.full[stage]);
+  if (++stage == kFusedDgradStages) stage = 0, phase ^= 1;
+}
 
 // Loads an N-major k-loop tile (A: 128 rows of `a` from row a_row, 64 k per stage; B: four
 // 64-column boxes of `b` at columns b_col.., rows b_row + k..) into the dgrad stages, and its
@@ -171,6 +268,8 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
   uint32_t* next = f.counters;
   uint32_t* dh_rt = f.counters + 1;
   uint32_t* dh_e = dh_rt + f.max_row_tiles;
+  uint32_t* copied = dh_e + k.num_experts;
+  uint32_t* da_done = copied + f.max_row_tiles;
   const bool deps = (f.run & kBwdRunDh) != 0;
   int stage = 0, gstage = 0;
   uint32_t phase = 0, gphase = 0;
@@ -182,13 +281,34 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
       dgrad = false;
     }
     if (i >= t.n_tasks) break;
+    if (i >= t.sum0 && i < t.n_dgrad) {  // a sum task: every d_a tile stored
+      const int n_da = t.sum0 - t.da0;
+      ok = wait_count(c, da_done, static_cast<uint32_t>(n_da), kWaitBwdDa, i - t.sum0);
+      if (!ok) continue;
+      const int fields[7] = {kTaskSum, (i - t.sum0) * kSumTokens, 0, 0, 0, 0, i};
+      fused_hand(fields, stage, phase);
+      continue;
+    }
     if (i < t.n_dgrad) {
       const bool is_dh = i < t.da0;
-      int e, row0, nb;
-      find_tile(k, is_dh ? i : i - t.da0, is_dh ? t.dh_blocks : t.da_blocks, e, row0, nb);
-      const int rt = bsh.tiles_before[e] + (row0 - group_start(k, e)) / kTileM;
-      const int fields[7] = {is_dh ? kTaskDh : kTaskDa, row0, k.ends[e], nb, rt, e, i};
+      int kind = kTaskDa, e, row0, nb, rt;
       if (is_dh) {
+        find_dh_or_copy(k, t, f.xfer.copy_ahead, i, kind, e, row0, nb, rt);
+      } else {
+        find_tile(k, i - t.da0, t.da_blocks, e, row0, nb);
+        rt = bsh.tiles_before[e] + (row0 - group_start(k, e)) / kTileM;
+      }
+      const int fields[7] = {kind, row0, k.ends[e], nb, rt, e, i};
+      if (kind == kTaskCopy) {
+        fused_hand(fields, stage, phase);
+        continue;
+      }
+      if (kind == kTaskDh) {
+        if (t.xfer) {  // the dy rows of the tile, copied by another task (generic stores)
+          ok = wait_count(c, copied + rt, 1u, kWaitBwdCopy, rt);
+          if (!ok) continue;
+          fence_proxy_async_global();
+        }
         fused_load_nb(&k.map_dy, &k.map_wd, row0, e * k.hidden, nb * 256,
                       k.hidden / OperandBf16::kTileK, fields, stage, phase);
         fused_load_dh_epi(f, row0, nb * 256, stage, phase);
@@ -222,6 +342,67 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
   wgrad_load_end(gstage, gphase);
 }
 
+// A copy task: the rows [row0, min(row0 + 128, end)) of the dy and a buffers from their
+// tokens' grad_out and x rows (zeros for a row without a token); consumer warp cw of 8.
+__device__ __forceinline__ void fused_copy_rows(const FusedBwdKernelArgs& f, int row0, int end,
+                                                int cw, int lane) {
+  const BwdTransfers& x = f.xfer;
+  const int64_t H = f.dh.hidden;
+  const int n16 = static_cast<int>(H / 8);
+  const int last = min(row0 + kTileM, end);
+  for (int row = row0 + cw; row < last; row += kConsumerWarps) {
+    const int s = x.row_src[row];
+    int4* dy = reinterpret_cast<int4*>(x.dy_rows + row * H);
+    int4* a = reinterpret_cast<int4*>(x.a_rows + row * H);
+    if (s >= 0) {
+      const int64_t token = s / x.num_topk;
+      warp_copy_row(dy, reinterpret_cast<const int4*>(x.grad_out + token * H), n16, lane);
+      warp_copy_row(a, reinterpret_cast<const int4*>(x.x + token * H), n16, lane);
+    } else {
+      for (int q = lane; q < n16; q += 32) dy[q] = a[q] = make_int4(0, 0, 0, 0);
+    }
+  }
+}
+
+// A sum task: dx of tokens [t0, t0 + kSumTokens), one token per consumer warp at a time, with
+// the combine kernels' arithmetic (comm/combine.cuh): fp32, k order, bf16 once; with dedup, the
+// partial of the token's rows first (bf16), then dx_shared + partial (its one owner rank).
+__device__ __forceinline__ void fused_sum_tokens(const FusedBwdKernelArgs& f, int t0, int cw,
+                                                 int lane) {
+  const BwdTransfers& x = f.xfer;
+  const int K = x.num_topk;
+  const int64_t H = f.dh.hidden;
+  const int n16 = static_cast<int>(H / 8);
+  const int last = min(t0 + kSumTokens, x.num_tokens);
+  for (int t = t0 + cw; t < last; t += kConsumerWarps) {
+    const uint4* rows = reinterpret_cast<const uint4*>(x.slots + static_cast<int64_t>(t) * K * H);
+    const void* init = x.dx_shared == nullptr ? nullptr : x.dx_shared + t * H;
+    uint4* out = reinterpret_cast<uint4*>(x.dx + t * H);
+    for (int c = lane; c < n16; c += 32) {
+      OrderedSum8 acc;
+      acc.start(x.dedup ? nullptr : init, true, c);
+      constexpr int kGroup = 8;  // loads in flight before the ordered adds
+      for (int k0 = 0; k0 < K; k0 += kGroup) {
+        uint4 v[kGroup];
+#pragma unroll
+        for (int u = 0; u < kGroup; ++u)
+          v[u] = k0 + u < K ? rows[(k0 + u) * n16 + c] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < kGroup; ++u) {
+          if (k0 + u >= K) break;
+          acc.add(1.0f, v[u]);
+        }
+      }
+      if (x.dedup) {
+        const uint4 partial = acc.bf16();
+        acc.start(init, true, c);
+        acc.add(1.0f, partial);
+      }
+      out[c] = acc.bf16();
+    }
+  }
+}
+
 // d_a's epilogue: warpgroup wg's 64 rows of the tile's 256 columns (acc0: 0..127, acc1:
 // 128..255, the m64n128 layout of swiglu_bwd_epilogue) as bf16, rows before the group's end.
 __device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f,
@@ -229,11 +410,15 @@ __device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f,
                                                   const float (&acc1)[64], int row0, int end,
                                                   int nb, int wg, int warp, int lane) {
   const int H = f.dh.hidden;
+  const int32_t* slot_of = f.xfer.row_src;  // with transfers: the row's (token, k) slot
+  uint16_t* out = slot_of == nullptr ? f.d_a : f.xfer.slots;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int row = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hr;
     if (row >= end) continue;
-    uint16_t* at = f.d_a + static_cast<int64_t>(row) * H + nb * 256 + 2 * (lane % 4);
+    const int dst = slot_of == nullptr ? row : slot_of[row];
+    if (dst < 0) continue;  // a row without a token
+    uint16_t* at = out + static_cast<int64_t>(dst) * H + nb * 256 + 2 * (lane % 4);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       *reinterpret_cast<uint32_t*>(at + 8 * j) =
@@ -340,6 +525,8 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int 
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   uint32_t* dh_rt = f.counters + 1;
   uint32_t* dh_e = dh_rt + f.max_row_tiles;
+  uint32_t* copied = dh_e + f.dh.num_experts;
+  uint32_t* da_done = copied + f.max_row_tiles;
   int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
   float acc0[64], acc1[64];
@@ -350,6 +537,24 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int 
     const int row0 = vol(fsh.task[stage][1]), end = vol(fsh.task[stage][2]);
     const int nb = vol(fsh.task[stage][3]), rt = vol(fsh.task[stage][4]);
     const int e = vol(fsh.task[stage][5]), task = vol(fsh.task[stage][6]);
+    if (kind == kTaskCopy || kind == kTaskSum) {
+      const int cw = wg * 4 + warp;
+      if (kind == kTaskCopy) {
+        fused_copy_rows(f, row0, end, cw, lane);
+        // NOTE: the rows are read by other blocks' TMA (async proxy): fence the generic stores
+        // against it before the release
+        fence_proxy_async_global();
+        __threadfence();
+      } else {
+        (void)ld_acquire_gpu(da_done);  // the slots, stored by other blocks (the producer waited)
+        fused_sum_tokens(f, row0, cw, lane);
+      }
+      named_sync(3, 256);
+      if (kind == kTaskCopy && threadIdx.x == 128) red_add_release_gpu(copied + rt, 1u);
+      mbar_arrive(&bsh.empty[stage]);
+      if (++stage == kFusedDgradStages) stage = 0, phase ^= 1;
+      continue;
+    }
     const int k_blocks = (kind == kTaskDh ? f.dh.hidden : 2 * f.dh.inter) / OperandBf16::kTileK;
     mma_kloop<OperandBf16, kFullNBWide, kFusedDgradStages>(
         acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage, prev_stage, phase);
@@ -365,6 +570,11 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int 
       }
     } else {
       fused_da_epilogue(f, acc0, acc1, row0, end, nb, wg, warp, lane);
+      if (f.xfer.row_src != nullptr) {  // the sums read these slots (generic loads)
+        __threadfence();
+        named_sync(3, 256);
+        if (threadIdx.x == 128) red_add_release_gpu(da_done, 1u);
+      }
     }
   }
   wgrad_consumer<kOut>(wg);

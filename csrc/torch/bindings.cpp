@@ -12,35 +12,45 @@
 
 namespace {
 
+// NOTE: numbers go into TORCH_CHECK's messages as strings: streaming an int64_t there crashed
+// the process (a segfault inside the message's ostream, torch 2.11 + this toolchain) instead of
+// raising the error.
+std::string shape_text(int64_t rows, int64_t hidden, int64_t inter, int64_t num_experts) {
+  return std::to_string(rows) + " rows, hidden " + std::to_string(hidden) + ", intermediate " +
+         std::to_string(inter) + ", " + std::to_string(num_experts) + " experts";
+}
+
 int64_t params_size() { return static_cast<int64_t>(sizeof(mok::Params)); }
 
 // The kernels index per-rank arrays of kMaxRanks entries by rank (params.h).
 void check_ranks(const mok::Params& p) {
   TORCH_CHECK(p.num_ranks >= 1 && p.num_ranks <= mok::kMaxRanks && p.rank >= 0 &&
                   p.rank < p.num_ranks,
-              "mok: rank ", p.rank, " of ", p.num_ranks, " ranks; the kernels support 1 to ",
-              mok::kMaxRanks, " ranks (one NVLink domain)");
+              "mok: rank ", std::to_string(p.rank), " of ", std::to_string(p.num_ranks),
+              " ranks; the kernels support 1 to ", std::to_string(mok::kMaxRanks),
+              " ranks (one NVLink domain)");
 }
 
 void launch(int64_t kind, pybind11::bytes params_bytes, int64_t grid, int64_t stream) {
   const std::string raw = params_bytes;
-  TORCH_CHECK(raw.size() == sizeof(mok::Params), "mok: Params is ", raw.size(),
-              " bytes in Python but ", sizeof(mok::Params),
+  TORCH_CHECK(raw.size() == sizeof(mok::Params), "mok: Params is ", std::to_string(raw.size()),
+              " bytes in Python but ", std::to_string(sizeof(mok::Params)),
               " bytes in csrc/params.h; mok/_ext.py and csrc/params.h disagree");
   mok::Params params;
   std::memcpy(&params, raw.data(), sizeof(params));
   check_ranks(params);
   const int err = mok::launch(static_cast<int>(kind), params, static_cast<int>(grid),
                               reinterpret_cast<void*>(stream));
-  TORCH_CHECK(err == 0, "mok: launching kernel ", kind, " with ", grid,
+  TORCH_CHECK(err == 0, "mok: launching kernel ", kind, " with ", std::to_string(grid),
               " blocks failed: ", mok::error_string(err));
 }
 
 template <typename T>
 T unpack(const pybind11::bytes& raw_bytes, const char* name) {
   const std::string raw = raw_bytes;
-  TORCH_CHECK(raw.size() == sizeof(T), "mok: ", name, " is ", raw.size(), " bytes in Python but ",
-              sizeof(T), " bytes in csrc/params.h; mok/_ext.py and csrc/params.h disagree");
+  TORCH_CHECK(raw.size() == sizeof(T), "mok: ", name, " is ", std::to_string(raw.size()),
+              " bytes in Python but ", std::to_string(sizeof(T)),
+              " bytes in csrc/params.h; mok/_ext.py and csrc/params.h disagree");
   T value;
   std::memcpy(&value, raw.data(), sizeof(T));
   return value;
@@ -55,7 +65,7 @@ void launch_layer(pybind11::bytes params_bytes, pybind11::bytes args_bytes, int6
   check_ranks(params);
   const int err =
       mok::launch_layer(params, args, static_cast<int>(grid), reinterpret_cast<void*>(stream));
-  TORCH_CHECK(err == 0, "mok: launching the fused layer with ", grid,
+  TORCH_CHECK(err == 0, "mok: launching the fused layer with ", std::to_string(grid),
               " blocks failed: ", mok::error_string(err));
 }
 
@@ -84,9 +94,8 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
   l.rows = rows, l.hidden = hidden, l.inter = inter, l.num_experts = num_experts;
   const int err =
       mok::launch_swiglu_bwd(l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
-  TORCH_CHECK(err == 0, "mok: launching the experts' backward kernel (", rows, " rows, hidden ",
-              hidden, ", intermediate ", inter, ", ", num_experts,
-              " experts) failed: ", mok::error_string(err));
+  TORCH_CHECK(err == 0, "mok: launching the experts' backward kernel (",
+              shape_text(rows, hidden, inter, num_experts), ") failed: ", mok::error_string(err));
 }
 
 // The experts' weight gradients (api.h WgradLaunch).
@@ -99,8 +108,9 @@ void launch_wgrad(int64_t a, int64_t b, int64_t ends, int64_t c, int64_t rows, i
   l.c = reinterpret_cast<void*>(c);
   l.rows = rows, l.m = m, l.n = n, l.num_experts = num_experts, l.out = out;
   const int err = mok::launch_wgrad(l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
-  TORCH_CHECK(err == 0, "mok: launching the weight-gradient kernel (", rows, " rows, ", m, " x ",
-              n, ", ", num_experts, " experts) failed: ", mok::error_string(err));
+  TORCH_CHECK(err == 0, "mok: launching the weight-gradient kernel (", std::to_string(rows),
+              " rows, ", std::to_string(m), " x ", std::to_string(n), ", ",
+              std::to_string(num_experts), " experts) failed: ", mok::error_string(err));
 }
 
 // The experts' backward from saved g / u in one launch (api.h FusedBwdLaunch): Params (the
@@ -110,9 +120,20 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
                       int64_t part, int64_t gu32, int64_t d_a, int64_t d_w_gate_up,
                       int64_t d_w_down, int64_t counters, int64_t counters_len, int64_t wgrad_out,
                       int64_t run, int64_t fault, int64_t rows, int64_t hidden, int64_t inter,
-                      int64_t num_experts, int64_t grid, int64_t stream) {
+                      int64_t num_experts, int64_t grad_out, int64_t x, int64_t row_src,
+                      int64_t slots, int64_t dx_shared, int64_t dx, int64_t num_tokens,
+                      int64_t num_topk, int64_t dedup, int64_t copy_ahead, int64_t grid,
+                      int64_t stream) {
   const auto params = unpack<mok::Params>(params_bytes, "Params");
   mok::FusedBwdLaunch l{};
+  l.grad_out = reinterpret_cast<const void*>(grad_out);
+  l.x = reinterpret_cast<const void*>(x);
+  l.row_src = reinterpret_cast<const int32_t*>(row_src);
+  l.slots = reinterpret_cast<void*>(slots);
+  l.dx_shared = reinterpret_cast<const float*>(dx_shared);
+  l.dx = reinterpret_cast<void*>(dx);
+  l.num_tokens = num_tokens, l.num_topk = num_topk, l.dedup = dedup;
+  l.copy_ahead = copy_ahead;
   l.dh.a = reinterpret_cast<const void*>(a);
   l.dh.dy = reinterpret_cast<const void*>(dy);
   l.dh.w_gate_up = reinterpret_cast<const void*>(w_gate_up);
@@ -131,9 +152,9 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
   l.counters_len = counters_len, l.wgrad_out = wgrad_out, l.run = run, l.fault = fault;
   const int err =
       mok::launch_bwd_fused(params, l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
-  TORCH_CHECK(err == 0, "mok: launching the fused experts' backward (", rows, " rows, hidden ",
-              hidden, ", intermediate ", inter, ", ", num_experts,
-              " experts) failed: ", mok::error_string(err));
+  TORCH_CHECK(err == 0, "mok: launching the fused experts' backward (",
+              shape_text(rows, hidden, inter, num_experts), row_src != 0 ? ", with transfers" : "",
+              ") failed: ", mok::error_string(err));
 }
 
 int64_t host_device_pointer(int64_t host_ptr) {
