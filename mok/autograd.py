@@ -18,6 +18,10 @@ recomputing the forward activations:
 * reverse dispatch: the combine kernel with unit weights sums each token's k row gradients in
   fixed k order onto the shared expert's fp32 input gradient (rounded to bf16 once).
 
+With :data:`TRANSFERS_IN_LAUNCH` (off by default) and saved activations, the two dispatches and
+the reverse dispatch run as tasks of the routed experts' one launch instead
+(:func:`mok.experts.swiglu_backward_tokens`), with the same bits.
+
 So far at one rank (the workspace's group of size 1): at more ranks the router-weight gradient's
 per-row partials live on the experts' owners and must travel home with the row gradients, which
 this path does not do yet.
