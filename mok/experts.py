@@ -256,9 +256,7 @@ def swiglu_backward(
                         wgrad_into)  # fmt: skip
     if fused and why:
         raise ValueError(f"swiglu_backward: fused=True, but {why}")
-    if wgrad_into is not None and all(t is None for t in wgrad_into):
-        wgrad_into = None
-    _check_into(wgrad_into, w_gate_up, w_down)
+    wgrad_into = _checked_into(wgrad_into, w_gate_up, w_down)
     if fused is not False and not why:
         return _swiglu_backward_fused(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu,
                                       wgrad_into)  # fmt: skip
@@ -310,9 +308,11 @@ def _dgrad_checks(kernel, a, w_down, offs, d_a_dtype) -> tuple:
     )  # fmt: skip
 
 
-def _check_into(into, w_gate_up, w_down) -> None:
-    """ValueError unless each accumulator of ``wgrad_into`` (or None) is a contiguous fp32
-    tensor of its weight's shape."""
+def _checked_into(into, w_gate_up, w_down):
+    """``wgrad_into`` with (None, None) as None; ValueError unless each accumulator (or None)
+    is a contiguous fp32 tensor of its weight's shape."""
+    if into is not None and all(t is None for t in into):
+        into = None
     for acc, w in zip((None, None) if into is None else into, (w_gate_up, w_down), strict=True):
         if acc is not None and (
             acc.dtype != torch.float32 or acc.shape != w.shape or not acc.is_contiguous()
@@ -321,6 +321,7 @@ def _check_into(into, w_gate_up, w_down) -> None:
                 f"wgrad_into: contiguous fp32 tensors of the weights' shapes, got {acc.dtype} "
                 f"{tuple(acc.shape)} for a weight of {tuple(w.shape)}"
             )
+    return into
 
 
 def _dgrad_fits(kernel, a, w_down, offs, d_a_dtype) -> bool:
@@ -344,24 +345,29 @@ def gate_up_dgrad(dgu: torch.Tensor, w_gate_up: torch.Tensor, offs: torch.Tensor
 
 def _swiglu_backward_fused(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu, into):
     """:func:`swiglu_backward` by the fused kernel (one launch)."""
-    rows, hidden, inter = a.shape[0], a.shape[1], w_down.shape[-1]
-    dev = a.device
-    hw = torch.empty(rows, inter, dtype=a.dtype, device=dev)
-    dgu = torch.empty(rows, 2 * inter, dtype=a.dtype, device=dev)
-    d_a = torch.empty(rows, hidden, dtype=a.dtype, device=dev)
-    part = None
+    hw, dgu, part, (d_wgu, d_wd) = _fused_outputs(a, w_gate_up, w_down, row_weight, into)
+    d_a = torch.empty_like(a)
     if row_weight is not None:
-        part = torch.empty(inter // 128, rows, dtype=torch.float32, device=dev)
         row_weight = row_weight.float().contiguous()
-    if into is None:
-        d_wgu, d_wd = torch.empty_like(w_gate_up), torch.empty_like(w_down)
-    else:
-        d_wgu, d_wd = into
     ops.bwd_fused_sm90(
         a, dy, w_gate_up, w_down, offs, row_weight, saved_gu, hw, dgu, part, d_a, d_wgu, d_wd,
         into is not None, ops.BWD_RUN_ALL, -1,
     )  # fmt: skip
     return d_a, None if part is None else part.sum(0), d_wgu, d_wd
+
+
+def _fused_outputs(a, w_gate_up, w_down, row_weight, into):
+    """The fused kernel's buffers for rows like ``a``: hw [R, I], dgu [R, 2I], the
+    router-weight partials [I / 128, R] fp32 (None without ``row_weight``), and the weight
+    gradients (``into``'s accumulators, or new tensors like the weights)."""
+    rows, inter, dev = a.shape[0], w_down.shape[-1], a.device
+    hw = torch.empty(rows, inter, dtype=a.dtype, device=dev)
+    dgu = torch.empty(rows, 2 * inter, dtype=a.dtype, device=dev)
+    part = None
+    if row_weight is not None:
+        part = torch.empty(inter // 128, rows, dtype=torch.float32, device=dev)
+    wgrads = (torch.empty_like(w_gate_up), torch.empty_like(w_down)) if into is None else into
+    return hw, dgu, part, wgrads
 
 
 # Experts whose row copies swiglu_backward_tokens's launch hands out ahead of their dh tiles.
@@ -405,20 +411,12 @@ def swiglu_backward_tokens(
         one after another.
     """
     recv_dy, recv_x = recv
-    rows, inter = recv_x.shape[0], w_down.shape[-1]
     (num_tokens, hidden), dev = x.shape, x.device
-    hw = torch.empty(rows, inter, dtype=x.dtype, device=dev)
-    dgu = torch.empty(rows, 2 * inter, dtype=x.dtype, device=dev)
-    part = torch.empty(inter // 128, rows, dtype=torch.float32, device=dev)
+    wgrad_into = _checked_into(wgrad_into, w_gate_up, w_down)
+    hw, dgu, part, (d_wgu, d_wd) = _fused_outputs(recv_x, w_gate_up, w_down, row_weight,
+                                                  wgrad_into)  # fmt: skip
     slots = torch.empty(num_tokens * num_topk, hidden, dtype=x.dtype, device=dev)
     dx = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
-    if wgrad_into is not None and all(t is None for t in wgrad_into):
-        wgrad_into = None
-    _check_into(wgrad_into, w_gate_up, w_down)
-    if wgrad_into is None:
-        d_wgu, d_wd = torch.empty_like(w_gate_up), torch.empty_like(w_down)
-    else:
-        d_wgu, d_wd = wgrad_into
     ops.bwd_layer_sm90(
         grad_out, x, row_src, w_gate_up, w_down, offs, row_weight.float().contiguous(), saved_gu,
         recv_dy, recv_x, hw, dgu, part, slots, d_wgu, d_wd, dx_shared, dx,

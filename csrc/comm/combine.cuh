@@ -44,20 +44,13 @@ __device__ __forceinline__ void warp_weighted_sum(uint4* out, const void* init, 
     acc.start(init, init_fp32, c);
     // Loads in flight per lane before the ordered adds: all 8 of a top-8 token at once (the
     // final sum of the fused layer ran at ~53% of the HBM rate with 4; the adds keep k order).
-    constexpr int kGroup = 8;
-    for (int k0 = 0; k0 < n; k0 += kGroup) {
-      uint4 v[kGroup];
-#pragma unroll
-      for (int u = 0; u < kGroup; ++u) {
-        const uint64_t src = (k0 + u < n) ? s_src[k0 + u] : 0;
-        v[u] = src ? reinterpret_cast<const uint4*>(src)[c] : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kGroup; ++u) {
-        if (k0 + u >= n) break;
-        acc.add(s_w[k0 + u], v[u]);
-      }
-    }
+    add_in_k_order<8>(
+        acc, n,
+        [&](int k, bool valid) {
+          const uint64_t src = valid ? s_src[k] : 0;
+          return src ? reinterpret_cast<const uint4*>(src)[c] : make_uint4(0, 0, 0, 0);
+        },
+        [&](int k) { return s_w[k]; });
     out[c] = acc.bf16();
   }
 }

@@ -137,4 +137,21 @@ struct OrderedSum8 {
   }
 };
 
+// acc += weight(k) * load(k, true) for k = 0 .. n-1 in that order (load(k, valid): one bf16x8
+// vector of term k, zeros where !valid), kGroup loads in flight per lane before their adds.
+template <int kGroup, class Load, class Weight>
+__device__ __forceinline__ void add_in_k_order(OrderedSum8& acc, int n, Load load,
+                                               Weight weight) {
+  for (int k0 = 0; k0 < n; k0 += kGroup) {
+    uint4 v[kGroup];
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) v[u] = load(k0 + u, k0 + u < n);
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) {
+      if (k0 + u >= n) break;
+      acc.add(weight(k0 + u), v[u]);
+    }
+  }
+}
+
 }  // namespace mok

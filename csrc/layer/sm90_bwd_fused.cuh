@@ -381,18 +381,10 @@ __device__ __forceinline__ void fused_sum_tokens(const FusedBwdKernelArgs& f, in
     for (int c = lane; c < n16; c += 32) {
       OrderedSum8 acc;
       acc.start(x.dedup ? nullptr : init, true, c);
-      constexpr int kGroup = 8;  // loads in flight before the ordered adds
-      for (int k0 = 0; k0 < K; k0 += kGroup) {
-        uint4 v[kGroup];
-#pragma unroll
-        for (int u = 0; u < kGroup; ++u)
-          v[u] = k0 + u < K ? rows[(k0 + u) * n16 + c] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int u = 0; u < kGroup; ++u) {
-          if (k0 + u >= K) break;
-          acc.add(1.0f, v[u]);
-        }
-      }
+      add_in_k_order<8>(
+          acc, K,
+          [&](int k, bool valid) { return valid ? rows[k * n16 + c] : make_uint4(0, 0, 0, 0); },
+          [](int) { return 1.0f; });
       if (x.dedup) {
         const uint4 partial = acc.bf16();
         acc.start(init, true, c);
