@@ -3,7 +3,7 @@
 The stages live in their own modules (:mod:`mok.schedule`, :mod:`mok.comm`, :mod:`mok.fused`);
 this module is their public namespace, with :func:`moe_forward` (:mod:`mok.layer`), which
 composes them, :func:`moe`, the same layer under autograd (:mod:`mok.autograd`), and
-:func:`moe_backward`, its backward as one explicit call.
+:func:`moe_backward` (also named :func:`backward`), its backward as one explicit call.
 
 All calls are asynchronous: no ``.item()``, no host-side counts, no shape-dependent host
 allocation. Sizes that depend on the routing (rows received, dedup rows) stay on the device; the
@@ -34,10 +34,13 @@ from mok.fused import forward
 from mok.layer import UNFUSED_ROW_TILE, as_config, moe_forward, unfused_config
 from mok.schedule import DeviceSchedule, build_schedule
 
+backward = moe_backward
+
 __all__ = [
     "DeviceSchedule",
     "moe",
     "moe_backward",
+    "backward",
     "build_schedule",
     "dispatch",
     "fanout",

@@ -34,9 +34,10 @@ def _inputs(dtype, seed=0):
     return x, torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights).to(dtype), w, grad_out
 
 
-def test_it_is_the_references_backward_in_fp64():
+@pytest.mark.parametrize("call", ["moe_backward", "backward"])
+def test_it_is_the_references_backward_in_fp64(call):
     x, idx, tw, w, grad_out = _inputs(torch.float64)
-    got = mf.moe_backward(grad_out, x, idx, tw, w, SHAPE.num_experts)
+    got = getattr(mf, call)(grad_out, x, idx, tw, w, SHAPE.num_experts)
     want = moe_backward(grad_out, x, idx, tw, w, torch.float64)
     for name in FIELDS:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
