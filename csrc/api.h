@@ -82,11 +82,8 @@ struct FusedBwdLaunch {
   // instead of d_a, and sums them in k order onto dx_shared (fp32 [num_tokens, H], or null)
   // into dx [num_tokens, H] bf16 (dedup: as the dedup combine sums, a bf16 partial of the k
   // rows first). It then needs every task kind (run). copy_ahead (>= 1): the experts whose row
-  // copies are handed out ahead of their dh tiles. recv_dy / recv_a: dh.dy / dh.a (the same
-  // addresses), the buffers the copies write.
+  // copies are handed out ahead of their dh tiles.
   const void* grad_out;
-  void* recv_dy;
-  void* recv_a;
   const void* x;
   const int32_t* row_src;
   void* slots;

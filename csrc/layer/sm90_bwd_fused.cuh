@@ -24,15 +24,15 @@
 //   sum tasks     after every d_a tile, the reverse dispatch: dx[t] = bf16(dx_shared[t] +
 //                 slot[t, 0] + slot[t, 1] + ...) in fixed k order (comm/combine.cuh's sum, so
 //                 the bits of the combine kernel), numbered after the d_a tiles.
-// A dh tile then also waits for the copy of its row tile, a sum task for every d_a tile. Each block's
-// producer thread claims the next task from one counter, so a task is claimed only after every
-// task before it, and it waits only on tasks before it: a d_a tile on the dh tiles of its row
-// block, a weight-gradient tile on every dh tile of its expert (counters raised by the dh
-// tiles' consumers after their stores). Claimed tasks always finish (their producer loaded
-// their stages before claiming the next one), so the waits cannot deadlock, whatever the grid
-// and whichever blocks are resident. Every output element is written by one task with a fixed
-// k order (no split-K, no atomics on data): the result does not depend on the grid or on which
-// block ran what.
+// A dh tile then also waits for the copy of its row tile, a sum task for every d_a tile.
+// Each block's producer thread claims the next task from one counter, so a task is claimed
+// only after every task before it, and it waits only on tasks before it: a d_a tile on the dh
+// tiles of its row block, a weight-gradient tile on every dh tile of its expert (counters
+// raised by the dh tiles' consumers after their stores). Claimed tasks always finish (their
+// producer loaded their stages before claiming the next one), so the waits cannot deadlock,
+// whatever the grid and whichever blocks are resident. Every output element is written by one
+// task with a fixed k order (no split-K, no atomics on data): the result does not depend on
+// the grid or on which block ran what.
 //
 // Roles per block (384 threads) as in sm90_bwd.cuh: a producer thread, two consumer
 // warpgroups, two store warps for the weight gradients. The dh and d_a tiles run over four
@@ -117,6 +117,21 @@ struct FusedBwdKernelArgs {
   int max_row_tiles;  // the row-tile counters' length
   int run;            // BwdRun mask
   int64_t fault;      // tests only: a dh task that never reports done (-1: none)
+};
+
+// The counters' parts (FusedBwdKernelArgs::counters, in that order).
+struct FusedCounters {
+  uint32_t* next;     // the next task
+  uint32_t* dh_rt;    // per row tile: its dh tiles done
+  uint32_t* dh_e;     // per expert: its dh tiles done
+  uint32_t* copied;   // per row tile: its rows copied (transfers)
+  uint32_t* da_done;  // the d_a tiles done (transfers)
+  __device__ explicit FusedCounters(const FusedBwdKernelArgs& f)
+      : next(f.counters),
+        dh_rt(next + 1),
+        dh_e(dh_rt + f.max_row_tiles),
+        copied(dh_e + f.dh.num_experts),
+        da_done(copied + f.max_row_tiles) {}
 };
 
 // The tile a dgrad stage's first k-block belongs to: kind (-1: the end of the dgrad tasks),
@@ -265,17 +280,13 @@ __device__ __forceinline__ void fused_dgrad_end(int stage, uint32_t phase) {
 __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, const Ctx& c) {
   const FusedTasks t(f);
   const SwigluBwdKernelArgs& k = f.dh;
-  uint32_t* next = f.counters;
-  uint32_t* dh_rt = f.counters + 1;
-  uint32_t* dh_e = dh_rt + f.max_row_tiles;
-  uint32_t* copied = dh_e + k.num_experts;
-  uint32_t* da_done = copied + f.max_row_tiles;
+  const FusedCounters cnt(f);
   const bool deps = (f.run & kBwdRunDh) != 0;
   int stage = 0, gstage = 0;
   uint32_t phase = 0, gphase = 0;
   bool dgrad = true, ok = true;
   for (;;) {
-    const int i = ok ? static_cast<int>(atomicAdd(next, 1u)) : t.n_tasks;
+    const int i = ok ? static_cast<int>(atomicAdd(cnt.next, 1u)) : t.n_tasks;
     if (dgrad && i >= t.n_dgrad) {
       fused_dgrad_end(stage, phase);
       dgrad = false;
@@ -283,7 +294,7 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
     if (i >= t.n_tasks) break;
     if (i >= t.sum0 && i < t.n_dgrad) {  // a sum task: every d_a tile stored
       const int n_da = t.sum0 - t.da0;
-      ok = wait_count(c, da_done, static_cast<uint32_t>(n_da), kWaitBwdDa, i - t.sum0);
+      ok = wait_count(c, cnt.da_done, static_cast<uint32_t>(n_da), kWaitBwdDa, i - t.sum0);
       if (!ok) continue;
       const int fields[7] = {kTaskSum, (i - t.sum0) * kSumTokens, 0, 0, 0, 0, i};
       fused_hand(fields, stage, phase);
@@ -305,7 +316,7 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
       }
       if (kind == kTaskDh) {
         if (t.xfer) {  // the dy rows of the tile, copied by another task (generic stores)
-          ok = wait_count(c, copied + rt, 1u, kWaitBwdCopy, rt);
+          ok = wait_count(c, cnt.copied + rt, 1u, kWaitBwdCopy, rt);
           if (!ok) continue;
           fence_proxy_async_global();
         }
@@ -315,7 +326,7 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
         continue;
       }
       if (deps) {
-        ok = wait_count(c, dh_rt + rt, t.dh_blocks, kWaitBwdDgrad, rt);
+        ok = wait_count(c, cnt.dh_rt + rt, t.dh_blocks, kWaitBwdDgrad, rt);
         if (!ok) continue;
         fence_proxy_async_global();  // dgu, stored by other blocks, read by TMA
       }
@@ -331,7 +342,7 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
     if (prob == 1) r -= t.wgu_tiles;
     if (deps) {
       const uint32_t need = (bsh.tiles_before[e + 1] - bsh.tiles_before[e]) * t.dh_blocks;
-      ok = wait_count(c, dh_e + e, need, kWaitBwdDgrad, -1 - e);
+      ok = wait_count(c, cnt.dh_e + e, need, kWaitBwdDgrad, -1 - e);
       if (!ok) continue;
       fence_proxy_async_global();  // dgu and hw, stored by other blocks, read by TMA
     }
@@ -515,10 +526,7 @@ __device__ __forceinline__ void fused_dh_epilogue(const FusedBwdKernelArgs& f,
 template <int kOut>
 __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  uint32_t* dh_rt = f.counters + 1;
-  uint32_t* dh_e = dh_rt + f.max_row_tiles;
-  uint32_t* copied = dh_e + f.dh.num_experts;
-  uint32_t* da_done = copied + f.max_row_tiles;
+  const FusedCounters cnt(f);
   int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
   float acc0[64], acc1[64];
@@ -538,11 +546,12 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int 
         fence_proxy_async_global();
         __threadfence();
       } else {
-        (void)ld_acquire_gpu(da_done);  // the slots, stored by other blocks (the producer waited)
+        // the slots, stored by other blocks (the producer waited for them)
+        (void)ld_acquire_gpu(cnt.da_done);
         fused_sum_tokens(f, row0, cw, lane);
       }
       named_sync(3, 256);
-      if (kind == kTaskCopy && threadIdx.x == 128) red_add_release_gpu(copied + rt, 1u);
+      if (kind == kTaskCopy && threadIdx.x == 128) red_add_release_gpu(cnt.copied + rt, 1u);
       mbar_arrive(&bsh.empty[stage]);
       if (++stage == kFusedDgradStages) stage = 0, phase ^= 1;
       continue;
@@ -557,15 +566,15 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int 
       fence_proxy_async_global();
       named_sync(3, 256);
       if (threadIdx.x == 128 && task != f.fault) {
-        red_add_release_gpu(dh_rt + rt, 1u);
-        red_add_release_gpu(dh_e + e, 1u);
+        red_add_release_gpu(cnt.dh_rt + rt, 1u);
+        red_add_release_gpu(cnt.dh_e + e, 1u);
       }
     } else {
       fused_da_epilogue(f, acc0, acc1, row0, end, nb, wg, warp, lane);
       if (f.xfer.row_src != nullptr) {  // the sums read these slots (generic loads)
         __threadfence();
         named_sync(3, 256);
-        if (threadIdx.x == 128) red_add_release_gpu(da_done, 1u);
+        if (threadIdx.x == 128) red_add_release_gpu(cnt.da_done, 1u);
       }
     }
   }

@@ -127,7 +127,6 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
   const auto params = unpack<mok::Params>(params_bytes, "Params");
   mok::FusedBwdLaunch l{};
   l.grad_out = reinterpret_cast<const void*>(grad_out);
-  if (row_src != 0) l.recv_dy = reinterpret_cast<void*>(dy), l.recv_a = reinterpret_cast<void*>(a);
   l.x = reinterpret_cast<const void*>(x);
   l.row_src = reinterpret_cast<const int32_t*>(row_src);
   l.slots = reinterpret_cast<void*>(slots);
