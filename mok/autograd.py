@@ -452,11 +452,13 @@ def _backward(
     recv = torch.empty_like(empty)
     gu = _gate_up(routed[0], routed[1])
     dedup = cfg.dispatch_mode == "dedup_pull"
-    in_launch = TRANSFERS_IN_LAUNCH and saved_gu is not None
-    if in_launch:
-        in_launch = not tokens_backward_misfit(
+    in_launch = (
+        TRANSFERS_IN_LAUNCH
+        and saved_gu is not None
+        and not tokens_backward_misfit(
             empty, gu, wd, sched.group_ends, saved_gu, cfg.row_tile, into
         )
+    )
     if in_launch:
         # one launch: the reverse combine, the routed experts, the reverse dispatch onto the
         # shared expert's input gradient (computed first)

@@ -200,7 +200,7 @@ def _shared_expert(x: torch.Tensor, weights: MoEWeights, saved: list | None):
     (None where it has no shared expert or the saving kernel does not take its weights,
     :func:`mok.experts.shared_kept`); the output is then the kernel's h times w_down, as
     for the routed experts."""
-    sg, su, sd = (getattr(weights, f"shared_w_{n}", None) for n in ("gate", "up", "down"))
+    sg, su, sd = _shared_weights(weights)
     if saved is None or not shared_kept(x, sg, su, sd):
         if saved is not None:
             saved.append(None)
@@ -219,9 +219,15 @@ def _fused_keep(x: torch.Tensor, weights: MoEWeights, ws, saved: list | None):
         return None
     rows, inter = received_rows_bound(ws, x.shape[0]), weights.w_gate.shape[1]
     gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=x.device)
-    sg, su, sd = (getattr(weights, f"shared_w_{n}", None) for n in ("gate", "up", "down"))
+    sg, su, sd = _shared_weights(weights)
     shared = None
     if shared_kept(x, sg, su, sd):
         shared = torch.empty(x.shape[0], 2 * sg.shape[0], dtype=torch.float32, device=x.device)
     saved.extend([gu32, shared])
     return gu32, shared
+
+
+def _shared_weights(weights: MoEWeights) -> tuple:
+    """(shared_w_gate, shared_w_up, shared_w_down) of ``weights``, each None without a shared
+    expert."""
+    return tuple(getattr(weights, f"shared_w_{n}", None) for n in ("gate", "up", "down"))

@@ -533,7 +533,7 @@ def _launch_bwd_fused(
     d_w_down, accumulate, run, fault, xfer,
 ) -> None:  # fmt: skip
     """One launch of the fused backward; ``xfer``: (grad_out, x, row_src, slots, dx_shared,
-    dx, num_topk) of :func:`bwd_layer_sm90`, or None."""
+    dx, num_topk, dedup, copy_ahead) of :func:`bwd_layer_sm90`, or None."""
     rows = dgu.shape[0]
     if rows == 0:
         return
