@@ -122,6 +122,7 @@ enum Flags : int {
   kFlagStamps = 256,       // dedup_pull dispatch / dedup_sum: in3 = per-block phase stamps
   kFlagFault = 512,        // fused layer, tests only: the worker that claims tile (int)in3 fails
   kFlagKeep = 1024,        // dedup_sum: keep the partials (no "consumed" signal: more sums follow)
+  kFlagSourceOrder = 2048,  // schedule: an expert's rows by source rank, then token (not in turns)
 };
 
 struct Params {

@@ -64,6 +64,7 @@ FLAG_SKIP_LOCAL, FLAG_GATHER, FLAG_DEDUP = 32, 64, 128
 FLAG_STAMPS, NUM_STAMPS = 256, 4  # per-block phase stamps (csrc/common/waits.cuh stamp())
 FLAG_FAULT = 512  # tests only: a fused-layer worker fails at tile in3
 FLAG_KEEP = 1024  # dedup_sum: more sums of these partials follow (no "consumed" signal)
+FLAG_SOURCE_ORDER = 2048  # schedule: each expert's rows by source rank, then token
 META = {
     "num_rows": 0,
     "num_dedup": 1,

@@ -112,6 +112,8 @@ def build_schedule(
     ws.raise_if_failed()
     p = ws.params("route", topk_idx.shape[0], advance=True)
     p.in0, p.in1 = topk_idx.data_ptr(), topk_weights.data_ptr()
+    if ws.config.row_order == "source":
+        p.flags |= _ext.FLAG_SOURCE_ORDER
     ws.launch("schedule", p, ws.schedule_blocks())
     ws.advance("route")
 

@@ -143,6 +143,21 @@ def _round_robin_position(
     return out
 
 
+def _source_order_position(
+    group: torch.Tensor, occ: torch.Tensor, src: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Position inside its group of the ``occ``-th entry from source ``src`` when the group holds
+    source 0's entries, then source 1's, ...: ``sum_{r' < src} counts[g, r'] + occ``.
+
+    group, occ, src: [n] int64; counts: [num_groups, num_ranks] int64.
+    """
+    before = torch.cumsum(counts, dim=1) - counts  # [num_groups, R]: entries of lower sources
+    return before[group, src] + occ
+
+
+ROW_ORDERS = {"interleaved": _round_robin_position, "source": _source_order_position}
+
+
 @dataclass
 class _Routing:
     """All-gathered routing flattened to (source rank, src_index) entries, plus global counts."""
@@ -175,7 +190,10 @@ def _prepare(
     return _Routing(num_ranks, num_tokens, num_topk, num_local, e, real, tokens, counts, offsets)
 
 
-def _rank_view(g: _Routing, rank: int, num_experts: int, row_tile: int) -> Schedule:
+def _rank_view(
+    g: _Routing, rank: int, num_experts: int, row_tile: int, row_order: str = "interleaved"
+) -> Schedule:
+    position = ROW_ORDERS[row_order]
     num_ranks, num_tokens, num_topk, num_local = g.num_ranks, g.num_tokens, g.num_topk, g.num_local
     own_tokens = int(g.tokens[rank])
 
@@ -183,7 +201,7 @@ def _rank_view(g: _Routing, rank: int, num_experts: int, row_tile: int) -> Sched
     own = g.expert[rank, : own_tokens * num_topk]
     own_occ = _occurrence(own, num_experts)  # entries are in src_index order
     own_dst = own // num_local
-    own_pos = _round_robin_position(own, own_occ, torch.full_like(own, rank), g.counts)
+    own_pos = position(own, own_occ, torch.full_like(own, rank), g.counts)
     own_index = g.offsets[own_dst, own % num_local] + own_pos
 
     # Pull side: every entry of any source whose expert lives here.
@@ -191,7 +209,7 @@ def _rank_view(g: _Routing, rank: int, num_experts: int, row_tile: int) -> Sched
     src_r, src_i = here.nonzero(as_tuple=True)  # source-major order
     e = g.expert[src_r, src_i]
     occ = _occurrence(e * num_ranks + src_r, num_experts * num_ranks)
-    rows = g.offsets[rank, e % num_local] + _round_robin_position(e, occ, src_r, g.counts)
+    rows = g.offsets[rank, e % num_local] + position(e, occ, src_r, g.counts)
     num_rows = int(g.offsets[rank, -1])
     src_rank = torch.full((num_rows,), -1, dtype=torch.int64)
     src_index = torch.full((num_rows,), -1, dtype=torch.int64)
@@ -282,6 +300,7 @@ def build_all_schedules(
     num_experts: int,
     row_tile: int = 128,
     num_tokens_all: Sequence[int] | torch.Tensor | None = None,
+    row_order: str = "interleaved",
 ) -> list[Schedule]:
     """Schedules of every rank from the all-gathered routing.
 
@@ -289,10 +308,13 @@ def build_all_schedules(
     num_tokens_all: token count of each rank when they differ (rank ``r``'s tokens are the first
     ``num_tokens_all[r]`` rows of ``topk_idx_all[r]``, the rest is padding and ignored); None:
     every rank has ``num_tokens``.
+    row_order: ``interleaved`` (the source ranks take turns in each expert region) or
+    ``source`` (source 0's rows, then source 1's, ...), as ``MoKConfig.row_order``.
     """
     tokens = _check_args(topk_idx_all, num_experts, row_tile, num_tokens_all)
     g = _prepare(topk_idx_all.cpu(), num_experts, row_tile, tokens)
-    return [_rank_view(g, r, num_experts, row_tile) for r in range(topk_idx_all.shape[0])]
+    R = topk_idx_all.shape[0]
+    return [_rank_view(g, r, num_experts, row_tile, row_order) for r in range(R)]
 
 
 def build_schedule(
@@ -301,17 +323,18 @@ def build_schedule(
     rank: int,
     row_tile: int = 128,
     num_tokens_all: Sequence[int] | torch.Tensor | None = None,
+    row_order: str = "interleaved",
 ) -> Schedule:
     """The schedule of one rank from the all-gathered routing.
 
     topk_idx_all: [num_ranks, num_tokens, num_topk] int — routing of every rank's tokens;
-    num_tokens_all: as in :func:`build_all_schedules`.
+    num_tokens_all, row_order: as in :func:`build_all_schedules`.
     """
     tokens = _check_args(topk_idx_all, num_experts, row_tile, num_tokens_all)
     if not 0 <= rank < topk_idx_all.shape[0]:
         raise ValueError(f"rank {rank} outside [0, num_ranks={topk_idx_all.shape[0]})")
     g = _prepare(topk_idx_all.cpu(), num_experts, row_tile, tokens)
-    return _rank_view(g, rank, num_experts, row_tile)
+    return _rank_view(g, rank, num_experts, row_tile, row_order)
 
 
 def required_rows(

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mok.errors import MoKConfigError
-from mok.spec.config import COMBINE_MODES, DISPATCH_MODES, MAX_COMM_SMS, MoKConfig
+from mok.spec.config import COMBINE_MODES, DISPATCH_MODES, MAX_COMM_SMS, ROW_ORDERS, MoKConfig
 
 FIELDS = {f.name for f in fields(MoKConfig)}
 GOOD = MoKConfig().to_dict()
@@ -47,6 +47,7 @@ def configs(draw) -> MoKConfig:
     }
     if "max_tokens" in FIELDS:
         kw["max_tokens"] = draw(st.integers(0, 2**40))
+    kw["row_order"] = draw(st.sampled_from(ROW_ORDERS))
     return MoKConfig(**kw)
 
 
@@ -73,7 +74,7 @@ def test_round_trip(folder, c):
 
 # values no field of its kind accepts
 _not_a_mode = st.one_of(
-    st.text(max_size=12).filter(lambda s: s not in DISPATCH_MODES + COMBINE_MODES),
+    st.text(max_size=12).filter(lambda s: s not in DISPATCH_MODES + COMBINE_MODES + ROW_ORDERS),
     st.integers(),
     st.none(),
     st.floats(),
@@ -107,6 +108,7 @@ _BAD = {
     "capacity_factor": _not_a_positive_number,
     "wait_timeout_ms": _not_a_positive_number,
     "max_tokens": st.one_of(_not_an_int, st.integers(max_value=-1)),
+    "row_order": _not_a_mode,
 }
 
 

@@ -27,12 +27,12 @@ def routings(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(routings())
-def test_schedule_properties(case):
+@given(routings(), st.sampled_from(["interleaved", "source"]))
+def test_schedule_properties(case, row_order):
     idx, num_experts, row_tile = case
     num_ranks, num_tokens, num_topk = idx.shape
     num_local = num_experts // num_ranks
-    scheds = build_all_schedules(idx, num_experts, row_tile)
+    scheds = build_all_schedules(idx, num_experts, row_tile, row_order=row_order)
     seen = torch.zeros(num_ranks, num_tokens * num_topk, dtype=torch.int64)
     for s in scheds:
         d = s.rank
@@ -55,7 +55,7 @@ def test_schedule_properties(case):
             assert bool((experts == d * num_local + lx).all())
         seen[s.src_rank[real], s.src_index[real]] += 1
         # Loop-by-loop transcription of the position formula.
-        off, rows = brute_force_pull_rows(idx, num_experts, d, row_tile)
+        off, rows = brute_force_pull_rows(idx, num_experts, d, row_tile, row_order=row_order)
         assert off == s.offsets.tolist()
         assert rows == list(zip(s.src_rank.tolist(), s.src_index.tolist(), strict=True))
     # Every routed (token, k) appears exactly once over all ranks.
@@ -105,6 +105,27 @@ def test_dedup_schedule_properties(case):
         for j, (r, t) in enumerate(pairs):
             ordinal = len({int(v) for v in dst_of[r, t] if int(v) < s.rank})
             assert int(s.dedup_slot[j]) == t * num_topk + ordinal
+
+
+@settings(max_examples=60, deadline=None)
+@given(routings())
+def test_source_order_gives_every_expert_its_rows_as_one_rank_does(case):
+    """Rank r holding the global tokens after those of ranks < r: with ``row_order="source"``
+    every expert's rows are the (global token, k) sequence of one rank holding the whole batch,
+    at every rank count (what makes the sums over rows, hence the weight gradients, the same
+    bits); interleaved order differs once two ranks send rows to one expert."""
+    idx, num_experts, row_tile = case
+    num_ranks, num_tokens, num_topk = idx.shape
+    num_local = num_experts // num_ranks
+    one = build_schedule(idx.reshape(1, -1, num_topk), num_experts, 0, row_tile)
+
+    def rows_of(s, lx):  # the expert's real rows as global (token * K + k)
+        a, n = int(s.offsets[lx]), int(s.tokens_per_expert[lx])
+        return (s.src_rank[a : a + n] * num_tokens * num_topk + s.src_index[a : a + n]).tolist()
+
+    for s in build_all_schedules(idx, num_experts, row_tile, row_order="source"):
+        for lx in range(num_local):
+            assert rows_of(s, lx) == rows_of(one, s.rank * num_local + lx)
 
 
 def test_round_robin_example_by_hand():

@@ -36,4 +36,13 @@ __device__ __forceinline__ int round_robin_pos(const int32_t* counts, int num_ra
   return pos;
 }
 
+// Position inside its group of the `occ`-th entry from source `src` when the group holds the
+// rows of source 0, then those of source 1, ...: with every rank holding consecutive global
+// tokens, the rows of an expert are in global token order at every rank count.
+__device__ __forceinline__ int source_order_pos(const int32_t* counts, int occ, int src) {
+  int pos = occ;
+  for (int q = 0; q < src; ++q) pos += counts[q];
+  return pos;
+}
+
 }  // namespace mok

@@ -169,6 +169,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params
   int32_t* src_index = s + p.o_src_index;
   int32_t* fanout = s + p.o_fanout;
   const int32_t* my_off = offsets + me * (L + 1);
+  const bool source_order = (p.flags & kFlagSourceOrder) != 0;
   // Padding rows of each local expert region hold -1.
   for (int l = blockIdx.x; l < L; l += gridDim.x) {
     int t = 0;
@@ -208,8 +209,12 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params
       const bool mine_dst = active && d == me;
       const unsigned here = __ballot_sync(0xffffffffu, mine_dst);
       if (r != me && here == 0) continue;
-      const int pos =
-          active ? offsets[d * (L + 1) + e % L] + round_robin_pos(counts + e * R, R, occ, r) : 0;
+      // NOTE: the sources take turns in each expert region (a minibatch draws rows from every
+      // peer) unless kFlagSourceOrder asks for source-major order (the same row order, so the
+      // same sums, at any number of ranks).
+      const int in_group = source_order ? source_order_pos(counts + e * R, occ, r)
+                                        : round_robin_pos(counts + e * R, R, occ, r);
+      const int pos = active ? offsets[d * (L + 1) + e % L] + in_group : 0;
       if (mine_dst) {
         src_rank[pos] = r;
         src_index[pos] = i;

@@ -14,11 +14,12 @@ from typing import Any
 
 from mok.errors import MoKConfigError
 
-__all__ = ["MoKConfig", "CONFIG_FORMAT", "DISPATCH_MODES", "COMBINE_MODES"]
+__all__ = ["MoKConfig", "CONFIG_FORMAT", "DISPATCH_MODES", "COMBINE_MODES", "ROW_ORDERS"]
 
 CONFIG_FORMAT = "mok-config/1"
 DISPATCH_MODES = ("pull", "push", "dedup_pull")
 COMBINE_MODES = ("push", "pull")
+ROW_ORDERS = ("interleaved", "source")
 MAX_COMM_SMS = 132  # H200 / H100 SXM; the launch also checks the actual device
 
 
@@ -52,6 +53,14 @@ class MoKConfig:
         without allocating or synchronising. 0: the largest count any rank passes in the first
         call. More tokens than that in a later call raise :class:`mok.MoKCapacityError` on
         every rank.
+    row_order: the order of an expert's rows in the receive buffer. ``interleaved`` (the
+        default): the source ranks take turns, so each minibatch draws rows from every peer.
+        ``source``: rank 0's rows, then rank 1's, ... (each in token order). Give rank r the
+        global tokens after those of ranks < r and every expert sees its rows in global token
+        order at any number of ranks: with non-dedup modes the output and every gradient are
+        then bitwise those of one rank over the whole batch (the weight gradients' sums over
+        rows run in the same order). Interleaved rows give the same output, input and
+        router-weight gradients, and weight gradients within an fp32 summation order of them.
     """
 
     dispatch_mode: str = "dedup_pull"
@@ -64,6 +73,7 @@ class MoKConfig:
     capacity_factor: float = 2.0
     wait_timeout_ms: float = 10_000.0
     max_tokens: int = 0
+    row_order: str = "interleaved"
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> MoKConfigError:
@@ -78,6 +88,8 @@ class MoKConfig:
             raise bad(
                 f"unknown combine_mode {self.combine_mode!r}; supported: {', '.join(COMBINE_MODES)}"
             )
+        if self.row_order not in ROW_ORDERS:
+            raise bad(f"unknown row_order {self.row_order!r}; supported: {', '.join(ROW_ORDERS)}")
         if self.dispatch_mode == "dedup_pull" and self.combine_mode != "push":
             raise bad(
                 "dispatch_mode='dedup_pull' pairs with the dedup push combine; "
