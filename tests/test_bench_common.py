@@ -132,13 +132,17 @@ def test_only_rank_zero_prints_and_writes(tmp_path, monkeypatch, capsys):
 def fake_nccl(monkeypatch):
     """init_process_group and set_device recorded instead of run; a GPU 'present'."""
     calls = []
-    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]:
+    names = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOK_SHARED_GPU"]
+    for name in [*names, "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"]:
         monkeypatch.setenv(name, "unset")  # restored afterwards
         monkeypatch.delenv(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: calls.append(("set_device", dev)))
     monkeypatch.setattr(
-        dist, "init_process_group", lambda *a, **kw: calls.append(("init", a, kw["device_id"]))
+        dist,
+        "init_process_group",
+        lambda *a, **kw: calls.append(("init", a, kw.get("device_id"))),
     )
     return calls
 
@@ -160,6 +164,26 @@ def test_init_dist_under_torchrun_takes_its_local_rank(fake_nccl, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert common.init_dist() == torch.device("cuda", 3)
     assert "MASTER_PORT" not in os.environ  # torchrun's rendezvous, untouched
+
+
+def test_shared_gpu_ranks_join_a_gloo_group_on_one_gpu(fake_nccl, monkeypatch):
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setenv("MOK_SHARED_GPU", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert common.init_dist() == torch.device("cuda", 0)
+    assert fake_nccl == [("set_device", torch.device("cuda", 0)), ("init", ("gloo",), None)]
+    assert os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] == "1"
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_more_ranks_than_gpus_says_how_to_share_them(fake_nccl, monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(MoKUnsupportedError, match=r"local rank 2 has no GPU .* MOK_SHARED_GPU=1"):
+        common.init_dist()
+    assert fake_nccl == []
 
 
 def test_init_dist_without_a_gpu_names_the_command(monkeypatch):

@@ -33,7 +33,6 @@ import datetime
 import itertools
 import math
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -44,8 +43,7 @@ import torch
 import torch.distributed as dist
 
 from mok.bench.clocks import ClockSampler
-from mok.bench.env import disable_multicast
-from mok.errors import MoKUnsupportedError
+from mok.ranks import init_ranks
 from mok.spec.rows import PROVENANCE_COLUMNS, bench_routing_seed, git_sha
 
 __all__ = [
@@ -77,34 +75,13 @@ CEILING_GBPS = 370.0
 
 
 # ---- the process group -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_dist(command: str = "mok.bench") -> torch.device:
-    """Join the torchrun group (NCCL, one GPU per process, NVLink multicast off) and return this
-    process's GPU. Without torchrun (no ``RANK``) the process is a world of one. Raises
-    :class:`mok.errors.MoKUnsupportedError` without a CUDA GPU (``command`` names the caller)."""
-    if not torch.cuda.is_available():
-        raise MoKUnsupportedError(
-            f"{command} needs a CUDA GPU (torch.cuda.is_available() is False; torch "
-            f"{torch.__version__}); the simulator's committed profiles need none"
-        )
-    disable_multicast()  # before NCCL starts
-    if "RANK" not in os.environ:  # plain `python -m mok.bench ...`: a world of one
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", device_id=dev)
-    return dev
+    """Join the torchrun group and return this process's GPU (:func:`mok.ranks.init_ranks`):
+    NCCL with one GPU per process, or gloo with ranks sharing a GPU under ``MOK_SHARED_GPU=1``
+    (timings then say nothing about NVLink); NVLink multicast off. Without torchrun (no
+    ``RANK``) the process is a world of one. Raises :class:`mok.errors.MoKUnsupportedError`
+    without a CUDA GPU (``command`` names the caller)."""
+    return init_ranks(command)
 
 
 def _joined() -> bool:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mok.bench.env import NO_MULTICAST  # every worker starts with NVLink multicast off
+from mok.ranks import NO_MULTICAST, SHARED_GPU_ENV  # every worker: NVLink multicast off
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,10 +22,23 @@ def skip_unless_gpus(n: int) -> None:
         pytest.skip(f"needs {n} CUDA GPUs (found {found})")
 
 
-def torchrun(worker: str, nproc: int, sentinel: str, *args: str, timeout: int = 600) -> str:
+def torchrun(
+    worker: str,
+    nproc: int,
+    sentinel: str,
+    *args: str,
+    timeout: int = 600,
+    shared_gpu: bool = False,
+) -> str:
     """Run ``tests/dist/<worker>`` on ``nproc`` ranks; assert exit code 0 and that every rank
-    printed ``<sentinel> rank=<r>``. Returns the combined output."""
+    printed ``<sentinel> rank=<r>``. Returns the combined output.
+
+    ``shared_gpu``: every rank on GPU 0 (``MOK_SHARED_GPU=1``, :mod:`mok.ranks`): the kernels
+    of ``nproc`` GPUs, time-sliced on one. Without it each rank takes a GPU of its own."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **NO_MULTICAST)
+    env[SHARED_GPU_ENV] = "1" if shared_gpu else "0"
+    if shared_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     cmd = [
         sys.executable,
         "-m",
@@ -40,7 +53,7 @@ def torchrun(worker: str, nproc: int, sentinel: str, *args: str, timeout: int = 
     if os.environ.get("MOK_TEST_LOG_DIR"):  # keep every worker's output (GPU machine runs)
         log = (
             Path(os.environ["MOK_TEST_LOG_DIR"])
-            / f"{Path(worker).stem}-ep{nproc}{''.join(args)}.log"
+            / f"{Path(worker).stem}-ep{nproc}{'-shared' if shared_gpu else ''}{''.join(args)}.log"
         )
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(out)

@@ -14,7 +14,6 @@ reduction order (communication SMs, minibatch, ring size, pull vs dedup pull). P
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 import mok
 from mok import functional as mf
-from mok.bench.env import disable_multicast
+from mok.ranks import init_ranks
 from mok.spec.workload import ModelShape, make_routing
 from reference.moe import moe_forward as ref_moe_forward
 from reference.weights import MoEWeights
@@ -195,17 +194,13 @@ def timeout_case(dev):
 
 
 def main() -> int:
-    disable_multicast()
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
     torch.backends.cuda.matmul.allow_tf32 = False
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
+    dev = init_ranks("layer_worker.py")  # one GPU per rank, or shared (MOK_SHARED_GPU=1)
     rank = dist.get_rank()
     print(f"rank {rank}: initialised {time.monotonic() - T0:.1f}s after start", flush=True)
     if args.timeout:

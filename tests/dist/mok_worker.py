@@ -11,7 +11,6 @@ outputs bitwise, the full layer within the BF16 rule. Prints ``MOK-WORKER-OK ran
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -20,7 +19,7 @@ import torch.distributed as dist
 
 import mok
 from mok import functional as mf
-from mok.bench.env import disable_multicast
+from mok.ranks import init_ranks
 from mok.spec.workload import ModelShape, make_routing
 from reference import ep as ref_ep
 from reference.moe import combine as ref_combine
@@ -235,8 +234,11 @@ def error_cases(dev):
     rank = dist.get_rank()
     # Experts 0..K-1 must all live on rank 0 (the capacity case below): >= K experts per rank.
     N, H, K = 200, 256, 4
-    E = max(16, K * dist.get_world_size())
-    cfg = mok.MoKConfig(num_comm_sms=4, wait_timeout_ms=5000.0)
+    R = dist.get_world_size()
+    E = max(16, K * R)
+    # NOTE: every rank routes every token to experts 0..K-1, all on rank 0, which receives R * N
+    # * K rows: a capacity factor of R holds them (the default, 2, overflows from EP3 on).
+    cfg = mok.MoKConfig(num_comm_sms=4, wait_timeout_ms=5000.0, capacity_factor=float(max(R, 2)))
     ws = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg, device=dev)
     idx = torch.arange(K, device=dev).repeat(N, 1)
     w = torch.full((N, K), 0.25, device=dev)
@@ -463,15 +465,11 @@ def timeout_case(dev):
 
 
 def main() -> int:
-    disable_multicast()
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", action="store_true")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
+    dev = init_ranks("mok_worker.py")  # one GPU per rank, or shared (MOK_SHARED_GPU=1)
     rank = dist.get_rank()
     if args.timeout:
         timeout_case(dev)
