@@ -2,29 +2,31 @@
 ``loss.backward()`` differentiates (gradients for x, the routing weights and every weight).
 
 Forward: :func:`mok.functional.moe_forward` as it is (fused or not); nothing but the inputs is
-saved. Backward (:class:`_MoE`), through mok's communication kernels and torch grouped GEMMs,
-recomputing the forward activations:
+saved. Backward (:class:`_MoE`), at any number of ranks, through mok's communication kernels and
+GEMMs, recomputing the forward activations (MoK's design: the expert's owner pulls, then pushes):
 
-* the schedule is built again from the saved routing, with unit weights (the workspace's table
-  may belong to a later call by then; the build is deterministic, so the rows are the forward's);
+* the schedule is built again from the saved routing and weights (the workspace's table may
+  belong to a later call by then; the build is deterministic, so the rows are the forward's);
+  each receive row's routing weight is read from the routing its home rank published in that
+  build (:meth:`mok.schedule.DeviceSchedule.row_weights`: no transfer);
 * reverse combine: ``dispatch(grad_out)`` brings each token's output gradient to its receive
-  rows (rows that hold no token are zero);
+  rows on the experts' owners (a pull; rows that hold no token are zero);
 * the experts (:func:`mok.experts.swiglu_backward`): x dispatched again; on Hopper the experts'
   backward kernel computes the down projection's dgrad and gate / up again in fp32
   accumulators, with the SwiGLU backward, the routing weight and the router-weight gradient
   ``<h, dY @ W_down>`` in its epilogue (elsewhere torch ops do); the gate / up dgrad and the
   weight gradients are grouped GEMMs over the token axis (one fp32 accumulation each, no
-  atomics);
-* reverse dispatch: the combine kernel with unit weights sums each token's k row gradients in
-  fixed k order onto the shared expert's fp32 input gradient (rounded to bf16 once).
+  atomics); weight gradients stay on the owner;
+* reverse dispatch: the combine kernel with unit weights pushes each row's input gradient into
+  its token's (token, k) slot on the home rank, which sums the k rows in fixed k order onto the
+  shared expert's fp32 input gradient (rounded to bf16 once); each row's router-weight gradient
+  goes home beside it (:func:`mok.comm.stage_row_grads` before the combine,
+  :func:`mok.comm.pull_row_grads` after it).
 
-With :data:`TRANSFERS_IN_LAUNCH` (off by default) and saved activations, the two dispatches and
-the reverse dispatch run as tasks of the routed experts' one launch instead
-(:func:`mok.experts.swiglu_backward_tokens`), with the same bits.
-
-So far at one rank (the workspace's group of size 1): at more ranks the router-weight gradient's
-per-row partials live on the experts' owners and must travel home with the row gradients, which
-this path does not do yet.
+With :data:`TRANSFERS_IN_LAUNCH` (off by default), saved activations and one rank, the two
+dispatches and the reverse dispatch run as tasks of the routed experts' one launch instead
+(:func:`mok.experts.swiglu_backward_tokens`), with the same bits; at more ranks the transfers
+stay in the communication kernels.
 
 Off CUDA the layer is the reference (:func:`reference.moe.moe_forward`, its gradients from
 :func:`reference.moe.moe_backward`). Under torch.compile the layer is two custom ops,
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 from torch.autograd.function import once_differentiable
 
-from mok.comm import combine, dispatch
+from mok.comm import combine, dispatch, pull_row_grads, stage_row_grads
 from mok.errors import MoKInputError, MoKUnsupportedError
 from mok.experts import (
     _kernel_fits,
@@ -92,7 +94,10 @@ def moe(
     """:func:`mok.functional.moe_forward` (same arguments, same result), differentiable: when
     autograd records (grad mode on and x, topk_weights or a weight requires grad), the backward
     gives gradients for x (bf16), topk_weights (its dtype) and every weight tensor of
-    ``weights`` (their dtype). The backward runs at one rank (MoKUnsupportedError at more).
+    ``weights`` (their dtype), at any number of ranks of ``group``: each rank gets the
+    gradients of its tokens (x, topk_weights), of its experts (over every rank's rows) and of
+    its shared expert (over its own tokens). With ``MoKConfig(row_order="source")`` and a
+    non-dedup dispatch, every result is bitwise that of one rank over the concatenated batch.
 
     ``recompute=False`` (Hopper) keeps the routed experts' fp32 gate / up outputs from the
     forward ([rows, 2I] fp32, 1.03 GiB at DeepSeek-V3's per-rank work of EP2), and the shared
@@ -248,8 +253,8 @@ def moe_backward(
     :class:`reference.moe.MoEGrads` (the pair of :func:`reference.moe.moe_backward`): dx in x's
     dtype, d_topk_weights in topk_weights', every weight gradient in its weight's dtype
     (dw_gate / dw_up views of one [L, 2I, H] gradient on CUDA). The forward activations are
-    recomputed from the inputs. On CUDA mok's backward (one rank so far: MoKUnsupportedError at
-    more); elsewhere the reference's."""
+    recomputed from the inputs. On CUDA mok's backward (any number of ranks, collective over
+    ``group``); elsewhere the reference's."""
     if tuple(grad_out.shape) != tuple(x.shape) or grad_out.device != x.device:
         raise MoKInputError(
             f"grad_out must be like the layer's output, {tuple(x.shape)} on {x.device} (found "
@@ -296,13 +301,39 @@ def _check_saving(x, weights, fused: bool, recompute: bool) -> None:
 
 
 def _saved_rows(
-    num_tokens: int, num_topk: int, num_local_experts: int, config: MoKConfig, fused: bool
+    num_tokens: int,
+    num_topk: int,
+    num_local_experts: int,
+    config: MoKConfig,
+    fused: bool,
+    num_ranks: int = 1,
 ) -> int:
     """Rows of the fp32 gate / up that a traced ``recompute=False`` forward outputs: the receive
-    rows one rank's call can fill, known from the shapes (regions padded to the fused layer's
-    row tile, or to the unfused path's)."""
+    rows one call can fill, known from the shapes (regions padded to the fused layer's row
+    tile, or to the unfused path's). One rank: its own rows; with peers: the receive buffer,
+    sized by ``config.max_tokens`` (which must then be set: the peers' counts are not known
+    when the graph is traced)."""
     tile = _kept_row_tile(config, fused)
-    return routed_rows_bound(num_tokens, num_topk, num_local_experts, tile)
+    if num_ranks == 1:
+        return routed_rows_bound(num_tokens, num_topk, num_local_experts, tile)
+    if not config.max_tokens:
+        raise MoKUnsupportedError(
+            f"recompute=False under torch.compile at {num_ranks} ranks keeps the gate / up of "
+            "every receive row, whose count the graph needs before the peers' token counts are "
+            "known: set MoKConfig.max_tokens (the most tokens any rank passes), or use "
+            "recompute=True"
+        )
+    return dataclasses.replace(config, row_tile=tile).capacity_rows(
+        config.max_tokens, num_topk, num_local_experts
+    )
+
+
+def _group_size(group) -> int:
+    """Ranks of ``group`` (1 without torch.distributed)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
 
 
 def _kept_row_tile(config: MoKConfig, fused: bool) -> int:
@@ -418,29 +449,23 @@ def _backward(
     ws = get_workspace(
         num_tokens, hidden, topk_idx.shape[1], num_experts, x.dtype, cfg, group, x.device
     )
-    if ws.num_ranks > 1:
-        raise MoKUnsupportedError(
-            f"mok's backward runs at one rank so far (this group has {ws.num_ranks}); the "
-            "reference layer (reference.ep) differentiates the expert-parallel layer"
-        )
     into = (None, None) if into is None else into
-    if num_tokens == 0:  # no rows: zero weight gradients (nothing to add), empty input gradients
+    if num_tokens == 0 and ws.num_ranks == 1:
+        # no rows: zero weight gradients (nothing to add), empty input gradients. With peers
+        # the rank takes part as always: its experts get the peers' rows.
         zeros = [None if t is None else torch.zeros_like(t) for t in (*routed, *shared)]
         return (
             torch.zeros_like(x),
             torch.zeros_like(topk_weights),
             *_in_main_grad(zeros, routed, into),
         )
-    # NOTE: one schedule, of unit weights: the reverse dispatch's combine must sum the row
-    # gradients unweighted (the dedup combine reads the weights the schedule was built with);
-    # dispatches only move rows, and the routing, hence every row index, is the forward's.
-    sched = build_schedule(topk_idx, torch.ones_like(topk_weights), ws)
+    # NOTE: the forward's schedule again (the routing, hence every row index, is the forward's):
+    # each receive row's routing weight comes from the routing its home rank published in the
+    # build; the reverse dispatch's combine sums the row gradients unweighted (unit_weights).
+    sched = build_schedule(topk_idx, topk_weights, ws)
     cap = ws.capacity
-    valid = (sched.src_rank[:cap] >= 0) & (
-        torch.arange(cap, device=x.device) < sched.num_rows.to(torch.int64)
-    )
-    at = sched.src_index[:cap].long().clamp(min=0)
-    row_w = torch.where(valid, topk_weights.reshape(-1).float()[at], 0.0)
+    row_w = sched.row_weights()
+    unit = sched.unit_weights()
     # reverse combine: each receive row gets its token's output gradient (a copy; the routing
     # weight is applied inside the experts' backward, after the down projection's dgrad). Into
     # buffers of our own (the second dispatch does not overwrite the first's rows) whose padding
@@ -454,6 +479,7 @@ def _backward(
     dedup = cfg.dispatch_mode == "dedup_pull"
     in_launch = (
         TRANSFERS_IN_LAUNCH
+        and ws.num_ranks == 1  # the in-launch transfers reach no peer (yet)
         and saved_gu is not None
         and not tokens_backward_misfit(
             empty, gu, wd, sched.group_ends, saved_gu, cfg.row_tile, into
@@ -463,11 +489,15 @@ def _backward(
         # one launch: the reverse combine, the routed experts, the reverse dispatch onto the
         # shared expert's input gradient (computed first)
         dx_shared, d_shared = _shared_backward(x, g_out, shared, saved_shared)
+        valid = (sched.src_rank[:cap] >= 0) & (
+            torch.arange(cap, device=x.device) < sched.num_rows.to(torch.int64)
+        )
         row_src = torch.where(valid, sched.src_index[:cap], -1).to(torch.int32)
         dx, d_row_w, d_wgu, d_wd = swiglu_backward_tokens(
             g_out, x.contiguous(), row_src, topk_idx.shape[1], (empty, recv), gu, wd, row_w,
             sched.group_ends, saved_gu, dx_shared, into, dedup,
         )  # fmt: skip
+        d_topk = d_row_w[sched.dst_index.long()]  # one rank: every row is local
     else:
         dy = dispatch(g_out, sched, mode, out=empty, zero_padding=True)
         # the experts, recomputed from x dispatched again
@@ -479,10 +509,12 @@ def _backward(
         del recv, dy
         dx_shared, d_shared = _shared_backward(x, g_out, shared, saved_shared)
         # reverse dispatch: dx = dx_shared + sum_k dRecv[t, k], fixed k order, fp32, bf16 once
-        # (the combine reads only the rows that hold a token)
-        dx = combine(d_recv, sched, shared_y=dx_shared)
-    # router weights: each (token, k) has its own receive row at one rank
-    d_topk = d_row_w[sched.dst_index.long()].to(topk_weights.dtype)
+        # (the combine reads only the rows that hold a token); each row's router-weight
+        # gradient travels home beside it (staged before the combine, read after it)
+        stage_row_grads(d_row_w, sched)
+        dx = combine(d_recv, unit, shared_y=dx_shared)
+        d_topk = pull_row_grads(sched)
+    d_topk = d_topk.to(topk_weights.dtype)
     d_routed = _in_main_grad([*_split(d_wgu, routed), d_wd], routed, into)
     return (dx.to(x.dtype), d_topk, *d_routed, *d_shared)
 
@@ -492,6 +524,9 @@ def _shared_backward(x, g_out, shared, saved_shared) -> tuple:
     weight gradients, the leaves' layout)."""
     if shared[2] is None:
         return None, (None, None, None)
+    if x.shape[0] == 0:  # a rank without tokens (its peers have some): nothing to differentiate
+        d_shared = [None if t is None else torch.zeros_like(t) for t in shared]
+        return x.new_zeros(x.shape, dtype=torch.float32), tuple(d_shared)
     sgu = _gate_up(shared[0], shared[1])
     dx_shared, _, d_sgu, d_swd = swiglu_backward(
         x, sgu, shared[2], g_out, d_a_dtype=torch.float32, saved_gu=saved_shared
@@ -578,7 +613,7 @@ def _moe_op(
     )
     if recompute:
         return out, none(), none()
-    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], cfg, fused)
+    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], cfg, fused, _group_size(grp))
     gu32, shared32 = saved
     if gu32.shape[0] < rows:  # a receive buffer smaller than the bound (capacity_factor < 1)
         gu32 = torch.cat([gu32, gu32.new_zeros(rows - gu32.shape[0], gu32.shape[1])])
@@ -592,7 +627,10 @@ def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, *rest) -> tuple:
     none = functools.partial(_nothing, x)
     if recompute or x.device.type != "cuda":
         return out, none(), none()
-    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], _config(config), fused)
+    rows = _saved_rows(
+        x.shape[0], topk_idx.shape[1], w_down.shape[0], _config(config), fused,
+        _group_size(_group(rest[5])),
+    )  # fmt: skip
     gu32 = x.new_empty(rows, 2 * w_down.shape[-1], dtype=torch.float32)
     if not shared_kept(x, *shared):
         return out, gu32, none()

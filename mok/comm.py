@@ -20,7 +20,15 @@ if TYPE_CHECKING:
     pass
 from mok.schedule import DeviceSchedule
 
-__all__ = ["dispatch", "fanout", "combine", "dedup_partials", "dedup_sum"]
+__all__ = [
+    "dispatch",
+    "fanout",
+    "combine",
+    "dedup_partials",
+    "dedup_sum",
+    "stage_row_grads",
+    "pull_row_grads",
+]
 
 
 def _check_engine(engine: str, engines: tuple[str, ...] = ops.ENGINES) -> None:
@@ -325,4 +333,43 @@ def dedup_sum(
         shared_y = shared_y.contiguous()
     out = torch.empty(schedule.num_tokens, s.hidden, dtype=torch.bfloat16, device=ws.device)
     ops.dedup_sum(ws.sched, shared_y, out, ws.id, engine, release)
+    return out
+
+
+def stage_row_grads(values: torch.Tensor, schedule: DeviceSchedule) -> None:
+    """Expert-side step of returning one fp32 value per receive row to its token's home rank
+    (the backward's router-weight gradient): the values go into this rank's symmetric
+    ``row_grads`` region, where the home ranks' :func:`pull_row_grads` reads them.
+
+    NOTE (ordering, not checked): call it before the :func:`combine` of ``schedule`` and call
+    :func:`pull_row_grads` after that combine on every rank. The combine's cross-rank waits
+    (each home rank waits for every owner, whose signal follows this write on its stream) are
+    what makes the values visible to the home ranks; the next schedule build (each owner waits
+    for every home rank, whose signal follows its read) is what keeps them until read.
+
+    Args:
+        values: [capacity] fp32, one value per receive row of ``schedule`` (padding rows and
+            rows past ``num_rows`` are never read).
+        schedule: the :func:`build_schedule` of this call.
+    """
+    ws = schedule.ws
+    check_tensor("values", values, (ws.capacity,), (torch.float32,), ws.device)
+    ws.peer_view(ws.rank, "row_grads", torch.float32, (ws.capacity,)).copy_(values)
+
+
+def pull_row_grads(schedule: DeviceSchedule) -> torch.Tensor:
+    """Home-side step of :func:`stage_row_grads`: each of this rank's (token, k) reads the
+    value its expert's owner staged for its receive row (a gather from every peer's symmetric
+    memory; pure data movement, so bitwise the staged values).
+
+    Returns:
+        [num_tokens, num_topk] fp32, a new tensor.
+    """
+    ws = schedule.ws
+    dst_rank, dst_index = schedule.dst_rank, schedule.dst_index.long()
+    out = torch.zeros(dst_rank.shape, dtype=torch.float32, device=ws.device)
+    for r in range(ws.num_ranks):
+        peer = ws.peer_view(r, "row_grads", torch.float32, (ws.capacity,))
+        here = dst_rank == r
+        out = torch.where(here, peer[torch.where(here, dst_index, 0)], out)
     return out

@@ -36,11 +36,46 @@ class DeviceSchedule:
         ws: the workspace that holds the table.
         topk_idx: [num_tokens, K] int32, this rank's routing (global expert ids).
         topk_weights: [num_tokens, K] fp32, this rank's routing weights (the combine's w_k).
+        route_epoch: the schedule build's epoch (which copy of the all-gathered routing it
+            read; 0 where unknown).
     """
 
     ws: Workspace
     topk_idx: torch.Tensor  # [num_tokens, num_topk] int32 (this rank's routing)
     topk_weights: torch.Tensor  # [num_tokens, num_topk] fp32
+    route_epoch: int = 0
+
+    def row_weights(self) -> torch.Tensor:
+        """The routing weight of each receive row, read from the routing every rank published
+        in this build (the weight of the (token, k) on its home rank: no transfer).
+
+        Returns:
+            [capacity] fp32, a new tensor: 0 for padding rows and rows past ``num_rows``.
+        """
+        ws, cap = self.ws, self.ws.capacity
+        if not self.route_epoch:
+            raise MoKInputError("row_weights needs a schedule from build_schedule")
+        src_rank, src_index = self.src_rank[:cap], self.src_index[:cap]
+        rows = torch.arange(cap, device=ws.device)
+        valid = (src_rank >= 0) & (rows < self.num_rows.to(torch.int64))
+        flat = ws.route_weights(self.route_epoch).reshape(-1)
+        at = src_rank.long().clamp(min=0) * (ws.max_tokens * ws.shapes.num_topk)
+        at += src_index.long().clamp(min=0)
+        return torch.where(valid, flat[at], 0.0)
+
+    def unit_weights(self) -> DeviceSchedule:
+        """This schedule with every combine weight 1: a combine of it sums each token's rows
+        unweighted (the backward's reverse dispatch). NOTE: it overwrites the table's dedup fan
+        weights (the weights the dedup combines read), so a weighted dedup combine of this
+        build is no longer possible; :meth:`row_weights` still reads the routing's weights.
+
+        Returns:
+            A :class:`DeviceSchedule` over the same table with ``topk_weights`` all ones.
+        """
+        R, N, K = self.ws.num_ranks, self.ws.max_tokens, self.ws.shapes.num_topk
+        self._v("fan_w", R * N * K).view(torch.float32).fill_(1.0)
+        ones = torch.ones_like(self.topk_weights)
+        return DeviceSchedule(self.ws, self.topk_idx, ones, self.route_epoch)
 
     @property
     def num_tokens(self) -> int:
@@ -303,7 +338,7 @@ def build_schedule(
     if idx.shape[0] > ws.max_tokens:
         # Every rank learns of it in this schedule build; this rank knows now.
         ws.check()
-    return DeviceSchedule(ws, idx, w)
+    return DeviceSchedule(ws, idx, w, ws.epochs["route"])
 
 
 def routed_rows_bound(num_tokens: int, num_topk: int, num_experts: int, row_tile: int) -> int:

@@ -41,6 +41,8 @@ MAX_WORKSPACES = 16
 # Schedule builds whose host state is kept for the recovery after an input error (the host may
 # run this many schedule builds ahead of the device before it sees the error).
 _SNAPSHOTS = 64
+# Symmetric regions that only host-side torch ops read and write (no kernel parameter).
+HOST_REGIONS = frozenset({"row_grads"})
 _cache: dict[tuple, Workspace] = {}
 _by_handle: dict[int, Workspace] = {}
 _next_id = 1
@@ -123,6 +125,9 @@ class Workspace:
                 ("slots", N * K * H * 2),
                 ("y", 0 if fused else self.capacity * H * 2),
                 ("partials", 0 if fused else R * N * H * 2),
+                # fp32 per receive row: the backward's router-weight gradient, staged by the
+                # expert's owner for the token's home rank to read (no kernel addresses it)
+                ("row_grads", self.capacity * 4),
             ]
         )
         self.sym_off, sym_bytes = _layout(list(self.sym_sizes.items()), _ALIGN)
@@ -191,6 +196,7 @@ class Workspace:
             "layer": 0,
         }
         self._layer_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._peer_views: dict[tuple, torch.Tensor] = {}
         self._dedup_buffer: torch.Tensor | None = None
         # The partials epoch whose last dedup_sum ran (its owners may overwrite them now).
         self.partials_released = 0
@@ -219,6 +225,40 @@ class Workspace:
         off = self.sym_off[name]
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.sym[off : off + nbytes].view(dtype).view(shape)
+
+    def peer_view(
+        self, rank: int, name: str, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Region ``name`` of rank ``rank``'s symmetric allocation as a tensor on this device
+        (the peer mapping; this rank's own region for ``rank == self.rank``). Loads and stores
+        through it cross the link; order them against the peer's writes or reads with mok's
+        signals (a kernel of the same stream that waits for the peer). Cached."""
+        key = (rank, name, dtype, shape)
+        view = self._peer_views.get(key)
+        if view is None:
+            if rank == self.rank or self.handle is None:
+                view = self.sym_view(name, dtype, shape)
+            else:
+                size = torch.empty((), dtype=dtype).element_size()
+                off = self.sym_off[name]
+                if off % size:
+                    raise MoKInputError(f"region {name} is not aligned to {dtype}")
+                view = self.handle.get_buffer(rank, shape, dtype, off // size)
+            self._peer_views[key] = view
+        return view
+
+    def route_weights(self, route_epoch: int) -> torch.Tensor:
+        """The routing weights every rank published in the schedule build of ``route_epoch``
+        (the all-gather), valid until the build two epochs later overwrites them.
+
+        Returns:
+            [num_ranks, max_tokens * num_topk] fp32 view of this rank's symmetric memory: row r,
+            entry ``token * num_topk + k`` = rank r's weight of (token, k) (entries past rank r's
+            token count unspecified).
+        """
+        R, N, K = self.num_ranks, self.shapes.max_tokens, self.shapes.num_topk
+        both = self.sym_view("route_w", torch.float32, (2, R, N * K))
+        return both[route_epoch & 1]
 
     @property
     def max_tokens(self) -> int:
@@ -403,7 +443,8 @@ class Workspace:
         for r, ptr in enumerate(self.sym_ptrs):
             p.sym_base[r] = ptr
         for name, off in self.sym_off.items():
-            setattr(p, f"off_{name}", off)
+            if name not in HOST_REGIONS:
+                setattr(p, f"off_{name}", off)
         p.sched = self.sched.data_ptr()
         for name, off in self.sched_off.items():
             setattr(p, f"o_{name}", off)

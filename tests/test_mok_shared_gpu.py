@@ -1,0 +1,66 @@
+"""Every multi-rank path on one GPU: the tests/dist workers at EP2, EP4 and EP8 with all ranks on
+GPU 0 (``MOK_SHARED_GPU=1``: gloo group, symmetric memory mapping one device several times, the
+ranks' kernels time-sliced), each rank checked against the reference of the whole problem. The
+same workers run one GPU per rank under the ``multigpu`` marker (test_mok_gpu.py,
+test_mok_layer_gpu.py, and the training ones below)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.launch import skip_unless_gpus, torchrun
+
+EP_SIZES = [2, 4, 8]
+
+
+def _train(nproc: int, *args: str, shared: bool = True) -> str:
+    return torchrun(
+        "train_worker.py", nproc, "MOK-TRAIN-OK", *args, timeout=1500, shared_gpu=shared
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_training_ep1_against_reference_and_itself():
+    _train(1, "--quick", shared=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("nproc", EP_SIZES)
+def test_training_on_shared_gpu_ranks(nproc):
+    """Gradients of every mode against the reference, bitwise against EP1 of the whole batch,
+    determinism, a rank without tokens, bad routing on one rank."""
+    _train(nproc, *(("--quick", "--repeats", "3") if nproc == 8 else ()))
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_training_missing_peer_raises_timeout_on_shared_gpu():
+    out = _train(2, "--timeout")
+    assert "rank 0 raised after" in out, out[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("nproc", EP_SIZES)
+def test_comm_kernels_and_layer_on_shared_gpu_ranks(nproc):
+    torchrun(
+        "mok_worker.py", nproc, "MOK-WORKER-OK", *(("--quick",) if nproc > 2 else ()),
+        timeout=1500, shared_gpu=True,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("nproc", EP_SIZES)
+def test_fused_layer_on_shared_gpu_ranks(nproc):
+    torchrun("layer_worker.py", nproc, "MOK-LAYER-OK", "--quick", timeout=1500, shared_gpu=True)
+
+
+@pytest.mark.multigpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("nproc", EP_SIZES)
+def test_training_one_gpu_per_rank(nproc):
+    skip_unless_gpus(nproc)
+    _train(nproc, "--quick", shared=False)
