@@ -26,14 +26,16 @@ tests/test_sim_imports.py checks it):
   its comm-engine rate law (:mod:`sim.comm.rates`, shared with the layer model's opt-in kernel
   profile), the fitted knobs (:mod:`sim.comm.profile`, ``sim/profiles/mok-comm-h200x2.json``),
   the kernels as task graphs and the benchmark's host floor (:mod:`sim.comm.model`), the fit
-  (:mod:`sim.comm.fit`);
+  (:mod:`sim.comm.fit`); DeepEP's dispatch / combine as a rate law fitted on our measured rows
+  (:mod:`sim.comm.deepep`);
 * :mod:`sim.layer`: the layer: MoK's receive layout (expert regions padded to the row tile,
   sources interleaved round-robin) reduced to rows per (destination, round, source)
   (:mod:`sim.layer.plan`), push / pull / dedup-pull dispatch and push / pull combine
   (:mod:`sim.layer.policies`), the layer's task graph (:mod:`sim.layer.model`; the backward's:
   :mod:`sim.layer.backward`), records, CSV and
   breakdown (:mod:`sim.layer.results`), grids, sweeps, comparison and tuner
-  (:mod:`sim.layer.sweep`);
+  (:mod:`sim.layer.sweep`); the DeepEP + torch-best training step that ``compare --pass both``
+  prints beside mok's rows (:mod:`sim.layer.baseline`);
 * :mod:`sim.fused`: the fused layer kernel against measurements (``mok-sim validate`` on layer
   CSVs): its knobs (:mod:`sim.fused.profile`, ``sim/profiles/mok-fused-h200x2.json``), the GEMM
   tile order as a list schedule over the compute SMs (:mod:`sim.fused.tiles`), comm blocks and

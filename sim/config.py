@@ -107,9 +107,10 @@ class SimConfig:
     # (sim.fused.profile.FusedProfile.gemm_waves); read where it is used, not here
     gemm_profile: str | None = None
     # the pass to simulate: "forward" (default) or "backward" (opt-in, sim.layer.backward: pull
-    # reverse combine of dY rows, dgrad GEMMs, push reverse dispatch of dX rows, weight gradients
-    # at the end; dispatch_mode / combine_mode keep naming the forward's policies, and only
-    # dedup_pull changes the backward: one dY row per (token, rank) plus local fan-out)
+    # reverse combine of dY and x rows, dgrad GEMMs, push reverse dispatch of dX rows with the
+    # router-weight gradient, weight gradients at the end; dispatch_mode / combine_mode keep
+    # naming the forward's policies, and only dedup_pull changes the backward: one dY and one x
+    # row per (token, rank) plus local fan-out, one dX partial per (token, rank) back)
     direction: str = "forward"
     # backward only: recompute the forward's gate/up GEMM in every round (activations not saved)
     recompute: bool = False

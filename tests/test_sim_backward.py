@@ -10,7 +10,7 @@ import pytest
 
 from sim.app.cli import main
 from sim.config import SimConfig, Workload
-from sim.layer.backward import backward_config
+from sim.layer.backward import REV_COMBINE_ROWS, ROUTER_GRAD_BYTES, backward_config
 from sim.layer.model import (
     BackwardBuilder,
     LayerBuilder,
@@ -101,13 +101,20 @@ def _phase_bytes(res, phase):
 
 
 def test_backward_bytes_are_the_forward_bytes_reversed():
+    """Per issuing rank: the reverse combine pulls the forward combine's rows twice (dY and x),
+    the reverse dispatch pushes the forward dispatch's rows (bf16 here) plus 4 bytes of
+    router-weight gradient per (token, k) row (tests/test_sim_backward_transfers.py counts
+    them by hand)."""
     cfg = SimConfig(minibatch_size=256, macrobatch_size=512)  # bf16, several rounds
     fwd, bwd = forward_backward(TINY_EP2, cfg)
-    assert bwd.payload_bytes == fwd.payload_bytes
+    rows = TINY_EP2.tokens_per_rank * TINY_EP2.model_shape.num_topk  # (token, k) rows per rank
     # the owner pulls the rows its forward combine pushed, and pushes the rows its forward
     # dispatch pulled (issuer = the same rank, direction reversed)
-    np.testing.assert_array_equal(_phase_bytes(bwd, "rev_combine"), _phase_bytes(fwd, "combine"))
-    np.testing.assert_array_equal(_phase_bytes(bwd, "rev_dispatch"), _phase_bytes(fwd, "dispatch"))
+    np.testing.assert_array_equal(
+        _phase_bytes(bwd, "rev_combine"), REV_COMBINE_ROWS * _phase_bytes(fwd, "combine")
+    )
+    rev_dispatch = _phase_bytes(bwd, "rev_dispatch")
+    assert rev_dispatch.sum() == _phase_bytes(fwd, "dispatch").sum() + ROUTER_GRAD_BYTES * rows * 2
     assert _phase_bytes(bwd, "rev_combine").sum() > 0
     kinds = {bwd.graph.phase[t]: bwd.graph.kind[t] for t in range(len(bwd.graph))}
     assert "dispatch" not in kinds and "combine" not in kinds
@@ -126,8 +133,14 @@ def test_dedup_backward_pulls_one_row_per_token_and_rank():
     cfg = SimConfig(dispatch_mode="dedup_pull", minibatch_size=256, macrobatch_size=512)
     fwd, bwd = forward_backward(TINY_EP2, cfg)
     plain = simulate(TINY_EP2, backward_config(cfg.replace(dispatch_mode="pull")))
-    # dY: the forward dedup dispatch's unique rows (bf16 here); dX: every (token, k) row
-    assert _phase_bytes(bwd, "rev_combine").sum() == _phase_bytes(fwd, "dispatch").sum()
+    rows = TINY_EP2.tokens_per_rank * TINY_EP2.model_shape.num_topk
+    # dY and x: the forward dedup dispatch's unique rows twice (bf16 here); dX: the forward
+    # dedup combine's partials per (token, rank), plus the router-weight gradient per row
+    assert _phase_bytes(bwd, "rev_combine").sum() == 2 * _phase_bytes(fwd, "dispatch").sum()
+    assert (
+        _phase_bytes(bwd, "rev_dispatch").sum()
+        == _phase_bytes(fwd, "combine").sum() + ROUTER_GRAD_BYTES * rows * 2
+    )
     assert bwd.payload_bytes["nvlink"] < plain.payload_bytes["nvlink"]
 
 
@@ -225,7 +238,7 @@ def test_cli_pass_flags(tmp_path, capsys):
     assert main(["compare", *SMALL, "--pass", "both", "--recompute"]) == 0
     text = capsys.readouterr().out
     assert "forward + backward" in text and "backward recompute" in text
-    sums = text.split("forward + backward")[1].splitlines()[3:]
+    sums = text.split("forward + backward")[1].split("\n\n")[0].splitlines()[3:]
     assert len(sums) == 4
     fwd_us, bwd_us, sum_us = map(float, sums[0].split()[1:4])
     assert sum_us == pytest.approx(fwd_us + bwd_us, abs=0.11)

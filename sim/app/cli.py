@@ -92,7 +92,12 @@ def _add_config(p: argparse.ArgumentParser, single: bool = True) -> None:
         choices=("fwd", "bwd", "both") if single else ("fwd", "bwd"),
         help="the layer pass to simulate: forward (default), backward (SimConfig.direction="
         "'backward', sim.layer.backward)"
-        + (", or both (two tables and their sum)" if single else ""),
+        + (
+            ", or both (two tables, their sum, and the DeepEP + torch-best step of "
+            "sim.layer.baseline beside them)"
+            if single
+            else ""
+        ),
     )
     g.add_argument("--backward", action="store_true", help="same as --pass bwd")
     g.add_argument(
@@ -286,6 +291,15 @@ def _cmd_compare(a) -> int:
         for res, cfg in ((fwd, base), (bwd, bwd[0].config)):
             print(format_table(res, f"{wl.label()}  ({cfg.label().split(' ', 1)[1]})") + "\n")
         print(format_sum_table(fwd, bwd, "forward + backward"))
+        from sim.layer.baseline import deepep_torch_step, format_baseline_table
+
+        base_step = deepep_torch_step(wl, plan, gemm_profile=base.gemm_profile)
+        rc = " rc" if a.recompute else ""  # mok's backward recomputes, torch-best's saves
+        mok = {
+            f"{f.config.dispatch_mode}/{f.config.combine_mode}{rc}": (f.layer_us, b.layer_us)
+            for f, b in zip(fwd, bwd, strict=True)
+        }
+        print("\n" + format_baseline_table(base_step, mok))
         res = fwd + bwd
     else:
         res = compare(wl, base)

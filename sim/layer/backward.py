@@ -6,10 +6,12 @@ roles reversed:
 * ``schedule``: the forward's schedule task (the backward builds it again from the saved routing);
 * comm SMs, before the GEMMs of round m: the **reverse combine**, a *pull* by the expert owner of
   the dY rows of the tokens routed to its experts in round m, from their home ranks (bf16 rows;
-  the forward combine's rows, direction reversed). After a dedup forward it pulls one row per
-  (token, rank) and fans the others out locally, as the dedup dispatch does. The rows land in a
-  buffer of every round, not in the forward's ring, since the weight gradients read them again
-  (no back-pressure);
+  the forward combine's rows, direction reversed), and of the same tokens' x rows (bf16, the
+  layer input: ``dW_gate/up`` reads them, and ``recompute`` runs gate / up on them again; mok
+  dispatches x a second time, as it does dY), so ``REV_COMBINE_ROWS`` = 2 rows per slot. After a
+  dedup forward it pulls one row of each per (token, rank) and fans the others out locally, as
+  the dedup dispatch does. The rows land in a buffer of every round, not in the forward's ring,
+  since the weight gradients read them again (no back-pressure);
 * compute SMs, in order: the shared expert's backward (dgrad and wgrad, overlapping the first
   reverse combine) -> the dgrads of round 0 -> round 1 -> ... -> the weight gradients of the local
   experts -> the home rank's sum. A round is, as one persistent tile queue
@@ -19,9 +21,16 @@ roles reversed:
   per intermediate element, added to each tile) -> dgrad of gate/up (``[rows, 2I] x [2I, H]``:
   the forward gate/up's FLOPs);
 * comm SMs, after the dgrads of round m: the **reverse dispatch**, a *push* of the dX rows into the
-  home rank's per-(token, k) slots (the forward dispatch's rows in bf16, direction reversed: no
-  dedup), with the forward push combine's fence, jitter, flags and polls; the home rank sums each
-  token's k rows and its shared expert's dX in fixed k order (the forward's final sum);
+  home rank's per-(token, k) slots (the forward dispatch's rows in bf16, direction reversed),
+  with the forward push combine's fence, jitter, flags and polls; the home rank sums each
+  token's k rows and its shared expert's dX in fixed k order (the forward's final sum). After a
+  dedup forward it is the forward's dedup combine: the owner folds its rows of a token into one
+  partial per (token, rank) and pushes that. Each (token, k) row's **router-weight gradient**
+  (one fp32, ``ROUTER_GRAD_BYTES``) goes home in the same transfer: mok stages it in the owner's
+  symmetric memory and the home rank pulls it after the combine, 4 bytes per row on the same
+  owner -> home direction, so the model adds its bytes to the push (its pull's read requests,
+  a few bytes per row on the other direction, are left out). Each receive row's router weight
+  itself comes from the schedule's all-gathered routing: no bytes of its own;
 * the weight gradients: per local expert ``dW_down = dY^T H`` and ``dW_gate/up = [dG dU]^T X``
   over its whole token axis (the forward GEMMs' FLOPs again, so the backward's GEMM FLOPs are
   2x the forward's, plus one forward gate/up with ``recompute``), as two GEMMs on all
@@ -33,10 +42,14 @@ roles reversed:
 
 MoK's choice, modelled whatever the forward's policies: pull reverse combine, push reverse
 dispatch (``dispatch_mode`` / ``combine_mode`` keep naming the forward; only ``dedup_pull``
-changes the backward's bytes). The GEMMs run at the forward's rates and ``dtype``; nothing of it
-is fitted. ``mok-sim validate`` on the train CSV of ``python -m mok.bench train`` compares it with
-mok's backward as it runs today, which runs its pieces one after another instead
-(:func:`sim.app.validate.validate_train_rows`; docs/sim-validation.md).
+changes the backward's bytes). Bytes per rank and direction, N = (token, k) rows, D = distinct
+(token, rank) pairs, H = hidden: home -> owner 2 x 2H per N row (D with dedup, plus the local
+fan-out); owner -> home 2H per N row (D with dedup) + 4 per N row. As built (mok/autograd.py,
+EP > 1) the same transfers run one after another with the GEMMs between them; the model
+overlaps them in rounds, the design. The GEMMs run at the forward's rates and ``dtype``;
+nothing of it is fitted. ``mok-sim validate`` on the train CSV of ``python -m mok.bench train``
+compares it with mok's backward as it runs today, which runs its pieces one after another
+instead (:func:`sim.app.validate.validate_train_rows`; docs/sim-validation.md).
 """
 
 from __future__ import annotations
@@ -53,12 +66,23 @@ from sim.layer.plan import RoutingPlan
 from sim.layer.policies import DedupPullDispatch, PullDispatch, PushCombine
 from sim.layer.results import LayerResult
 
-__all__ = ["BackwardPass", "BACKWARD_ROLES", "backward_config"]
+__all__ = [
+    "BackwardPass",
+    "BACKWARD_ROLES",
+    "REV_COMBINE_ROWS",
+    "ROUTER_GRAD_BYTES",
+    "backward_config",
+]
 
 # the phases whose comm rates a kernel profile sets in the backward (sim.layer.model.
 # kernel_knobs): the reverse combine (a pull, in the dispatch's place before the GEMMs) and the
 # reverse dispatch (a push, in the combine's)
 BACKWARD_ROLES = ("rev_combine", "rev_dispatch")
+# bf16 rows the reverse combine pulls per slot: dY (the output gradient) and x (the layer input,
+# which dW_gate/up reads and recompute=True runs gate / up on again), same rows, same pattern
+REV_COMBINE_ROWS = 2
+# the router-weight gradient of one (token, k) row: one fp32, owner -> home rank
+ROUTER_GRAD_BYTES = 4.0
 
 
 def backward_config(cfg: SimConfig, recompute: bool | None = None) -> SimConfig:
@@ -82,11 +106,15 @@ class BackwardPass:
             )
         super().__init__(wl, cfg, plan)
         bf16_row = float(self.shape.hidden * 2)
-        # the policies' row sizes: the reverse combine (the dispatch role) pulls dY rows, the
-        # reverse dispatch (the combine role) pushes dX rows, both bf16
-        self.dispatch_row_bytes = bf16_row
+        # the policies' row sizes: the reverse combine (the dispatch role) pulls the dY row and
+        # the x row of every slot (REV_COMBINE_ROWS bf16 rows), the reverse dispatch (the combine
+        # role) pushes one bf16 dX row per slot; the copy loops move bf16 rows either way
+        self.copy_row_bytes = bf16_row
+        self.dispatch_row_bytes = REV_COMBINE_ROWS * bf16_row
         self.combine_row_bytes = bf16_row
-        self.combine_rows = self.rc.rows  # one dX row per (token, k) slot: no dedup on the way home
+        # one dX row per (token, k) slot; after a dedup forward one partial per (token, rank),
+        # the forward's dedup combine (rank-local rows folded first)
+        self.combine_rows = self.rc.uniq_last if cfg.dedup else self.rc.rows
         self._set_sms()  # the kernel-profile rates scale with the row size
         # (busy task, tail task, key of _bwd_us) of every compute task, for retime
         self._bwd: list[tuple[int, int, tuple]] = []
@@ -95,8 +123,11 @@ class BackwardPass:
         self.arrivals: dict[int, list[int]] = {}
 
     def combine_bytes(self, d: int, m: int) -> tuple[np.ndarray, float]:
-        """(peer bytes [R_home], local bytes) of owner d's reverse dispatch of round m."""
-        return self.combine_rows[d, m].astype(np.float64) * self.combine_row_bytes, 0.0
+        """(peer bytes [R_home], local bytes) of owner d's reverse dispatch of round m: the
+        forward combine's (dX rows; after a dedup forward its partials and fold bytes) plus
+        the router-weight gradient, ``ROUTER_GRAD_BYTES`` per (token, k) row of the round."""
+        peer, local = super().combine_bytes(d, m)
+        return peer + self.rc.rows[d, m] * ROUTER_GRAD_BYTES, local
 
     # -- GEMMs ----------------------------------------------------------------------------------
     def _spec(self, row_tiles, n, k, experts, weight_elems=None) -> GemmSpec:

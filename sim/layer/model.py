@@ -126,12 +126,13 @@ def _role_candidates(cfg: SimConfig) -> dict[str, tuple[str, ...]]:
     }[cfg.dispatch_mode]
     if cfg.direction == "backward":
         # MoK's backward: a pull reverse combine (dedup pull with local fan-out after a dedup
-        # forward) and a push reverse dispatch into per-(token, k) slots, whatever the forward's
-        # combine mode
+        # forward) and a push reverse dispatch (per-(token, k) slots; after a dedup forward the
+        # dedup push of one partial per (token, rank)), whatever the forward's combine mode
         rev = "dispatch.dedup_pull+fanout" if cfg.dedup else "dispatch.pull"
+        back = "combine.dedup_push" if cfg.dedup else "combine.push"
         return {
             "rev_combine": (f"{rev}.{eng}", f"{rev}.{other}"),
-            "rev_dispatch": (f"combine.push.{eng}", f"combine.push.{other}"),
+            "rev_dispatch": (f"{back}.{eng}", f"{back}.{other}"),
         }
     comb = "combine.dedup_push" if cfg.dedup else f"combine.{cfg.combine_mode}"
     return {
@@ -188,6 +189,9 @@ class LayerBuilder(TransferBuilder):
         h = self.shape.hidden
         self.dispatch_row_bytes = float(h * 2 if cfg.dtype == "bf16" else h + h // 32)
         self.combine_row_bytes = float(h * 2)
+        # the row size of the comm SMs' copy loops, for the kernel profile's row-size scale
+        # (the backward moves two rows per dispatch slot, each of this size)
+        self.copy_row_bytes = self.dispatch_row_bytes
         self._set_sms()
         self.flag_local = self.gpu.flag_latency_local_us
         self.combine_rows = self.rc.uniq_last if cfg.dedup else self.rc.rows
@@ -261,7 +265,7 @@ class LayerBuilder(TransferBuilder):
             layer_kernel_profile(self.cfg.kernel_profile),
             knob,
             self.cfg.num_comm_sms,
-            self.dispatch_row_bytes,
+            self.copy_row_bytes,
         )
 
     def _ffn_us(self, row_tiles: int, intermediate: int, experts: int) -> tuple[float, float]:

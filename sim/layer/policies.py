@@ -32,9 +32,10 @@ final weighted sum, and frees ring slots (``b.slot_free``).
 
 The backward (:mod:`sim.layer.backward`) reuses two of them with its own phase names: the pull
 (or dedup pull) dispatch as the reverse combine (``phase="rev_combine"``, no ring: the owner
-keeps every round's dY rows for the weight gradients) and the push combine as the reverse
-dispatch (``phase="rev_dispatch"``). The transfers' phase names select their kernel-profile
-rates (``roles``) and their breakdown category (:data:`sim.layer.results.PHASE_CATEGORY`).
+keeps every round's dY and x rows for the weight gradients) and the push combine (the dedup
+combine after a dedup forward) as the reverse dispatch (``phase="rev_dispatch"``). The
+transfers' phase names select their kernel-profile rates (``roles``) and their breakdown
+category (:data:`sim.layer.results.PHASE_CATEGORY`).
 """
 
 from __future__ import annotations
