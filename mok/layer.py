@@ -22,6 +22,7 @@ from mok.experts import (
 )
 from mok.fused import forward
 from mok.schedule import build_schedule, received_rows_bound
+from mok.sms import budget_sms, sm_budget
 from mok.spec.config import MAX_COMM_SMS, MoKConfig
 from mok.workspace import get_workspace
 
@@ -62,14 +63,15 @@ UNFUSED_ROW_TILE = 16
 
 
 def unfused_config(config: MoKConfig, num_sms: int) -> MoKConfig:
-    """The config :func:`moe_forward` runs its unfused path with: ``config`` with every SM of the
-    GPU given to the communication kernels (nothing runs beside them in this path;
+    """The config :func:`moe_forward` runs its unfused path with: ``config`` with every SM of its
+    budget given to the communication kernels (nothing runs beside them in this path;
     ``num_comm_sms`` sizes the fused layer's split) and expert regions padded to
     :data:`UNFUSED_ROW_TILE` rows when ``config.row_tile`` is larger.
 
     Args:
         config: the caller's config (the same on every rank).
-        num_sms: the GPU's SM count (capped at the kernels' limit, ``MAX_COMM_SMS``).
+        num_sms: the SMs of the call's budget (:func:`mok.sms.budget_sms`; capped at the
+            kernels' limit, ``MAX_COMM_SMS``).
 
     Returns:
         A :class:`MoKConfig` (``config`` itself when nothing changes).
@@ -140,10 +142,15 @@ def moe_forward(
             recorded it.
     """
     config = as_config(config)
+    with sm_budget(config.num_sms):
+        return _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused,
+                            _saved)  # fmt: skip
+
+
+def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused, _saved):
+    """:func:`moe_forward` under its SM budget."""
     if not fused and x.is_cuda:
-        config = unfused_config(
-            config, torch.cuda.get_device_properties(x.device).multi_processor_count
-        )
+        config = unfused_config(config, budget_sms(x.device, config.num_sms))
     if x.ndim != 2 or x.dtype != torch.bfloat16:
         raise MoKInputError(
             f"x must be [num_tokens, hidden] bf16 (found {tuple(x.shape)} {x.dtype})"

@@ -16,6 +16,7 @@ import torch
 
 from mok import _ext, record
 from mok.errors import MoKInputError, MoKUnsupportedError
+from mok.sms import budget_sms
 from mok.workspace import workspace_by_id
 
 __all__ = [
@@ -443,7 +444,7 @@ def swiglu_backward_sm90(
         hidden,
         two_i // 2,
         L,
-        torch.cuda.get_device_properties(dev).multi_processor_count,
+        budget_sms(dev),
         torch.cuda.current_stream(dev).cuda_stream,
     )
 
@@ -482,7 +483,7 @@ def wgrad_sm90(
         b.shape[1],
         c.shape[0],
         out,
-        torch.cuda.get_device_properties(dev).multi_processor_count,
+        budget_sms(dev),
         torch.cuda.current_stream(dev).cuda_stream,
     )
 
@@ -595,7 +596,7 @@ def _launch_bwd_fused(
         topk,
         int(dedup),
         ahead,
-        torch.cuda.get_device_properties(dev).multi_processor_count,
+        budget_sms(dev),
         torch.cuda.current_stream(dev).cuda_stream,
     )
 

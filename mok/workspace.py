@@ -29,6 +29,7 @@ import torch
 
 from mok import _ext
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError, MoKUnsupportedError
+from mok.sms import budget_sms, device_sms
 from mok.spec.config import MoKConfig
 
 __all__ = ["Workspace", "get_workspace", "cached_workspaces", "clear_workspaces", "check"]
@@ -214,10 +215,12 @@ class Workspace:
         self.id = _next_id
         _next_id += 1
         _by_handle[self.id] = self
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = self.num_sms
         if config.num_comm_sms > sms:
+            budget = f"num_sms={config.num_sms} of " if config.num_sms else ""
             raise MoKUnsupportedError(
-                f"num_comm_sms={config.num_comm_sms} exceeds the {sms} SMs of this GPU"
+                f"num_comm_sms={config.num_comm_sms} exceeds the {budget}"
+                f"{device_sms(device)} SMs of this GPU"
             )
 
     # ---- views ---------------------------------------------------------------------------
@@ -473,7 +476,8 @@ class Workspace:
 
     @property
     def num_sms(self) -> int:
-        return torch.cuda.get_device_properties(self.device).multi_processor_count
+        """The SMs this workspace's kernels use: ``config.num_sms`` (0: every SM of the GPU)."""
+        return budget_sms(self.device, self.config.num_sms)
 
     @property
     def ring_rows(self) -> int:
@@ -501,8 +505,7 @@ class Workspace:
         return bufs
 
     def schedule_blocks(self) -> int:
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return min(sms, _SCHEDULE_BLOCKS)
+        return min(self.num_sms, _SCHEDULE_BLOCKS)
 
     # ---- errors --------------------------------------------------------------------------
     def raise_if_failed(self) -> None:
@@ -762,7 +765,7 @@ def _check_same_everywhere(key: tuple, group, num_tokens: int) -> int:
     world = dist.get_world_size(group)
     # NOTE: the launch geometry too: the fused layer runs one block per SM and its fill targets
     # count the peers' blocks as its own grid.
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = budget_sms(torch.cuda.current_device(), key[6].num_sms)  # key[6]: the config
     mine = f"{key[2:]!r} with {sms} SMs"
     # NOTE: only on workspace creation (once per shape/config), never in the steady state.
     t = torch.tensor(list(mine.encode()), dtype=torch.uint8)

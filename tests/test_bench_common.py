@@ -311,3 +311,20 @@ def test_parsers_keep_their_defaults():
         "1024,2048,4096,8192",
     )
     assert layer.build_parser(sweep=True).prog == "python -m mok.bench sweep"
+
+
+def test_the_sm_budget_caps_every_launch_at_the_gpus_count(monkeypatch):
+    from mok.sms import budget_sms, sm_budget
+
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: Props())
+    assert budget_sms(0) == 132  # no budget: every SM
+    assert budget_sms(0, 40) == 40 and budget_sms(0, 500) == 132
+    with sm_budget(33):
+        assert budget_sms(0) == 33
+        with sm_budget(0):
+            assert budget_sms(0) == 132
+        assert budget_sms(0, 50) == 50  # an explicit budget wins
+    assert budget_sms(0) == 132

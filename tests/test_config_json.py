@@ -48,6 +48,7 @@ def configs(draw) -> MoKConfig:
     if "max_tokens" in FIELDS:
         kw["max_tokens"] = draw(st.integers(0, 2**40))
     kw["row_order"] = draw(st.sampled_from(ROW_ORDERS))
+    kw["num_sms"] = draw(st.integers(0, 200))
     return MoKConfig(**kw)
 
 
@@ -109,6 +110,7 @@ _BAD = {
     "wait_timeout_ms": _not_a_positive_number,
     "max_tokens": st.one_of(_not_an_int, st.integers(max_value=-1)),
     "row_order": _not_a_mode,
+    "num_sms": st.one_of(_not_an_int, st.integers(max_value=-1)),
 }
 
 

@@ -61,6 +61,10 @@ class MoKConfig:
         then bitwise those of one rank over the whole batch (the weight gradients' sums over
         rows run in the same order). Interleaved rows give the same output, input and
         router-weight gradients, and weight gradients within an fp32 summation order of them.
+    num_sms: the SMs a layer call's kernels may use, all of them together (the communication
+        kernels, the fused layer's communication and GEMM blocks, the experts' forward and
+        backward GEMMs); 0 (the default): every SM of the GPU. The rest stay free for work
+        overlapped on other streams, or for other ranks sharing the GPU (under MPS).
     """
 
     dispatch_mode: str = "dedup_pull"
@@ -74,6 +78,7 @@ class MoKConfig:
     wait_timeout_ms: float = 10_000.0
     max_tokens: int = 0
     row_order: str = "interleaved"
+    num_sms: int = 0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> MoKConfigError:
@@ -121,6 +126,9 @@ class MoKConfig:
         mt = self.max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int) or mt < 0:
             raise bad(f"max_tokens must be an int >= 0 (found {mt!r})")
+        ns = self.num_sms
+        if isinstance(ns, bool) or not isinstance(ns, int) or ns < 0:
+            raise bad(f"num_sms must be an int >= 0, 0 for every SM (found {ns!r})")
         for name in ("capacity_factor", "wait_timeout_ms"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
