@@ -61,8 +61,10 @@ from mok.layer import (
 )
 from mok.ops import TAGS, traced
 from mok.schedule import build_schedule, routed_rows_bound
+from mok.sms import budget_sms, sm_budget
 from mok.spec.config import MoKConfig
 from mok.workspace import get_workspace
+from reference.ep import ep_backward, ep_forward
 from reference.moe import MoEGrads
 from reference.moe import moe_backward as reference_backward
 from reference.moe import moe_forward as reference_forward
@@ -382,9 +384,14 @@ def _halves(gate_up: torch.Tensor) -> list:
 
 
 def _reference(x, topk_idx, topk_weights, weights, num_experts, group) -> torch.Tensor:
-    """Off CUDA: the reference layer on one device (fp64 for fp64 x, else fp32; x's dtype out)."""
-    _reference_check(weights, num_experts, group)
+    """Off CUDA: the reference layer (fp64 for fp64 x, else fp32; x's dtype out), on one device,
+    or expert-parallel over ``group`` (:func:`reference.ep.ep_forward`, e.g. gloo on CPUs)."""
+    ranks = _reference_check(weights, num_experts, group)
     mode = _reference_mode(x)
+    if ranks > 1:
+        out = ep_forward(x, topk_idx, topk_weights, weights, num_experts, compute_dtype=mode,
+                         group=group).out  # fmt: skip
+        return out.to(x.dtype)
     return reference_forward(x, topk_idx, topk_weights, weights, mode).to(x.dtype)
 
 
@@ -392,14 +399,15 @@ def _reference_mode(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _reference_check(weights, num_experts, group) -> None:
-    ranks = 1 if group is None else torch.distributed.get_world_size(group)
-    if ranks > 1 or weights.w_gate.shape[0] != num_experts:
+def _reference_check(weights, num_experts, group) -> int:
+    """The group's rank count, once this rank holds its share of the experts."""
+    ranks = _group_size(group)
+    if weights.w_gate.shape[0] * ranks != num_experts:
         raise MoKInputError(
-            f"off CUDA mok runs the reference layer on one device, which needs all {num_experts} "
-            f"experts (this rank holds {weights.w_gate.shape[0]} of a group of {ranks}; "
-            "reference.ep runs the expert-parallel reference)"
+            f"each of the {ranks} ranks holds num_experts / {ranks} = {num_experts // ranks} "
+            f"experts (this rank holds {weights.w_gate.shape[0]} of num_experts={num_experts})"
         )
+    return ranks
 
 
 class _MoE(torch.autograd.Function):
@@ -431,6 +439,19 @@ def _backward(
     grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group,
     saved=None, into=None, fused=False,
 ):  # fmt: skip
+    """:func:`_backward_on` under the config's SM budget (``MoKConfig.num_sms``)."""
+    config = as_config(config)
+    with sm_budget(config.num_sms):
+        return _backward_on(
+            grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group,
+            saved, into, fused,
+        )  # fmt: skip
+
+
+def _backward_on(
+    grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group,
+    saved=None, into=None, fused=False,
+):  # fmt: skip
     """Gradients for (x, topk_weights, *routed, *shared), the leaves of :func:`_leaves`: one
     [L, 2I, H] gradient (and None) where gate and up came as one tensor. ``saved``: the fp32
     gate / up outputs the forward kept (recompute=False), (routed, shared), either None
@@ -441,7 +462,7 @@ def _backward(
     wd = routed[2]
     num_tokens, hidden = x.shape
     config = as_config(config)
-    cfg = unfused_config(config, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    cfg = unfused_config(config, budget_sms(x.device, config.num_sms))
     if saved_gu is not None:
         # NOTE: the kept rows are where the forward put them: this schedule must pad the expert
         # regions as it did (the comm kernels still get every SM)
@@ -690,8 +711,12 @@ def _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, g
     """The gradients of :func:`_reference` for (x, topk_weights, *leaves), by the reference's
     explicit backward (:func:`reference.moe.moe_backward`)."""
     weights = _weights(*leaves)
-    _reference_check(weights, num_experts, group)
-    g = reference_backward(grad_out, x, topk_idx, topk_weights, weights, _reference_mode(x))
+    mode = _reference_mode(x)
+    if _reference_check(weights, num_experts, group) > 1:
+        g = ep_backward(grad_out, x, topk_idx, topk_weights, weights, num_experts,
+                        compute_dtype=mode, group=group)  # fmt: skip
+    else:
+        g = reference_backward(grad_out, x, topk_idx, topk_weights, weights, mode)
 
     def gate_up(d_gate, d_up, one: bool) -> list:
         return [torch.cat([d_gate, d_up], -2), None] if one else [d_gate, d_up]

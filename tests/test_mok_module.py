@@ -89,10 +89,12 @@ def test_from_weights_shares_storage_and_checks_shapes():
         mok.MoE(E, 0, INTER)
 
 
-def test_local_experts_need_cuda():
+def test_local_experts_need_a_group_of_their_share():
+    # 3 of 6 experts on a rank without a process group (one rank): the share is wrong
     m = mok.MoE(E, H, INTER, num_local_experts=3, dtype=torch.float64)
     idx, tw = _routing()
-    with pytest.raises(MoKInputError, match="needs all 6 experts"):
+    match = r"each of the 1 ranks holds num_experts / 1 = 6 experts \(this rank holds 3"
+    with pytest.raises(MoKInputError, match=match):
         m(torch.randn(N, H, dtype=torch.float64), idx, tw)
 
 

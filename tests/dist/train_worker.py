@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import sys
 import time
 
@@ -86,17 +87,21 @@ class Problem:
         return slice(start, start + self.counts[rank])
 
 
-def problem(shape: ModelShape, counts: list[int], skew: str, dev) -> Problem:
+def problem(
+    shape: ModelShape, counts: list[int], skew: str, dev, seed: int = SEED, routing=None
+) -> Problem:
     """The global problem: a function of the shape, the total token count and the seed only, so
-    EP1 over the whole batch and EP R over its slices see the same tokens."""
+    EP1 over the whole batch and EP R over its slices see the same tokens. ``routing``: the
+    (topk_idx, topk_weights) of all tokens instead of ``make_routing``'s of ``skew``."""
     n = sum(counts)
-    w = MoEWeights.random(shape, seed=SEED, dtype=torch.bfloat16, device=dev)
-    t = make_routing(n, shape.num_experts, shape.num_topk, 1, skew, seed=SEED)
-    g = torch.Generator().manual_seed(SEED + 1)
+    w = MoEWeights.random(shape, seed=seed, dtype=torch.bfloat16, device=dev)
+    if routing is None:
+        t = make_routing(n, shape.num_experts, shape.num_topk, 1, skew, seed=seed)
+        routing = torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights)
+    g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(n, shape.hidden, generator=g).to(torch.bfloat16)
     grad_out = torch.randn(n, shape.hidden, generator=g).to(torch.bfloat16)
-    idx = torch.from_numpy(t.topk_idx).long()
-    tw = torch.from_numpy(t.topk_weights).float()
+    idx, tw = routing[0].long(), routing[1].float()
     return Problem(shape, counts, w, x.to(dev), idx.to(dev), tw.to(dev), grad_out.to(dev))
 
 
@@ -198,6 +203,11 @@ def case_checks(shape, counts, skew, modes, solo, dev, repeats: int) -> list[str
         print(f"rank {rank}: {tag} {name}: EP{R} vs EP1 max |diff|: {text}", flush=True)
         if bad:
             failures.append(f"{tag} {name}: EP{R} != EP1 in {', '.join(bad)}")
+        if name in ("pull/push", "fused saved") and counts == [counts[0]] * R:
+            # an SM budget: every kernel on 40 SMs, the same bits
+            small = run(p, sl, local, dataclasses.replace(cfg, num_sms=40), fused, recompute)
+            for n, t in got.items():
+                check(torch.equal(t, small[n]), f"{tag} {name}: num_sms=40: {n} differs")
         for rep in range(repeats if name == modes[0] else 0):
             again = run(p, sl, local, cfg, fused, recompute)
             for n, t in got.items():
@@ -276,6 +286,45 @@ def api_case(dev) -> None:
     print(f"rank {rank}: MoE(group), torch.compile and main_grad at EP{R} ok", flush=True)
 
 
+def fuzz_cases(dev, num_cases: int) -> None:
+    """The GPU fuzz test's cases (tests/test_mok_fuzz_gpu.py: shapes, routings incl. one hot
+    expert and every token on the same experts, configs, ring wrap-around) at this EP size, each
+    rank with its own token count (0 and 1 included), forward and backward against the
+    reference of the whole problem; cases whose experts do not split over the ranks are
+    skipped."""
+    from tests.test_mok_fuzz_gpu import BASE_SEED, draw
+    from tests.test_mok_fuzz_gpu import routing as fuzz_routing
+
+    rank, R = dist.get_rank(), dist.get_world_size()
+    ran = 0
+    for i in range(num_cases):
+        case = draw(BASE_SEED + 7919 * R + i)
+        if case.num_experts % R:
+            continue
+        rng = random.Random(case.seed + 1)
+        counts = [rng.choice([0, 1, rng.randrange(2, 300)]) for _ in range(R)]
+        case = dataclasses.replace(case, num_tokens=sum(counts))
+        shape = ModelShape("fuzz", case.num_experts, case.hidden, case.inter, case.num_topk,
+                           case.shared_inter)  # fmt: skip
+        p = problem(shape, counts, "", dev, seed=case.seed, routing=fuzz_routing(case))
+        recompute = case.fused or rng.random() < 0.5
+        row_order = rng.choice(["interleaved", "source"])
+        cfg = dataclasses.replace(case.config(), row_order=row_order)
+        try:
+            got = run(p, p.rows(rank), p.w.shard(rank, R), cfg, case.fused, recompute)
+            mok.check()
+            check_reference(got, references(p, rank, R), "fuzz")
+        except Exception as e:
+            raise AssertionError(
+                f"rank {rank}: fuzz case {case} counts={counts} recompute={recompute} "
+                f"row_order={row_order}: {type(e).__name__}: {e}"
+            ) from None
+        finally:
+            mok.clear_workspaces()
+        ran += 1
+    print(f"rank {rank}: fuzz: {ran} of {num_cases} drawn cases at EP{R} ok", flush=True)
+
+
 def bad_routing_case(dev, solo) -> None:
     """Rank 0 routes a token to an expert that does not exist: every rank raises at its next
     mok call, and the call after that runs and gives the first call's bits."""
@@ -334,6 +383,7 @@ def main() -> int:
     ap.add_argument("--timeout", action="store_true", help="only the missing-peer case")
     ap.add_argument("--repeats", type=int, default=20, help="runs of the first mode compared")
     ap.add_argument("--report", action="store_true", help="print invariance failures, pass")
+    ap.add_argument("--fuzz", type=int, default=0, help="fuzz cases (forward and backward)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_num_threads(2)  # the CPU reference
@@ -357,6 +407,8 @@ def main() -> int:
         api_case(dev)
         if R > 1:
             bad_routing_case(dev, solo)
+        if args.fuzz:
+            fuzz_cases(dev, args.fuzz)
         for f in failures:
             print(f"rank {rank}: INVARIANCE {f}", flush=True)
         check(args.report or not failures, f"{len(failures)} invariance failures")
