@@ -24,8 +24,8 @@ from tests import tolerances as tol
 META = {"gpu": "NVIDIA H200", "num_ranks": 1, "torch": "2.11", "cuda": "13.0", "git_sha": "abc"}
 TRAIN_COLUMNS = (
     "model,hidden,intermediate,num_experts,num_topk,skew,tokens_per_rank,routing_seed,emulated_ep,"
-    "impl,mode,sms,fwd_us,bwd_us,step_us,p20_us,p80_us,flops_fwd,flops_recompute,step_tflops,"
-    "bwd_tflops,peak_mem_gib,step_mem_gib,sm_mhz,gpu,num_ranks,torch,cuda,git_sha"
+    "ep,impl,mode,sms,fwd_us,bwd_us,step_us,p20_us,p80_us,flops_fwd,flops_recompute,step_tflops,"
+    "bwd_tflops,peak_mem_gib,step_mem_gib,sm_mhz,shared_gpu,note,gpu,num_ranks,torch,cuda,git_sha"
 )
 TINY = [
     ModelShape("shared", 8, 64, 32, 4, shared_intermediate=32),
@@ -35,17 +35,20 @@ TINY = [
 
 # ---- command line ------------------------------------------------------------------------------
 def test_parser_keeps_its_defaults():
-    a = train.build_parser().parse_args([])
+    """On one GPU (a world of one) the resolved defaults are the one-GPU benchmark's."""
+    ap = train.build_parser()
+    a = train.resolve_args(ap, ap.parse_args([]), world=1, shared=False)
     assert (a.models, a.tokens, a.skews) == (
         "deepseek-v3,kimi-k2,qwen3-30b-a3b",
         "4096",
         "uniform,hot:0.5",
     )
-    assert (a.impls, a.sms, a.iters, a.warmup, a.emulate_ep) == (
-        "torch-best,mok-unfused,mok-saved,mok-fused,mok-fused-saved",
+    assert (a.impls, a.sms, a.iters, a.warmup, a.warm_s, a.emulate_ep) == (
+        ("torch-best", "mok-unfused", "mok-saved", "mok-fused", "mok-fused-saved"),
         "8,16",
         10,
         3,
+        1.0,
         2,
     )
     assert a.csv == "mok-bench-train.csv"
@@ -64,7 +67,10 @@ def test_without_a_gpu_it_refuses_and_names_the_command(monkeypatch):
     [
         (["--impls", "torch-best,nope"], {}, "unknown --impls nope"),
         (["--emulate-ep", "-2"], {}, "--emulate-ep must be >= 0"),
-        ([], {"WORLD_SIZE": "2"}, "runs on one GPU"),
+        (["--emulate-ep", "2"], {"WORLD_SIZE": "2"}, "under torchrun the EP size is the world"),
+        (["--impls", "torch-best+nccl"], {}, "torch-best+nccl: EP > 1 only, under torchrun"),
+        (["--models", "deepseek-v3", "--emulate-ep", "3"], {}, "do not split over EP3"),
+        (["--models", "nope"], {}, "unknown model shape 'nope'"),
     ],
 )
 def test_bad_arguments_stop_before_any_gpu_work(argv, env, why, monkeypatch, capsys):
@@ -266,7 +272,8 @@ def test_one_case_gives_a_row_per_implementation(no_gpu, tmp_path, capsys):
             128,
         )
         assert (r["num_topk"], r["skew"], r["tokens_per_rank"]) == (tiny.num_topk, "hot:0.5", 40)
-        assert (r["routing_seed"], r["emulated_ep"]) == (bench_routing_seed(40), 2)
+        assert (r["routing_seed"], r["emulated_ep"], r["ep"]) == (bench_routing_seed(40), 2, 1)
+        assert (r["shared_gpu"], r["note"]) == (False, "")
         assert (r["fwd_us"], r["bwd_us"], r["step_us"], r["p20_us"], r["p80_us"]) == (
             1000.0,
             2000.0,
@@ -288,7 +295,7 @@ def test_one_case_gives_a_row_per_implementation(no_gpu, tmp_path, capsys):
     assert {c[1].num_comm_sms for c in fused} == {8, 16}
     assert all(w.has_shared for w, *_ in no_gpu["moe"])
     out = capsys.readouterr().out
-    assert "tiny N=   40  hot:0.5   torch-best      eager sms=  0" in out
+    assert "tiny EP1  N=   40  hot:0.5        torch-best      eager sms=  0" in out
     assert "fwd   1000.0 bwd   2000.0 step   3000.0 us" in out and "mem +2.00 of 3.00 GiB" in out
     rec.write()
     lines = (tmp_path / "train.csv").read_text().splitlines()
