@@ -15,6 +15,9 @@ is lent:
   GPU (measured: a cross-rank round trip takes milliseconds instead of microseconds), so waits
   that cross ranks finish, slowly, and timings say nothing about NVLink.
 
+A command that also runs without a GPU (``mok.bench lm``) joins with ``device="cpu"`` or
+``"auto"``: a gloo group of CPU processes, where mok runs its expert-parallel reference.
+
 Nothing here touches CUDA before :func:`init_ranks` is called.
 """
 
@@ -63,20 +66,27 @@ def shared_gpu() -> bool:
     return os.environ.get(SHARED_GPU_ENV, "0") not in ("", "0")
 
 
-def init_ranks(command: str = "mok") -> torch.device:
-    """Join the torchrun group and return this rank's GPU.
+def init_ranks(command: str = "mok", device: str = "cuda") -> torch.device:
+    """Join the torchrun group and return this rank's device.
 
-    One GPU per rank (the default): NCCL, device ``LOCAL_RANK``. With ``MOK_SHARED_GPU=1``:
-    gloo, device ``LOCAL_RANK % torch.cuda.device_count()`` (so R ranks on one GPU, or R ranks
-    spread over fewer GPUs), symmetric memory allowed to map one device several times. NVLink
-    multicast is turned off first in both cases. Without torchrun (no ``RANK``) the process is a
-    world of one.
+    ``device="cuda"`` (the default): one GPU per rank, NCCL, device ``LOCAL_RANK``. With
+    ``MOK_SHARED_GPU=1``: gloo, device ``LOCAL_RANK % torch.cuda.device_count()`` (so R ranks on
+    one GPU, or R ranks spread over fewer GPUs), symmetric memory allowed to map one device
+    several times. ``device="cpu"``: a gloo group of CPU processes (mok's reference path; for
+    commands that also run without a GPU); ``device="auto"``: ``cuda`` where a CUDA GPU is
+    visible, else ``cpu``. NVLink multicast is turned off first in every case. Without torchrun
+    (no ``RANK``) the process is a world of one.
 
     Raises:
-        MoKUnsupportedError: no CUDA GPU; more ranks on this node than GPUs without
-            ``MOK_SHARED_GPU=1`` (the message says to set it).
+        MoKUnsupportedError: ``device="cuda"`` and no CUDA GPU; more ranks on this node than
+            GPUs without ``MOK_SHARED_GPU=1`` (the message says to set it).
+        ValueError: a ``device`` other than ``cuda``, ``cpu`` or ``auto``.
     """
-    if not torch.cuda.is_available():
+    if device not in ("cuda", "cpu", "auto"):
+        raise ValueError(f"init_ranks: unknown device {device!r}; supported: cuda, cpu, auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
         raise MoKUnsupportedError(
             f"{command} needs a CUDA GPU (torch.cuda.is_available() is False; torch "
             f"{torch.__version__})"
@@ -87,6 +97,9 @@ def init_ranks(command: str = "mok") -> torch.device:
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(_free_port()),
         )  # fmt: skip
+    if device == "cpu":
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     gpus = torch.cuda.device_count()
     if shared_gpu():

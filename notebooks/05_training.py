@@ -16,170 +16,77 @@
 #
 # `mok.MoE` is the MoE layer as an `nn.Module`: it owns the routed experts (`gate_up` `[E, 2I,
 # H]`, `down` `[E, H, I]`) and the shared expert as Parameters and takes the routing from any
-# router. On a CUDA GPU its forward and backward run mok's kernels (`mok.functional.moe`, one
-# rank so far); elsewhere it runs the reference layer (`reference.moe`), so this notebook runs on
-# a laptop CPU too.
+# router. On a CUDA GPU its forward and backward run mok's kernels (`mok.functional.moe`);
+# elsewhere it runs the reference layer (`reference.moe`), so this notebook runs on a laptop CPU
+# too.
 #
-# The model: token embedding, a few blocks of (RMSNorm, softmax top-k router, MoE layer,
-# residual), a tied output head, trained on a synthetic next-token task (a fixed random Markov
-# chain over a small vocabulary, whose entropy is the loss floor). The same model is trained twice
-# from the same seed: once with `mok.MoE`, once with a plain torch MoE layer (one `F.linear` per
-# expert over its gathered rows, `index_add_` back). Both should follow the same loss curve.
+# The model (`mok.bench.tiny_lm`): token embedding, a few blocks of (RMSNorm, softmax top-k
+# router, MoE layer, residual), a tied output head, trained on a synthetic next-token task (a
+# fixed random Markov chain over a small vocabulary, whose entropy is the loss floor). The same
+# model is trained twice from the same seed on one rank: once with `mok.MoE`, once with a plain
+# torch MoE layer (one `F.linear` per expert over its gathered rows, `index_add_` back). Both
+# should follow the same loss curve. The last section trains it with its experts spread over
+# four ranks (`mok.bench lm`).
 
 # %%
 # %matplotlib inline
 import math
 import os
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import mok
+from mok.bench.tiny_lm import SIZES, batches, build, chain_entropy, markov_chain, train
 
 # %% tags=["parameters"]
-# model: vocabulary, width, experts, top-k, expert / shared-expert sizes, blocks
-VOCAB, HIDDEN, EXPERTS, TOPK, INTER, SHARED, BLOCKS = 64, 64, 8, 2, 64, 64, 2
-# data and training: sequences per step x tokens per sequence, steps, learning rate, seed
-BATCH, SEQ, STEPS, LR, SEED = 8, 32, 150, 3e-3, 0
-# MOK_DEMO_SIZE=gpu: a size worth a GPU (4096 tokens a step through 64 experts of width 2048,
-# 300 steps); MOK_DEMO_FIGURE=path also saves the loss-curve figure there.
-if os.environ.get("MOK_DEMO_SIZE") == "gpu":
-    VOCAB, HIDDEN, EXPERTS, TOPK, INTER, SHARED, BLOCKS = 512, 2048, 64, 4, 768, 768, 2
-    BATCH, SEQ, STEPS, LR = 16, 257, 300, 1e-3
+# SIZE: "tiny" (seconds on a CPU) or "gpu" (4096 tokens a step through 64 experts of width 2048,
+# 300 steps; MOK_DEMO_SIZE=gpu); mok.bench.tiny_lm.SIZES holds both (model and training).
+SIZE = os.environ.get("MOK_DEMO_SIZE", "tiny")
+SEED = 0
+# MOK_DEMO_FIGURE=path also saves the loss-curve figure there.
 FIGURE = os.environ.get("MOK_DEMO_FIGURE")
+# the mok.bench lm CSVs the last section draws (EP1 first), relative to the repository root
+LM_CSVS = ["build/lm-ep1.csv", "build/lm-ep4.csv"]
+
+# %%
+SHAPE, RUN = SIZES[SIZE]
 # "cuda" runs mok's kernels (bf16 on Hopper, one GPU); "cpu" the reference layer in fp32.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 if DEVICE == "cpu":
     torch.set_num_threads(1)  # a tiny model: threads only add overhead (and contend with others)
-
+print(SHAPE, RUN, sep="\n")
 
 # %% [markdown]
 # ## Data: a random Markov chain (each token's successor drawn from a fixed, peaked distribution)
 
-
 # %%
-def markov_chain(vocab: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(vocab, vocab, generator=g) * 3.0
-    return torch.softmax(logits, dim=-1)
-
-
-def batches(trans: torch.Tensor, batch: int, seq: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        tok = torch.randint(trans.shape[0], (batch,), generator=g)
-        out = [tok]
-        for _ in range(seq):
-            tok = torch.multinomial(trans[tok], 1, generator=g).squeeze(1)
-            out.append(tok)
-        yield torch.stack(out, dim=1)  # [batch, seq + 1]
-
-
-TRANS = markov_chain(VOCAB, SEED)
-# the loss floor: the chain's entropy under its stationary distribution
-_stat = torch.linalg.matrix_power(TRANS, 64)[0]
-FLOOR = float(-(_stat[:, None] * TRANS * TRANS.clamp_min(1e-30).log()).sum())
-print(f"loss floor (entropy of the chain): {FLOOR:.3f} nats; uniform guess {math.log(VOCAB):.3f}")
-
+TRANS = markov_chain(SHAPE.vocab, SEED)
+FLOOR = chain_entropy(TRANS)
+print(f"loss floor (entropy of the chain): {FLOOR:.3f} nats; uniform guess "
+      f"{math.log(SHAPE.vocab):.3f}")  # fmt: skip
 
 # %% [markdown]
-# ## The model, with the MoE layer passed in
+# ## Train the model twice from the same seed: with `mok.MoE`, and with `TorchMoE` on the same
+# initial weights
 
 
 # %%
-class TorchMoE(nn.Module):
-    """A plain torch MoE layer on the same Parameters as mok.MoE (for the comparison)."""
-
-    def __init__(self, ref: mok.MoE):
-        super().__init__()
-        self.gate_up = nn.Parameter(ref.gate_up.detach().clone())
-        self.down = nn.Parameter(ref.down.detach().clone())
-        self.shared_gate_up = nn.Parameter(ref.shared_gate_up.detach().clone())
-        self.shared_down = nn.Parameter(ref.shared_down.detach().clone())
-
-    @staticmethod
-    def _ffn(x, gate_up, down):
-        g, u = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, down)
-
-    def forward(self, x, topk_idx, topk_weights):
-        out = self._ffn(x, self.shared_gate_up, self.shared_down)
-        for e in range(self.gate_up.shape[0]):
-            tok, k = (topk_idx == e).nonzero(as_tuple=True)
-            if tok.numel():
-                y = self._ffn(x[tok], self.gate_up[e], self.down[e]) * topk_weights[tok, k, None]
-                out = out.index_add(0, tok, y.to(out.dtype))
-        return out
-
-
-class Block(nn.Module):
-    def __init__(self, moe: nn.Module):
-        super().__init__()
-        self.norm = nn.RMSNorm(HIDDEN)
-        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
-        self.moe = moe
-
-    def forward(self, h):
-        x = self.norm(h)
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        w, idx = probs.topk(TOPK, dim=-1)
-        w = w / w.sum(-1, keepdim=True)
-        return h + self.moe(x, idx, w)
-
-
-class TinyLM(nn.Module):
-    def __init__(self, moes):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        nn.init.normal_(self.embed.weight, std=HIDDEN**-0.5)  # tied head: logits O(1) at init
-        self.blocks = nn.ModuleList(Block(m) for m in moes)
-        self.norm = nn.RMSNorm(HIDDEN)
-
-    def forward(self, tokens):  # [B, T] -> logits [B, T, V]
-        b, t = tokens.shape
-        h = self.embed(tokens).view(b * t, HIDDEN)
-        for blk in self.blocks:
-            h = blk(h)
-        return (self.norm(h) @ self.embed.weight.T).view(b, t, VOCAB)
-
-
-def build(kind: str) -> TinyLM:
-    torch.manual_seed(SEED)
-    moes = [mok.MoE(EXPERTS, HIDDEN, INTER, SHARED, dtype=torch.float32) for _ in range(BLOCKS)]
-    if kind == "torch":
-        moes = [TorchMoE(m) for m in moes]
-    torch.manual_seed(SEED + 1)  # the rest of the model: the same init for both
-    model = TinyLM(moes)
-    return model.to(device=DEVICE, dtype=DTYPE)
-
-
-# %% [markdown]
-# ## Train both from the same seed
-
-
-# %%
-def train(kind: str) -> list[float]:
-    model = build(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    data = batches(TRANS, BATCH, SEQ, SEED + 2)
-    losses, t0 = [], time.perf_counter()
-    for _ in range(STEPS):
-        seq = next(data).to(DEVICE)
-        logits = model(seq[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    print(f"{kind}: {STEPS} steps in {time.perf_counter() - t0:.1f} s, final loss {losses[-1]:.3f}")
+def run(kind: str) -> list[float]:
+    model = build(SHAPE, kind=kind, seed=SEED, device=DEVICE, dtype=DTYPE)
+    if kind == "mok":
+        print(model)
+    data = batches(TRANS, RUN.batch, RUN.seq, SEED + 2)
+    t0 = time.perf_counter()
+    losses = train(model, data, RUN.steps, RUN.lr, DEVICE)
+    print(f"{kind}: {RUN.steps} steps in {time.perf_counter() - t0:.1f} s, final {losses[-1]:.3f}")
     return losses
 
 
-curves = {kind: train(kind) for kind in ("mok", "torch")}
+curves = {kind: run(kind) for kind in ("mok", "torch")}
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.5), layout="constrained")
@@ -189,10 +96,9 @@ ax.axhline(FLOOR, color="grey", ls=":", label="loss floor")
 ax.set_xlabel("step")
 ax.set_ylabel("cross-entropy (nats)")
 where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
-tokens = BATCH * (SEQ - 1)  # the layer's inputs per step (each sequence's last id is a target)
 ax.set_title(
-    f"MoE LM: hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, {tokens} tokens/step ({where})\n"
-    "mok.MoE vs a torch MoE layer from the same seed",
+    f"MoE LM: hidden {SHAPE.hidden}, {SHAPE.num_experts} experts, top-{SHAPE.num_topk}, "
+    f"{RUN.tokens} tokens/step ({where})\nmok.MoE vs a torch MoE layer from the same seed",
     fontsize=10,
 )
 ax.legend()
@@ -237,3 +143,46 @@ print(
     f"{curves['torch'][0]:.3f} -> {curves['torch'][-1]:.3f}; largest gap over the last {tail} "
     f"steps {gap:.4f} nats (loss fell by {drop:.3f})."
 )
+
+# %% [markdown]
+# ## The same model at EP4, on one GPU
+#
+# `mok.bench lm` trains this model with its routed experts spread over the R ranks of a torchrun
+# world: rank r holds experts r E / R to (r + 1) E / R - 1 of every layer (cut from the experts
+# every rank draws from the seed, so together they are the EP1 model's), the rest is replicated.
+# Each step every rank draws the same global batch and takes its R-th of the sequences; the
+# replicated Parameters' gradients are all-reduced, the experts' come from mok's backward over
+# every rank's rows; then the same AdamW step everywhere. Each step's loss is the mean over all
+# ranks' tokens, as at EP1. On CUDA the layers run mok's kernels with
+# `MoKConfig(dispatch_mode="pull", row_order="source")`, with which the MoE layer is bitwise the
+# same at every EP size; the two curves still differ slightly, because the all-reduce sums the
+# replicated Parameters' gradients in another order than one GEMM over the whole batch does.
+# `MOK_SHARED_GPU=1` puts the four ranks on one GPU (their kernels time-slice: the run says
+# nothing about NVLink speed, only about the losses):
+#
+# ```bash
+# MOK_SHARED_GPU=1 torchrun --nproc-per-node=4 -m mok.bench lm --csv build/lm-ep4.csv
+# python -m mok.bench lm --csv build/lm-ep1.csv
+# python -m sim.app.plots train-loss --csv build/lm-ep1.csv --csv build/lm-ep4.csv \
+#     --out build/lm-loss.png
+# ```
+#
+# On a GPU the default size is `gpu`; without one (or with `--device cpu`) the commands train
+# the `tiny` model in fp32 on CPU processes, the layer being mok's expert-parallel reference over
+# gloo (tests/test_bench_lm.py runs it in CI). The figure below draws `LM_CSVS` where they exist
+# (else any `*-lm-ep*.csv` committed under `mok/bench/results/`).
+
+# %%
+from sim.app.plots import lm_run_label, train_loss  # noqa: E402
+from sim.measured import read_rows, results_dir  # noqa: E402
+
+root = Path(mok.__file__).resolve().parents[1]
+lm_csvs = [root / p for p in LM_CSVS if (root / p).is_file()]
+if len(lm_csvs) < 2:
+    lm_csvs = sorted(results_dir().glob("*-lm-ep*.csv"))
+if len(lm_csvs) < 2:
+    print(f"No EP runs to draw ({', '.join(LM_CSVS)} not under {root}): run the commands above.")
+else:
+    lm_runs = {lm_run_label(read_rows(p)): read_rows(p) for p in lm_csvs}
+    fig = train_loss(lm_runs)
+    plt.show()

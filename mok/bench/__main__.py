@@ -1,26 +1,28 @@
-"""``python -m mok.bench comm|layer|sweep|probe|train|experts [...]`` (launch with torchrun, one
-process per GPU; ``train`` and ``experts`` run on one GPU).
+"""``python -m mok.bench comm|layer|sweep|probe|train|experts|lm [...]`` (launch with torchrun,
+one process per GPU; ``train`` and ``experts`` run on one GPU).
 
 comm: dispatch/combine vs NCCL and DeepEP. layer: the whole layer forward, fused vs unfused vs
 NCCL. sweep: the fused layer over communication SMs x minibatch x mode. probe: the GPU
 microbenchmarks behind ``mok-sim calibrate`` (also runs on one GPU, without the peer parts).
 train: one training step (forward + backward) of the layer on one GPU, mok vs the best torch
 layer under autograd. experts: the routed experts' GEMM pieces of that step, each alone, mok's
-kernels vs torch's.
+kernels vs torch's. lm: notebook 05's small MoE language model trained at EP = the torchrun world
+size (one CSV row of loss per step; ``MOK_SHARED_GPU=1`` puts every rank on one GPU; runs on CPU
+too, through the reference layer).
 """
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("comm", "layer", "sweep", "probe", "train", "experts")
+COMMANDS = ("comm", "layer", "sweep", "probe", "train", "experts", "lm")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         print(
-            "usage: torchrun --nproc-per-node=N -m mok.bench {comm,layer,sweep,probe} [--help]\n"
+            "usage: torchrun --nproc-per-node=N -m mok.bench {comm,layer,sweep,probe,lm} [--help]\n"
             "       python -m mok.bench {train,experts} [--help]",
             file=sys.stderr,
         )
@@ -37,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from mok.bench import train
 
         return train.main(argv[1:])
+    if argv[0] == "lm":
+        from mok.bench import lm
+
+        return lm.main(argv[1:])
     if argv[0] == "experts":
         from mok.bench import experts
 

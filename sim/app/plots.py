@@ -2,7 +2,9 @@
 
 ``python -m sim.app.plots signalling-sensitivity [--out docs/img]`` writes the sensitivity
 figures of the push-signalling assumptions (:func:`write_signalling_sensitivity`;
-docs/sim-validation.md, "Push signalling")."""
+docs/sim-validation.md, "Push signalling"); ``python -m sim.app.plots train-loss --csv a.csv
+--csv b.csv [--out build/lm-loss.png]`` the loss curves of ``mok.bench lm`` runs
+(:func:`write_train_loss`)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ __all__ = [
     "policy_comparison",
     "train_steps",
     "best_train_rows",
+    "lm_run_label",
+    "train_loss",
+    "write_train_loss",
     "scaling_summary",
     "waves_scatter",
     "validation_scatter",
@@ -430,6 +435,65 @@ def expert_pieces(rows: Sequence[dict], skew: str = "uniform", peak_tflops: floa
     return fig
 
 
+def lm_run_label(rows: Sequence[dict]) -> str:
+    """A ``mok.bench lm`` run in words: ``EP4 (4 ranks on one NVIDIA H100, bfloat16)``."""
+    r = rows[0]
+    ep = int(r["ep"])
+    if r["device"] != "cuda":
+        where = f"{ep} CPU processes" if ep > 1 else "CPU"
+    elif int(r.get("shared_gpu") or 0) and ep > 1:
+        where = f"{ep} ranks on one {r['gpu']}"
+    else:
+        where = f"{ep} x {r['gpu']}" if ep > 1 else r["gpu"]
+    return f"EP{ep} ({where}, {r['dtype']})"
+
+
+def train_loss(
+    runs: dict[str, Sequence[dict]], reference: str | None = None, title: str | None = None
+) -> Figure:
+    """The loss curves of ``mok.bench lm`` runs (label -> the rows of its CSV: ``step``,
+    ``loss``) over the steps, the chain's loss floor dashed where the rows carry it, and below
+    each run's per-step difference to ``reference`` (default: the EP1 run, else the first)."""
+    if not runs:
+        raise ValueError("train_loss needs at least one run")
+    if reference is None:
+        ep1 = [k for k, rows in runs.items() if str(rows[0].get("ep")) == "1"]
+        reference = ep1[0] if ep1 else next(iter(runs))
+    curves = {k: {int(r["step"]): float(r["loss"]) for r in rows} for k, rows in runs.items()}
+    ref = curves[reference]
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(7.5, 5.2), sharex=True, height_ratios=(2.2, 1), layout="constrained"
+    )
+    for (label, curve), style in zip(curves.items(), ("-", "--", ":", "-."), strict=False):
+        top.plot(list(curve), list(curve.values()), style, lw=1.2, label=label)
+        if label == reference:
+            continue
+        steps = sorted(set(curve) & set(ref))
+        diff = [curve[s] - ref[s] for s in steps]
+        worst = max((abs(d) for d in diff), default=0.0)
+        bottom.plot(steps, diff, lw=0.9, label=f"{label} - {reference} (max |diff| {worst:.2e})")
+    floor = next(iter(runs.values()))[0].get("loss_floor")
+    if floor not in (None, ""):
+        top.axhline(float(floor), color="grey", ls=":", lw=1.0, label="loss floor (chain entropy)")
+    top.set_ylabel("cross-entropy (nats)")
+    top.legend(fontsize=8)
+    bottom.axhline(0.0, color="grey", lw=0.6)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("loss difference (nats)", fontsize=8)
+    if len(curves) > 1:
+        bottom.legend(fontsize=7)
+    if title is None:
+        r = next(iter(runs.values()))[0]
+        title = (
+            f"MoE LM: hidden {r['hidden']}, {r['num_experts']} experts, top-{r['num_topk']}, "
+            f"{r['tokens_per_step']} tokens/step, seed {r['seed']}\n"
+            + " vs ".join(curves)
+            + " from the same seed"
+        )
+    top.set_title(title, fontsize=9)
+    return fig
+
+
 def scaling_summary(rows: Sequence[dict], where: dict | None = None) -> Figure:
     """One bar per step (in row order) of a scale-out: the critical-path breakdown of the layer
     time, the exposed-communication share and compute idle fraction, and NVLink vs NIC payload
@@ -756,6 +820,26 @@ def write_signalling_sensitivity(
     return written
 
 
+def write_train_loss(csvs: Sequence[str | Path], out: str | Path, title: str | None = None) -> Path:
+    """:func:`train_loss` of the ``mok.bench lm`` CSVs ``csvs`` (each labelled by
+    :func:`lm_run_label`, or its file name where two runs read the same) saved to ``out``."""
+    from sim.measured import read_rows
+
+    runs: dict[str, list[dict]] = {}
+    for path in csvs:
+        rows = read_rows(path)
+        if not rows:
+            raise ValueError(f"{path}: no rows")
+        label = lm_run_label(rows)
+        runs[label if label not in runs else f"{label} [{Path(path).name}]"] = rows
+    fig = train_loss(runs, title=title)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 if __name__ == "__main__":  # pragma: no cover - maintenance entry point
     import argparse
 
@@ -773,8 +857,15 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
     ep.add_argument("--out", default="docs/img/experts-pieces-h200.png")
     ep.add_argument("--skew", default="uniform")
     ep.add_argument("--peak", type=float, default=790.0, help="dense bf16 TFLOP/s of the GPU")
+    lp = sub.add_parser("train-loss", help="loss curves of mok.bench lm CSVs (EP R vs EP1)")
+    lp.add_argument("--csv", action="append", required=True, help="a mok.bench lm CSV (repeat)")
+    lp.add_argument("--out", default="build/lm-loss.png")
+    lp.add_argument("--title", default=None)
     a = ap.parse_args()
-    if a.what == "train-steps":
+    if a.what == "train-loss":
+        write_train_loss(a.csv, a.out, a.title)
+        print(f"wrote {a.out}")
+    elif a.what == "train-steps":
         from sim.measured import read_rows
 
         train_steps(read_rows(a.csv), target=1.5, title=a.title).savefig(a.out, dpi=110)
