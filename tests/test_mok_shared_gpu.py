@@ -25,13 +25,23 @@ def test_training_ep1_against_reference_and_itself():
     _train(1, "--quick", shared=False)
 
 
+# Per EP size: every mode and case at EP2 (20 runs compared, 12 fuzz cases), fewer at EP4 / EP8
+# (the ranks time-slice one GPU: EP8 steps take about 4x EP2's).
+TRAIN_ARGS = {
+    2: ("--repeats", "20", "--fuzz", "12"),
+    4: ("--quick", "--repeats", "5", "--fuzz", "8"),
+    8: ("--quick", "--repeats", "3", "--fuzz", "4"),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("nproc", EP_SIZES)
 def test_training_on_shared_gpu_ranks(nproc):
     """Gradients of every mode against the reference, bitwise against EP1 of the whole batch,
-    determinism, a rank without tokens, bad routing on one rank."""
-    _train(nproc, *(("--quick", "--repeats", "3") if nproc == 8 else ()))
+    determinism, a rank without tokens, bad routing on one rank, the SM budget, MoE / compile /
+    main_grad, fuzz cases."""
+    _train(nproc, *TRAIN_ARGS[nproc])
 
 
 @pytest.mark.gpu
@@ -45,10 +55,7 @@ def test_training_missing_peer_raises_timeout_on_shared_gpu():
 @pytest.mark.sm90
 @pytest.mark.parametrize("nproc", EP_SIZES)
 def test_comm_kernels_and_layer_on_shared_gpu_ranks(nproc):
-    torchrun(
-        "mok_worker.py", nproc, "MOK-WORKER-OK", *(("--quick",) if nproc > 2 else ()),
-        timeout=1500, shared_gpu=True,
-    )  # fmt: skip
+    torchrun("mok_worker.py", nproc, "MOK-WORKER-OK", "--quick", timeout=1500, shared_gpu=True)
 
 
 @pytest.mark.gpu

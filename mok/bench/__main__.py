@@ -1,14 +1,17 @@
 """``python -m mok.bench comm|layer|sweep|probe|train|experts|lm [...]`` (launch with torchrun,
-one process per GPU; ``train`` and ``experts`` run on one GPU).
+one process per GPU, or ``MOK_SHARED_GPU=1`` for every rank on one GPU; ``experts`` runs on one
+GPU).
 
 comm: dispatch/combine vs NCCL and DeepEP. layer: the whole layer forward, fused vs unfused vs
 NCCL. sweep: the fused layer over communication SMs x minibatch x mode. probe: the GPU
 microbenchmarks behind ``mok-sim calibrate`` (also runs on one GPU, without the peer parts).
-train: one training step (forward + backward) of the layer on one GPU, mok vs the best torch
-layer under autograd. experts: the routed experts' GEMM pieces of that step, each alone, mok's
-kernels vs torch's. lm: notebook 05's small MoE language model trained at EP = the torchrun world
-size (one CSV row of loss per step; ``MOK_SHARED_GPU=1`` puts every rank on one GPU; runs on CPU
-too, through the reference layer).
+train: one training step (forward + backward) of the layer, mok vs the best torch layer under
+autograd: on one GPU (the per-rank work of EP N), or at EP R under torchrun against torch-best
+behind an NCCL all-to-all pipeline (a labelled smoke test on shared-GPU ranks). experts: the
+routed experts' GEMM pieces of that step, each alone, mok's kernels vs torch's. lm: notebook
+05's small MoE language model trained at EP = the torchrun world size (one CSV row of loss per
+step; ``MOK_SHARED_GPU=1`` puts every rank on one GPU; runs on CPU too, through the reference
+layer).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         print(
-            "usage: torchrun --nproc-per-node=N -m mok.bench {comm,layer,sweep,probe,lm} [--help]\n"
-            "       python -m mok.bench {train,experts} [--help]",
+            "usage: torchrun --nproc-per-node=N -m mok.bench {comm,layer,sweep,probe,train,lm} "
+            "[--help]\n"
+            "       python -m mok.bench {train,experts,lm} [--help]",
             file=sys.stderr,
         )
         return 2

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import mok
 from mok import functional as mf
-from mok.ranks import init_ranks
+from mok.ranks import init_ranks, shared_gpu
 from mok.spec.workload import ModelShape, make_routing
 from reference.moe import moe_forward as ref_moe_forward
 from reference.weights import MoEWeights
@@ -50,7 +50,9 @@ CONFIGS = [
     # Regions padded to 64 rows: blocks straddling two experts run as 64-row sub-tiles with other
     # MMA shapes (m64n64 gate/up), which keep each output element's k order.
     dict(dispatch_mode="dedup_pull", num_comm_sms=16, minibatch_size=4096, row_tile=64),
-    dict(dispatch_mode="pull", num_comm_sms=8, minibatch_size=256, macrobatch_size=512, row_tile=64),
+    dict(
+        dispatch_mode="pull", num_comm_sms=8, minibatch_size=256, macrobatch_size=512, row_tile=64
+    ),
 ]
 
 
@@ -86,9 +88,18 @@ def shape_case(case, dev, configs, repeats):
     # The references run on the GPU, where the weights are (fp64 and fp32 matmuls, TF32 off):
     # same arithmetic as on the CPU, seconds instead of minutes at the large shapes.
     xd, idxd, twd = x.to(dev), idx.to(dev), tw.to(dev)
-    oracle = ref_moe_forward(xd.double(), idxd, twd.double(), w.to(torch.float64), torch.float64)
-    ref_b = ref_moe_forward(xd, idxd, twd, w, torch.bfloat16)
-    oracle, ref_b = oracle.cpu(), ref_b.cpu()
+    # NOTE: ranks sharing one GPU take turns (the fp64 temporaries of eight ranks at once
+    # overflow an 80 GB GPU); with a GPU each, every rank computes at once.
+    for turn in range(world if shared_gpu() else 1):
+        if turn == rank or not shared_gpu():
+            oracle = ref_moe_forward(
+                xd.double(), idxd, twd.double(), w.to(torch.float64), torch.float64
+            )
+            ref_b = ref_moe_forward(xd, idxd, twd, w, torch.bfloat16)
+            oracle, ref_b = oracle.cpu(), ref_b.cpu()
+            torch.cuda.empty_cache()
+        if shared_gpu():
+            dist.barrier()
     t_ref = time.monotonic() - t0  # problem and references
     lw = local_weights(w, dev)
     xs, idxs, tws = xd[sl], idxd[sl], twd[sl]
