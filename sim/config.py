@@ -122,6 +122,9 @@ class SimConfig:
     # where the regions are padded to 16 (the unfused path's backward), the row tile where the
     # backward runs over regions padded to it (from the fused forward's kept g / u)
     wgrad_depth_step: int = 16
+    # the layer's SM budget (MoKConfig.num_sms): the SMs its kernels use, communication and GEMMs
+    # together; 0: every SM of the GPU. The rest are left to other work (not modelled).
+    num_sms: int = 0
 
     def __post_init__(self) -> None:
         if self.dispatch_mode not in DISPATCH_MODES:
@@ -166,6 +169,15 @@ class SimConfig:
             raise ValueError(f"recompute must be True or False (found {self.recompute!r})")
         if self.recompute and self.direction != "backward":
             raise ValueError("recompute=True applies to direction='backward' only")
+        if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 0:
+            raise ValueError(
+                f"num_sms must be an int >= 0, 0 for every SM (found {self.num_sms!r})"
+            )
+        if self.num_sms and self.num_comm_sms >= self.num_sms:
+            raise ValueError(
+                f"num_comm_sms={self.num_comm_sms} leaves no GEMM SMs in the budget "
+                f"num_sms={self.num_sms}"
+            )
         if not isinstance(self.wgrad_depth_step, int) or self.wgrad_depth_step < 1:
             raise ValueError(
                 f"wgrad_depth_step must be a positive int (found {self.wgrad_depth_step!r})"
@@ -174,6 +186,10 @@ class SimConfig:
             raise ValueError(
                 f"swiglu_bwd_bytes_per_elem must be >= 0 (found {self.swiglu_bwd_bytes_per_elem})"
             )
+
+    def sms_on(self, gpu_sms: int) -> int:
+        """The SMs the layer uses on a GPU of ``gpu_sms``: the budget, at most the GPU's."""
+        return min(gpu_sms, self.num_sms) if self.num_sms else gpu_sms
 
     @property
     def ring_slots(self) -> int:
@@ -187,6 +203,8 @@ class SimConfig:
         kp = f" kernels={self.kernel_profile}" if self.kernel_profile is not None else ""
         if self.direction != "forward":
             kp += f" {self.direction}{' recompute' if self.recompute else ''}"
+        if self.num_sms:
+            kp += f" budget={self.num_sms}"
         return (
             f"{self.dispatch_mode}/{self.combine_mode} sms={self.num_comm_sms} "
             f"mb={self.minibatch_size} ring={self.ring_slots}{kp}"
@@ -210,4 +228,5 @@ class SimConfig:
             minibatch_size=self.minibatch_size,
             macrobatch_size=self.macrobatch_size,
             row_tile=self.row_tile,
+            num_sms=self.num_sms,
         )

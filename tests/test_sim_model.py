@@ -272,3 +272,23 @@ def test_simpy_engine_matches_the_lean_loop():
         lean, sp = run_graph(g, caps), run_graph_simpy(g, caps)
         np.testing.assert_allclose(sp.end_us, lean.end_us, rtol=1e-9, atol=1e-9)
         np.testing.assert_allclose(sp.resource_bytes, lean.resource_bytes, rtol=1e-7)
+
+
+def test_an_sm_budget_leaves_the_gemms_fewer_sms():
+    """SimConfig.num_sms (MoKConfig.num_sms): the layer's kernels on a budget of SMs; the GEMMs
+    get the budget less the communication SMs, so a GEMM-bound layer (Qwen3-30B's, 2048 tokens
+    per rank at EP8) slows as the budget shrinks, and a budget of the whole GPU changes
+    nothing."""
+    full = _builder(TINY, num_comm_sms=16)
+    half = _builder(TINY, num_comm_sms=16, num_sms=66)
+    assert full.compute_sms == full.gpu.num_sms - 16 and half.compute_sms == 66 - 16
+    wl = Workload("qwen3-30b-a3b", 2048, 8, "hgx-h200", "uniform", seed=1)
+    for direction in ("forward", "backward"):
+        cfg = SimConfig(num_comm_sms=16, direction=direction)
+        t = [simulate(wl, cfg.replace(num_sms=n)).layer_us for n in (0, 132, 66, 40)]
+        assert t[0] == t[1] and t[0] < t[2] < t[3], (direction, t)
+    assert SimConfig(num_sms=66).mok_config().num_sms == 66
+    with pytest.raises(ValueError, match="leaves no GEMM SMs in the budget num_sms=16"):
+        SimConfig(num_comm_sms=16, num_sms=16)
+    with pytest.raises(ValueError, match="num_sms must be an int >= 0"):
+        SimConfig(num_sms=-1)

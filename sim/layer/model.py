@@ -214,12 +214,13 @@ class LayerBuilder(TransferBuilder):
 
     def _set_sms(self) -> None:
         gpu, topo, cfg = self.gpu, self.topo, self.cfg
-        if cfg.num_comm_sms >= gpu.num_sms:
+        sms = cfg.sms_on(gpu.num_sms)  # the layer's SM budget (MoKConfig.num_sms)
+        if cfg.num_comm_sms >= sms:
             raise ValueError(
                 f"num_comm_sms={cfg.num_comm_sms} leaves no compute SMs on {gpu.name} "
-                f"({gpu.num_sms} SMs)"
+                f"({sms} SMs{' of its budget' if sms < gpu.num_sms else ''})"
             )
-        self.compute_sms = gpu.num_sms - cfg.num_comm_sms
+        self.compute_sms = sms - cfg.num_comm_sms
         mech = cfg.mechanism
         lat_factor = topo.per_sm_latency_factor(gpu)
         n = cfg.num_comm_sms
