@@ -60,14 +60,12 @@ from mok.layer import (
     unfused_row_tile,
 )
 from mok.ops import TAGS, traced
+from mok.reference_layer import check_reference_inputs, group_size, reference_grads, reference_layer
 from mok.schedule import build_schedule, routed_rows_bound
 from mok.sms import budget_sms, sm_budget
 from mok.spec.config import MoKConfig
 from mok.workspace import get_workspace
-from reference.ep import ep_backward, ep_forward
 from reference.moe import MoEGrads
-from reference.moe import moe_backward as reference_backward
-from reference.moe import moe_forward as reference_forward
 from reference.weights import MoEWeights
 
 __all__ = ["moe", "moe_backward"]
@@ -169,6 +167,8 @@ def moe_on_leaves(
             )
         leaves, into = _main_grad_leaves(leaves, x.is_cuda)
         tensors = [x, topk_weights, *leaves]
+    if not x.is_cuda and not traced([topk_idx, *tensors]):
+        check_reference_inputs(x, topk_idx, topk_weights, weights, num_experts)
     if traced([topk_idx, *tensors]) or not x.is_cuda:
         out, _, _ = _moe_op(
             x, topk_idx, topk_weights, *leaves, num_experts, _config_text(config),
@@ -263,6 +263,8 @@ def moe_backward(
             f"{tuple(grad_out.shape)} on {grad_out.device})"
         )
     w = weights
+    if not x.is_cuda:
+        check_reference_inputs(x, topk_idx, topk_weights, w, num_experts)
     leaves = [w.w_gate, w.w_up, w.w_down]
     leaves += [getattr(w, f"shared_w_{n}", None) for n in ("gate", "up", "down")]
     grads = _layer_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, config, group)
@@ -330,14 +332,6 @@ def _saved_rows(
     )
 
 
-def _group_size(group) -> int:
-    """Ranks of ``group`` (1 without torch.distributed)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
 def _kept_row_tile(config: MoKConfig, fused: bool) -> int:
     """The row tile the expert regions of a ``recompute=False`` forward's kept rows are padded
     to: the config's in the fused forward, the unfused path's otherwise."""
@@ -381,33 +375,6 @@ def _halves(gate_up: torch.Tensor) -> list:
     """The gate and up halves ([.., I, H] views) of a [.., 2I, H] tensor."""
     i = gate_up.shape[-2] // 2
     return [gate_up[..., :i, :], gate_up[..., i:, :]]
-
-
-def _reference(x, topk_idx, topk_weights, weights, num_experts, group) -> torch.Tensor:
-    """Off CUDA: the reference layer (fp64 for fp64 x, else fp32; x's dtype out), on one device,
-    or expert-parallel over ``group`` (:func:`reference.ep.ep_forward`, e.g. gloo on CPUs)."""
-    ranks = _reference_check(weights, num_experts, group)
-    mode = _reference_mode(x)
-    if ranks > 1:
-        out = ep_forward(x, topk_idx, topk_weights, weights, num_experts, compute_dtype=mode,
-                         group=group).out  # fmt: skip
-        return out.to(x.dtype)
-    return reference_forward(x, topk_idx, topk_weights, weights, mode).to(x.dtype)
-
-
-def _reference_mode(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _reference_check(weights, num_experts, group) -> int:
-    """The group's rank count, once this rank holds its share of the experts."""
-    ranks = _group_size(group)
-    if weights.w_gate.shape[0] * ranks != num_experts:
-        raise MoKInputError(
-            f"each of the {ranks} ranks holds num_experts / {ranks} = {num_experts // ranks} "
-            f"experts (this rank holds {weights.w_gate.shape[0]} of num_experts={num_experts})"
-        )
-    return ranks
 
 
 class _MoE(torch.autograd.Function):
@@ -626,7 +593,7 @@ def _moe_op(
     none = functools.partial(_nothing, x)
     cfg, grp = _config(config), _group(group)
     if not x.is_cuda:
-        return _reference(x, topk_idx, topk_weights, weights, num_experts, grp), none(), none()
+        return reference_layer(x, topk_idx, topk_weights, weights, num_experts, grp), none(), none()
     _check_saving(x, weights, fused, recompute)
     saved = None if recompute else []
     out = moe_forward(
@@ -634,7 +601,7 @@ def _moe_op(
     )
     if recompute:
         return out, none(), none()
-    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], cfg, fused, _group_size(grp))
+    rows = _saved_rows(x.shape[0], topk_idx.shape[1], w_down.shape[0], cfg, fused, group_size(grp))
     gu32, shared32 = saved
     if gu32.shape[0] < rows:  # a receive buffer smaller than the bound (capacity_factor < 1)
         gu32 = torch.cat([gu32, gu32.new_zeros(rows - gu32.shape[0], gu32.shape[1])])
@@ -650,7 +617,7 @@ def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, *rest) -> tuple:
         return out, none(), none()
     rows = _saved_rows(
         x.shape[0], topk_idx.shape[1], w_down.shape[0], _config(config), fused,
-        _group_size(_group(rest[5])),
+        group_size(_group(rest[5])),
     )  # fmt: skip
     gu32 = x.new_empty(rows, 2 * w_down.shape[-1], dtype=torch.float32)
     if not shared_kept(x, *shared):
@@ -708,15 +675,9 @@ def _(grad_out, x, topk_idx, topk_weights, *rest) -> list[torch.Tensor]:
 
 
 def _reference_grads(grad_out, x, topk_idx, topk_weights, leaves, num_experts, group) -> list:
-    """The gradients of :func:`_reference` for (x, topk_weights, *leaves), by the reference's
-    explicit backward (:func:`reference.moe.moe_backward`)."""
-    weights = _weights(*leaves)
-    mode = _reference_mode(x)
-    if _reference_check(weights, num_experts, group) > 1:
-        g = ep_backward(grad_out, x, topk_idx, topk_weights, weights, num_experts,
-                        compute_dtype=mode, group=group)  # fmt: skip
-    else:
-        g = reference_backward(grad_out, x, topk_idx, topk_weights, weights, mode)
+    """The gradients of the layer off CUDA for (x, topk_weights, *leaves), in the leaves' layout
+    (:func:`mok.reference_layer.reference_grads`)."""
+    g = reference_grads(grad_out, x, topk_idx, topk_weights, _weights(*leaves), num_experts, group)
 
     def gate_up(d_gate, d_up, one: bool) -> list:
         return [torch.cat([d_gate, d_up], -2), None] if one else [d_gate, d_up]

@@ -21,6 +21,7 @@ from mok.experts import (
     shared_kept,
 )
 from mok.fused import forward
+from mok.reference_layer import check_reference_inputs, reference_layer
 from mok.schedule import build_schedule, received_rows_bound
 from mok.sms import budget_sms, sm_budget
 from mok.spec.config import MAX_COMM_SMS, MoKConfig
@@ -100,7 +101,9 @@ def moe_forward(
     *,
     _saved: list | None = None,
 ) -> torch.Tensor:
-    """The MoE layer on this rank: schedule, dispatch, grouped SwiGLU experts, combine.
+    """The MoE layer on this rank: schedule, dispatch, grouped SwiGLU experts, combine. Off CUDA
+    it is the reference layer (:mod:`mok.reference_layer`: any float dtype, ``fused`` and
+    ``config`` ignored), on one device or expert-parallel over ``group``.
 
     Collective over ``group``. The workspace of this shape and config is created (collectively)
     on first use and cached (:func:`mok.get_workspace`).
@@ -142,6 +145,9 @@ def moe_forward(
             recorded it.
     """
     config = as_config(config)
+    if not x.is_cuda:  # the reference layer (one device, or reference.ep over the group)
+        check_reference_inputs(x, topk_idx, topk_weights, weights, num_experts)
+        return reference_layer(x, topk_idx, topk_weights, weights, num_experts, group)
     with sm_budget(config.num_sms):
         return _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused,
                             _saved)  # fmt: skip
