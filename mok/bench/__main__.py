@@ -18,7 +18,12 @@ from __future__ import annotations
 
 import sys
 
+from mok.ranks import SHARED_GPU_ENV, shared_gpu
+
 COMMANDS = ("comm", "layer", "sweep", "probe", "train", "experts", "lm")
+# What runs on ranks that share a GPU (MOK_SHARED_GPU=1): train (a labelled smoke test) and lm
+# (losses). The others' rows are timings of NVLink or of a whole GPU, which shared ranks are not.
+SHARED_GPU_COMMANDS = ("train", "lm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +33,15 @@ def main(argv: list[str] | None = None) -> int:
             "usage: torchrun --nproc-per-node=N -m mok.bench {comm,layer,sweep,probe,train,lm} "
             "[--help]\n"
             "       python -m mok.bench {train,experts,lm} [--help]",
+            file=sys.stderr,
+        )
+        return 2
+    if shared_gpu() and argv[0] not in SHARED_GPU_COMMANDS:
+        print(
+            f"mok.bench {argv[0]}: refused with {SHARED_GPU_ENV}=1: ranks sharing one GPU "
+            "time-slice it, so its timings would say nothing about NVLink or about a GPU of each "
+            f"rank's own; run it with one GPU per rank (unset {SHARED_GPU_ENV}). On shared ranks: "
+            f"{', '.join(SHARED_GPU_COMMANDS)} (labelled as such)",
             file=sys.stderr,
         )
         return 2
