@@ -175,3 +175,24 @@ def test_bad_inputs():
     # Two local experts on rank 0, one row each, each region padded to the 128-row tile.
     want = [0] + [-1] * 127 + [0] + [-1] * 127
     assert np.array_equal(build_schedule(idx, 4, 0).src_rank.numpy(), want)
+
+
+@settings(max_examples=80, deadline=None)
+@given(routings(), st.sampled_from([1, 16, 64, 128]))
+def test_the_capacity_formula_holds_every_padded_routing(case, row_tile):
+    """MoKConfig.capacity_rows (capacity_factor x tokens x k routed rows, plus row_tile - 1
+    padding rows per local expert, to whole tiles) holds the schedule's padded rows on every
+    rank whenever the factor covers the busiest rank's routed rows: the padding never needs a
+    larger factor, at any EP size and skew."""
+    from mok.spec.config import MoKConfig
+
+    idx, num_experts, _ = case
+    num_ranks, num_tokens, num_topk = idx.shape
+    if num_tokens == 0:
+        return
+    offsets = required_rows(idx, num_experts, row_tile)  # [R, L + 1], padded
+    routed = torch.bincount(idx.reshape(-1) // (num_experts // num_ranks), minlength=num_ranks)
+    factor = max(float(routed.max()) / (num_tokens * num_topk), 1e-6)
+    cfg = MoKConfig(capacity_factor=factor, row_tile=row_tile, minibatch_size=max(row_tile, 128))
+    cap = cfg.capacity_rows(num_tokens, num_topk, num_experts // num_ranks)
+    assert int(offsets[:, -1].max()) <= cap
