@@ -122,7 +122,11 @@ for topology, ep in CASES:
         )
 
 # %% [markdown]
-# ## Figure: layer time (log scale) and NVLink MB per rank
+# ## Figure: layer time, layer time relative to pull/push, NVLink MB per rank
+#
+# One row of panels per routing skew, one group of bars per (topology, EP): the layer time (log
+# scale), how much slower (above 0) or faster than pull/push each policy is, in %, and the
+# NVLink payload each rank sends.
 
 # %%
 display(policy_comparison(rows))
@@ -193,18 +197,20 @@ for shape in EXP_SHAPES:
     ax0.plot(toks, [p[1]["layer_us"] - p[2]["layer_us"] for p in pts], "o-", label=shape)
     ax1.plot(toks, [p[1]["signal_rank_us"] for p in pts], "o-", label=f"{shape} push/push")
     ax1.plot(toks, [p[2]["signal_rank_us"] for p in pts], "s--", label=f"{shape} pull/push")
+ax0.axhline(0.0, color="k", lw=0.6)
 ax0.set(
     xscale="log",
-    xlabel="tokens per rank (= minibatch, one round)",
+    xlabel="tokens per rank (= minibatch, one round; log scale)",
     ylabel="push/push - pull/push layer time (us)",
-    title="GB300 NVL72 EP64, uniform",
+    title="push's cost in layer time (above 0: push is slower)",
 )
 ax1.set(
     xscale="log",
-    xlabel="tokens per rank",
-    ylabel="signalling time per rank (us)",
-    title="signalling per rank (exposed or not)",
+    xlabel="tokens per rank (log scale)",
+    ylabel="signalling time per rank (us), lower is better",
+    title="signalling a rank spends, on the critical path or not",
 )
+fig.suptitle("Push vs pull dispatch with one round per layer: GB300 NVL72, EP64, uniform routing")
 for ax in (ax0, ax1):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -255,7 +255,11 @@ fused_measured = [
     and int(r.get("num_ranks") or 2) == FUSED_EP
     and r["skew"] == FUSED_SKEW
 ]
-display(sweep_heatmap_panels(fused_rows, measured=fused_measured, vmax_rel=1.2))
+fused_title = (
+    f"fused layer (model {FUSED_PROFILE}), EP{FUSED_EP} on {fused_prof.topology}, "
+    f"{FUSED_TOKENS_PER_RANK} tokens per rank, {FUSED_SKEW} routing"
+)
+display(sweep_heatmap_panels(fused_rows, measured=fused_measured, vmax_rel=1.2, title=fused_title))
 
 # %% [markdown]
 # At the defaults, DeepSeek-V3 is GEMM-bound: from 12 to 32 comm SMs every minibatch is within 5 %

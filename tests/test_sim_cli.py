@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 from matplotlib.figure import Figure
@@ -203,3 +205,111 @@ def test_bench_sweep_has_500_distinct_configs():
 
     cfgs = _sweep_configs(500)
     assert len(cfgs) == len(set(cfgs)) == 500
+
+
+# -- outputs under build/, table legends, --strict, the first-run compile line -------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
+OUTPUT_FLAGS = ("--out", "--csv", "--heatmap", "--emit-config", "--gantt", "--links", "--plot")
+
+
+def _readme_sim_lines() -> list[str]:
+    """The README's `mok-sim ...` command lines, continuation lines joined."""
+    lines, out = README.read_text().splitlines(), []
+    for i, line in enumerate(lines):
+        if line.startswith("mok-sim "):
+            text = line
+            while text.rstrip().endswith("\\"):
+                i += 1
+                text = text.rstrip()[:-1] + " " + lines[i].strip()
+            out.append(text.split("  #")[0])
+    return out
+
+
+def test_readme_mok_sim_lines_write_under_build():
+    cmds = _readme_sim_lines()
+    assert len(cmds) >= 10
+    for cmd in cmds:
+        words = cmd.split()
+        for flag, value in zip(words, words[1:], strict=False):
+            if flag in OUTPUT_FLAGS:
+                assert value.startswith("build/"), f"README: {cmd!r} writes {value} outside build/"
+
+
+def test_default_outputs_go_under_build(tmp_path, monkeypatch, capsys):
+    """A command's default output path is under build/, created on demand: a run from a clean
+    folder leaves only build/ there."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["trace", *SMALL]) == 0
+    assert (
+        main(["sweep", *SMALL, "--sms", "8", "--minibatch", "256", "--jobs", "1", "--quiet"]) == 0
+    )
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "build",
+        "build/mok-sim-sweep.csv",
+        "build/mok-sim-trace.json",
+    ]
+    parser = build_parser()
+    assert parser.parse_args([]).out == "build/mok-sim-default.png"
+    assert parser.parse_args(["calibrate", "p.json"]).out == "build/gpu-profile.json"
+
+
+def test_tables_are_explained_in_help_and_under_the_table(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for term in ("exp.comm", "sig/rank", "T4096", "NVL util%", "ring = ring slots"):
+        assert term in text
+    assert main(["compare", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "columns: layer us = one layer forward" in out
+    # no line of the legend starts like a table row (the golden test keeps those)
+    legend = out[out.index("columns:") :].splitlines()
+    assert all(not re.match(r"^(deepseek|push|pull|dedup)", ln) for ln in legend)
+
+
+def test_validate_strict_exits_1_when_a_target_is_missed(capsys):
+    """The committed fused-layer sweep misses the spearman target (docs/sim-validation.md):
+    the last line names it; --strict turns it into exit status 1."""
+    csv_path = str(measured_path("h200x2-layer-sweep-2026-11-30.csv"))
+    assert main(["validate", csv_path]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == "targets: 1 of 4 MISSED (spearman); exit status 0 (--strict exits 1)"
+    assert main(["validate", csv_path, "--strict"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].endswith("--strict: exit status 1")
+
+
+def test_missed_targets_of_both_summaries():
+    from sim.app.validate import applicable_targets, missed_targets
+
+    comm = {
+        "targets": {"median_abs_err": True, "max_abs_err": False, "spearman": False, "gap": True},
+        "validation": {"n": 3},
+        "ranking": {"validation groups": {"spearman_min": float("nan"), "gap_max": 0.01}},
+    }
+    assert applicable_targets(comm) == ["median_abs_err", "max_abs_err", "gap"]
+    assert missed_targets(comm) == ["max_abs_err"]  # spearman: n/a (no ranked group)
+    train = {"targets": {"fwd": {"median_abs_err": True, "max_abs_err": False},
+                         "bwd": {"median_abs_err": None, "max_abs_err": None}}}  # fmt: skip
+    assert applicable_targets(train) == ["fwd median_abs_err", "fwd max_abs_err"]
+    assert missed_targets(train) == ["fwd max_abs_err"]
+
+
+def test_compile_line_only_before_a_first_compile(tmp_path, monkeypatch, capsys):
+    """sim.app.jit_cache: a module whose cached numba function has no cache entry is reported
+    (and the line printed once per process); after the function ran, it is not."""
+    from sim.app import jit_cache
+
+    (tmp_path / "mok_jit_probe.py").write_text(
+        "from numba import njit\n\n\n@njit(cache=True)\ndef twice(x):\n    return 2 * x\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # numba caches it in tmp_path/__pycache__
+    monkeypatch.setattr(jit_cache, "_said", False)
+    assert jit_cache.uncompiled_modules(["mok_jit_probe"]) == ["mok_jit_probe"]
+    assert jit_cache.say_if_compiling(["mok_jit_probe"]) is True
+    assert jit_cache.say_if_compiling(["mok_jit_probe"]) is False  # once per process
+    assert capsys.readouterr().err == jit_cache.COMPILING_LINE + "\n"
+    import mok_jit_probe
+
+    assert mok_jit_probe.twice(21) == 42  # compiles and writes numba's cache
+    assert jit_cache.uncompiled_modules(["mok_jit_probe"]) == []
+    monkeypatch.delitem(sys.modules, "mok_jit_probe")

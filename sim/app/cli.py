@@ -1,14 +1,14 @@
 """``mok-sim``, the simulator's command line; no arguments runs the default job.
 
-mok-sim                                  # default comparison + PNG (under 10 s)
+mok-sim                                  # default comparison + build/mok-sim-default.png
 mok-sim compare --shape kimi-k2 --ep 64 --topology gb300-nvl72 --skew zipf:1.2
-mok-sim sweep --ep 8 --topology hgx-h200 --sms 8,16,24,32 --minibatch 2048,4096 --out s.csv
-mok-sim tune --ep 8 --topology hgx-h200 --emit-config mok-config.json
+mok-sim sweep --ep 8 --topology hgx-h200 --sms 8,16,24,32 --minibatch 2048,4096 --out build/s.csv
+mok-sim tune --ep 8 --topology hgx-h200 --emit-config build/mok-config.json
 mok-sim tune --ep 8 --topology hgx-h200 --kernel-profile mok-comm-h200x2   # measured kernels
-mok-sim tune --fused --shape qwen3-30b-a3b --emit-config fused.json          # the fused layer
-mok-sim trace --ep 8 --topology hgx-h200 --out trace.json
-mok-sim calibrate probe.json --out h200.json
-mok-sim validate mok/bench/results/h200x2-comm-grid-v4-2026-11-30.csv --csv pred.csv --plot p.png
+mok-sim tune --fused --shape qwen3-30b-a3b --emit-config build/fused.json    # the fused layer
+mok-sim trace --ep 8 --topology hgx-h200 --out build/trace.json
+mok-sim calibrate probe.json --out build/h200.json
+mok-sim validate mok/bench/results/h200x2-comm-grid-v4-2026-11-30.csv --plot build/p.png --strict
 mok-sim validate mok/bench/results/h200x2-layer-2026-11-30.csv \
         mok/bench/results/h200x2-layer-sweep-2026-11-30.csv
 mok-sim validate mok/bench/results/h200x1-layer-2026-12-01.csv --fused-fit ep1   # one GPU
@@ -20,7 +20,10 @@ mok-sim bench
 
 Each command imports the models it runs inside its own function: the argument and path checks
 run, and ``--help`` answers, without loading the numba-compiled layer, comm and fused models or
-matplotlib (a second or more each).
+matplotlib (a second or more each). A first run, whose compiled functions are not yet in numba's
+cache, says so in one line (:mod:`sim.app.jit_cache`). Every file a command writes by default
+goes under ``build/`` (created on demand), so a run from the repository root leaves nothing
+untracked; ``validate --strict`` exits 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -45,12 +48,14 @@ from sim.app.cli_args import (
     read_probe,
     skew_arg,
 )
+from sim.app.jit_cache import FUSED_MODULES, LAYER_MODULES, PLAN_MODULES, say_if_compiling
+from sim.app.labels import FUSED_TABLE_LEGEND, SWEEP_LEGEND, TABLE_LEGEND
 from sim.comm.profile import load_kernel_profile
 from sim.config import COMBINE_MODES, DISPATCH_MODES, SimConfig, Workload
 from sim.fused.profile import DEFAULT_FUSED_PROFILE, load_fused_profile
 from sim.measured import FUSED_FITS, fused_fit
 
-__all__ = ["main", "build_parser", "DEFAULT_JOBS", "format_table"]
+__all__ = ["main", "build_parser", "DEFAULT_JOBS", "format_table", "legend"]
 
 # The embedded default job: the same question on the rack we design for and on the box we rent.
 DEFAULT_JOBS = (
@@ -72,7 +77,7 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
         "--skew",
         type=skew_arg,
         default="uniform",
-        help="uniform | zipf:A | hot:SHARE[:N], each with an optional @CORR",
+        help="uniform | zipf:A | hot:SHARE[:N], each with an optional @CORR | aligned",
     )
     g.add_argument("--seed", type=int_arg(0), default=0)
 
@@ -125,6 +130,14 @@ def _add_config(p: argparse.ArgumentParser, single: bool = True) -> None:
         f"{DEFAULT_FUSED_PROFILE}; SimConfig.gemm_profile); default: the GPU profile's "
         "(standalone grouped GEMM)",
     )
+
+
+def legend(text: str) -> str:
+    """A table legend (:mod:`sim.app.labels`) wrapped to 100 columns, its later lines indented
+    (so no line of it starts like a table row)."""
+    import textwrap
+
+    return textwrap.fill(text, 100, subsequent_indent="  ")
 
 
 def _workload(a) -> Workload:
@@ -228,7 +241,8 @@ def format_mode_bests(ranked: list[dict]) -> str:
         util = f"{100 * r['nvl_util_mean']:.0f}/{100 * r['nvl_util_max']:.0f}"
         lines.append(
             f"{mode:<18}{r['layer_us']:>10.1f}{r['num_comm_sms']:>5}{r['minibatch_size']:>6}"
-            f"{r['macrobatch_size']:>7}{r['signalling_us']:>8.1f}{r['signal_rank_us']:>9.1f}"
+            f"{r['macrobatch_size'] // r['minibatch_size']:>7}{r['signalling_us']:>8.1f}"
+            f"{r['signal_rank_us']:>9.1f}"
             f"{util:>10}"
         )
     return "\n".join(lines)
@@ -244,6 +258,7 @@ def _default_job(wl: Workload) -> list:
 
 def _cmd_default(a) -> int:
     t0 = time.perf_counter()
+    say_if_compiling(LAYER_MODULES)
     if (os.cpu_count() or 1) > 1:
         # the big workload in a worker, the small one here, then the PNG code while we wait
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
@@ -266,12 +281,14 @@ def _cmd_default(a) -> int:
             f"fastest: {best.config.dispatch_mode}/{best.config.combine_mode} "
             f"({best.layer_us:.1f} us per layer forward)"
         )
+    print("\n" + legend(TABLE_LEGEND))
     fig = compare_bars(groups)
     out = Path(a.out)
     fig.savefig(out, dpi=110)
     print(f"\nwrote {out.resolve()}  ({time.perf_counter() - t0:.1f} s)")
     print(
-        "next: mok-sim tune --shape deepseek-v3 --ep 8 --topology hgx-h200 --emit-config cfg.json"
+        "next: mok-sim tune --shape deepseek-v3 --ep 8 --topology hgx-h200 --emit-config "
+        "build/mok-config.json"
     )
     return 0
 
@@ -281,6 +298,7 @@ def _cmd_compare(a) -> int:
     from sim.layer.sweep import compare
 
     wl, base = _workload(a), _base_config(a)
+    say_if_compiling(LAYER_MODULES)
     if _passes(a) == ("fwd", "bwd"):
         from sim.layer.backward import backward_config
         from sim.layer.model import plan_for
@@ -304,6 +322,7 @@ def _cmd_compare(a) -> int:
     else:
         res = compare(wl, base)
         print(format_table(res, f"{wl.label()}  ({base.label().split(' ', 1)[1]})"))
+    print(legend(TABLE_LEGEND))
     if a.csv:
         write_csv([r.summary() for r in res], a.csv)
         print(f"wrote {a.csv}")
@@ -321,6 +340,7 @@ def _cmd_sweep(a) -> int:
             f"no configuration to sweep: --dispatch {','.join(a.dispatch)} x --combine "
             f"{','.join(a.combine)} (dedup_pull runs only with the push combine)"
         )
+    say_if_compiling(LAYER_MODULES)
     t0 = time.perf_counter()
     rows = sweep(wl, configs, jobs=a.jobs, progress=not a.quiet)
     dt = time.perf_counter() - t0
@@ -330,9 +350,11 @@ def _cmd_sweep(a) -> int:
     print(f"{len(rows)} configs in {dt:.1f} s -> {a.out}")
     print(
         f"best: {best['dispatch_mode']}/{best['combine_mode']} sms={best['num_comm_sms']} "
-        f"mb={best['minibatch_size']} ring={best['macrobatch_size']} -> {best['layer_us']:.1f} us"
+        f"mb={best['minibatch_size']} ring={best['macrobatch_size'] // best['minibatch_size']} "
+        f"-> {best['layer_us']:.1f} us"
     )
     print(format_mode_bests(ranked))
+    print(legend(SWEEP_LEGEND))
     if a.heatmap:
         from sim.app.plots import sweep_heatmap
 
@@ -368,6 +390,7 @@ def _tune_unfused(a, fused_unsupported: list[str] | None = None) -> int:
 
     wl, base = _workload(a), _base_config(a, single=False)
     space = _tune_space(a)
+    say_if_compiling(LAYER_MODULES)
     cfg, rows = tune(wl, space, jobs=a.jobs, progress=not a.quiet, base=base)
     doc = tune_document(wl, cfg, simulate(wl, cfg))
     if fused_unsupported:
@@ -421,6 +444,7 @@ def _tune_fused(a) -> int:
     space = _tune_space(a)
     if a.row_tile:
         space["row_tile"] = [a.row_tile]
+    say_if_compiling(FUSED_MODULES)
     rows = tune_fused(wl, prof, space)
     title = (
         f"fused layer, {wl.label()} (routing seed {wl.tokens_per_rank}), profile "
@@ -428,6 +452,7 @@ def _tune_fused(a) -> int:
         "macrobatch 0 (whole receive buffer)"
     )
     print(format_fused_table(rows, a.top, title))
+    print(legend(FUSED_TABLE_LEGEND))
     doc = fused_tune_document(wl, rows[0], prof, str(a.fused_profile), len(rows))
     print(json.dumps(doc, indent=1))
     if a.emit_config:
@@ -444,6 +469,7 @@ def _cmd_trace(a) -> int:
     if _passes(a) == ("fwd", "bwd"):
         raise ValueError("trace takes one pass: --pass fwd or --pass bwd")
     wl, cfg = _workload(a), _base_config(a)
+    say_if_compiling(LAYER_MODULES)
     res = simulate(wl, cfg, record_links=True)
     p = write_chrome_trace(res, a.out)
     b, (sig, _), (um, ux) = res.breakdown, res.signalling_per_rank(), res.nvlink_utilisation()
@@ -532,10 +558,12 @@ def _cmd_validate(a) -> int:
             "--layer-model checks the layer model on layer CSVs (mok.bench layer)"
             + ("; a train CSV is always predicted by the layer model" if train else "")
         )
+    summary = None  # an experts CSV has no targets
     if train:
         records = _validate_train(a, rows)
+        summary = summarise_train(records)
         print(f"{names}: {len(rows)} rows")
-        print(format_train_report(records, summarise_train(records)))
+        print(format_train_report(records, summary))
     elif experts:
         records = _validate_experts(a, rows, f"{names}: {len(rows)} rows")
     else:
@@ -555,7 +583,26 @@ def _cmd_validate(a) -> int:
         fig = layer_validation(records) if layer else validation_scatter(records)
         fig.savefig(a.plot, dpi=110)
         print(f"wrote {a.plot}")
-    return 0
+    return _targets_verdict(summary, a.strict)
+
+
+def _targets_verdict(summary: dict | None, strict: bool) -> int:
+    """Print one line on the targets of a validation ``summary``; the exit status: 1 when
+    ``strict`` and a target is missed, else 0."""
+    from sim.app.validate import applicable_targets, missed_targets
+
+    if summary is None:
+        print("targets: none for this CSV" + (" (--strict has nothing to check)" if strict else ""))
+        return 0
+    missed, n = missed_targets(summary), len(applicable_targets(summary))
+    if not missed:
+        print(f"targets: all {n} that apply are met")
+        return 0
+    print(
+        f"targets: {len(missed)} of {n} MISSED ({', '.join(missed)}); "
+        + ("--strict: exit status 1" if strict else "exit status 0 (--strict exits 1)")
+    )
+    return 1 if strict else 0
 
 
 def _validate_comm(a, rows: list[dict]) -> list[dict]:
@@ -571,6 +618,7 @@ def _validate_comm(a, rows: list[dict]) -> list[dict]:
             prof.save(a.save_profile)
             print(f"wrote {a.save_profile}")
     print(f"comm-kernel model, profile {a.profile} fitted on: {prof.fit_subset}")
+    say_if_compiling(LAYER_MODULES)
     return validate_rows(rows, prof)
 
 
@@ -617,6 +665,7 @@ def _validate_layer(a, rows: list[dict]) -> list[dict]:
             + (f"; --fused-fit {' / '.join(others)} picks a profile fitted there" if others else "")
         )
     print(f"fused-layer model, profile {name} fitted on: {prof.fit_subset}")
+    say_if_compiling(FUSED_MODULES)
     return validate_layer_rows(rows, prof)
 
 
@@ -633,6 +682,7 @@ def _validate_layer_model(a, rows: list[dict]) -> list[dict]:
         else ("GEMM rates of the GPU profile (the standalone grouped GEMM's)")
     )
     print(f"layer model (sim.layer), {rates}; two-GPU mok-fused rows, all held out")
+    say_if_compiling(LAYER_MODULES)
     return validate_layer_model_rows(rows, a.gemm_profile)
 
 
@@ -662,6 +712,7 @@ def _validate_train(a, rows: list[dict]) -> list[dict]:
     )
     for note in TRAIN_MODEL_NOTES:
         print(textwrap.fill(note, 100, initial_indent="  - ", subsequent_indent="    "))
+    say_if_compiling(LAYER_MODULES)
     return validate_train_rows(rows, a.gemm_profile)
 
 
@@ -683,6 +734,7 @@ def _validate_experts(a, rows: list[dict], title: str) -> list[dict]:
         else "the GPU profile's GEMM rates (the standalone grouped GEMM's)"
     )
     print(f"layer model's backward pieces (sim.layer.backward), each alone, at {rates}:")
+    say_if_compiling(PLAN_MODULES)
     records = validate_experts_rows(rows, a.gemm_profile)
     print(title)
     print(format_experts_report(records, summarise_experts(records)))
@@ -692,6 +744,7 @@ def _validate_experts(a, rows: list[dict], title: str) -> list[dict]:
 def _cmd_bench(a) -> int:
     from sim.app.bench import main as bench_main
 
+    say_if_compiling(LAYER_MODULES)
     return bench_main(["--sweep-configs", str(a.sweep_configs)] + (["--quick"] if a.quick else []))
 
 
@@ -699,17 +752,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mok-sim",
         description="Discrete-event model of push vs pull MoE dispatch/combine on NVLink "
-        "topologies. With no subcommand: the default comparison (writes a PNG).",
+        "topologies. With no subcommand: the default comparison (a table per workload and a "
+        "PNG). Files a command writes by default go under build/ (created on demand).",
+        epilog=TABLE_LEGEND,
     )
-    p.add_argument("--out", default="mok-sim-default.png", help="PNG of the default run")
+    p.add_argument("--out", default="build/mok-sim-default.png", help="PNG of the default run")
     sub = p.add_subparsers(dest="cmd")
 
-    c = sub.add_parser("compare", help="push vs pull vs dedup-pull for one workload")
+    c = sub.add_parser(
+        "compare", help="push vs pull vs dedup-pull for one workload", epilog=TABLE_LEGEND
+    )
     _add_workload(c)
     _add_config(c)
     c.add_argument("--csv", help="also write the rows as CSV")
 
-    s = sub.add_parser("sweep", help="grid over policy x comm SMs x minibatch x ring size")
+    s = sub.add_parser(
+        "sweep", help="grid over policy x comm SMs x minibatch x ring size", epilog=SWEEP_LEGEND
+    )
     _add_workload(s)
     _add_config(s, single=False)
     s.add_argument("--dispatch", type=dispatch_modes_arg, default=",".join(DISPATCH_MODES))
@@ -718,13 +777,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--minibatch", type=int_list(1), default="2048,4096")
     s.add_argument("--ring-slots", type=int_list(1), default="2,4")
     s.add_argument("--jobs", type=int_arg(1), default=None, help="worker processes (default: CPUs)")
-    s.add_argument("--out", default="mok-sim-sweep.csv")
+    s.add_argument("--out", default="build/mok-sim-sweep.csv", help="CSV of every config")
     s.add_argument("--heatmap", help="PNG heatmap of comm SMs x minibatch")
     s.add_argument("--quiet", action="store_true")
 
     t = sub.add_parser(
         "tune",
         help="best config for a workload, as mok-config/1 JSON",
+        epilog="with --fused, the table's " + FUSED_TABLE_LEGEND,
         description="Search the config space of one MoE layer forward and print the best "
         "config as mok-config/1 JSON (mok.MoKConfig.from_json loads --emit-config). Default: "
         "the unfused layer (communication kernels + grouped GEMM, moe_forward(..., "
@@ -773,7 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("trace", help="Chrome trace (Perfetto) of one run")
     _add_workload(tr)
     _add_config(tr)
-    tr.add_argument("--out", default="mok-sim-trace.json")
+    tr.add_argument("--out", default="build/mok-sim-trace.json", help="Chrome trace JSON")
     tr.add_argument("--csv", help="timeline records as CSV")
     tr.add_argument("--gantt", help="Gantt PNG")
     tr.add_argument("--links", help="link utilisation PNG")
@@ -781,7 +841,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="fit a GPU profile from a probe JSON")
     cal.add_argument("probe", help="probe JSON (python -m mok.bench probe)")
     cal.add_argument("--name", default="h200")
-    cal.add_argument("--out", default="gpu-profile.json")
+    cal.add_argument("--out", default="build/gpu-profile.json", help="GPU profile JSON")
     cal.add_argument("--num-sms", type=int_arg(1), default=None)
     cal.add_argument(
         "--nvlink-gbps", type=positive_float, default=None, help="datasheet, per direction"
@@ -833,6 +893,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--rows", action="store_true", help="list every row under its group")
     v.add_argument("--refit", action="store_true", help="refit the knobs on the CSVs' fit rows")
     v.add_argument("--save-profile", help="with --refit: write the refitted profile here")
+    v.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit with status 1 when a target of the report is missed (the last line names "
+        "them; without --strict a missed target still exits 0)",
+    )
 
     b = sub.add_parser("bench", help="simulator speed benchmark (same as python -m sim.app.bench)")
     b.add_argument("--sweep-configs", type=int_arg(1), default=500)

@@ -27,6 +27,7 @@ __all__ = [
     "dispatch_modes_arg",
     "combine_modes_arg",
     "check_output",
+    "OUTPUT_DIR",
     "check_input",
     "read_text",
     "json_format",
@@ -150,15 +151,25 @@ PROBE_KINDS = (
 )
 
 
+OUTPUT_DIR = "build"  # git-ignored; the default home of every file the commands write
+
+
 def check_output(path: str, flag: str, figure: bool) -> None:
     """Raise :class:`CliError` unless ``path`` can be written (its folder exists and is
-    writable, it is not a folder, a figure's extension is one matplotlib writes)."""
+    writable, it is not a folder, a figure's extension is one matplotlib writes). A missing
+    folder of a relative path under :data:`OUTPUT_DIR` (``build/...``) is created; any other
+    missing folder is an error."""
     if not path.strip():
         raise CliError(f"{flag} needs a file name (found an empty string)")
     p = Path(path)
     parent = p.parent
     if p.is_dir():
         raise CliError(f"cannot write {path}: Is a directory (give {flag} a file name)")
+    if not parent.exists() and not p.is_absolute() and p.parts[0] == OUTPUT_DIR:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CliError(f"cannot create the folder {parent}: {e.strerror or e}") from None
     if not parent.exists():
         raise CliError(
             f"cannot write {path}: No such file or directory (create the folder {parent} first "

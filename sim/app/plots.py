@@ -1,16 +1,21 @@
-"""Figures of simulation results; each function returns a matplotlib Figure (Agg backend).
+"""Figures of simulation results; each function returns a matplotlib Figure (Agg backend) whose
+title says what it compares, whose axes carry units, and whose time axes say "lower is better".
+Names, units and colours come from :mod:`sim.app.labels`. The figures of measured runs
+(:mod:`sim.app.measured_plots`) and of the push-signalling sensitivity
+(:mod:`sim.app.sensitivity`) are re-exported here.
 
-``python -m sim.app.plots signalling-sensitivity [--out docs/img]`` writes the sensitivity
-figures of the push-signalling assumptions (:func:`write_signalling_sensitivity`;
-docs/sim-validation.md, "Push signalling"); ``python -m sim.app.plots train-loss --csv a.csv
---csv b.csv [--out build/lm-loss.png]`` the loss curves of ``mok.bench lm`` runs
-(:func:`write_train_loss`)."""
+``python -m sim.app.plots WHAT`` draws the figures of committed or freshly measured CSVs; every
+one writes under ``build/`` unless ``--out`` names another path (so nothing tracked is
+overwritten unless asked): ``train-steps`` (``mok.bench train``, :func:`train_steps`),
+``experts-pieces`` (``mok.bench experts``, :func:`expert_pieces`), ``train-loss --csv a.csv
+--csv b.csv`` (``mok.bench lm`` runs, :func:`write_train_loss`) and ``signalling-sensitivity``
+(the push-signalling assumptions, :mod:`sim.app.sensitivity`; docs/sim-validation.md,
+"Push signalling")."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -20,12 +25,37 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-from sim.config import SimConfig, Workload  # noqa: E402
-from sim.core import hardware  # noqa: E402
-from sim.core.hardware import GpuProfile, load_gpu  # noqa: E402
-from sim.core.topology import RES_PER_GPU, get_topology  # noqa: E402
-from sim.layer.model import simulate  # noqa: E402
+from sim.app.labels import (  # noqa: E402
+    BREAKDOWN_NAMES,
+    LOWER_IS_BETTER,
+    axis_label,
+    ink_for,
+    pct_text,
+    policy_color,
+    topology_title,
+    workload_title,
+)
+from sim.app.measured_plots import (  # noqa: E402  (re-exported: their home before the split)
+    best_train_rows,
+    expert_pieces,
+    layer_validation,
+    lm_run_label,
+    train_loss,
+    train_steps,
+    validation_scatter,
+    write_train_loss,
+)
+from sim.app.sensitivity import (  # noqa: E402  (re-exported: their home before the split)
+    SIGNALLING_ASSUMPTIONS,
+    gpu_variant,
+    signalling_sensitivity,
+    signalling_sensitivity_rows,
+    write_signalling_sensitivity,
+)
+from sim.config import SimConfig  # noqa: E402
+from sim.core.topology import RES_PER_GPU  # noqa: E402
 from sim.layer.results import LayerResult  # noqa: E402
 
 __all__ = [
@@ -34,8 +64,10 @@ __all__ = [
     "sweep_heatmap",
     "sweep_heatmap_panels",
     "compare_bars",
+    "push_pull_verdict",
     "policy_comparison",
     "train_steps",
+    "expert_pieces",
     "best_train_rows",
     "lm_run_label",
     "train_loss",
@@ -79,13 +111,69 @@ BREAKDOWN_COLORS = {
     "signalling_us": "#d62728",
     "schedule_us": "#7f7f7f",
 }
+# the configuration fields of sweep rows, which a heatmap cell may take the best over
+_CONFIG_FIELDS = {
+    "dispatch_mode": "dispatch",
+    "combine_mode": "combine",
+    "num_comm_sms": "comm SMs",
+    "minibatch_size": "minibatch",
+    "macrobatch_size": "ring size",
+    "ring_slots": "ring size",
+    "row_tile": "row tile",
+    "mechanism": "copy mechanism",
+    "dtype": "dtype",
+}
+
+
+def _policy(row: dict) -> str:
+    return f"{row['dispatch_mode']}/{row['combine_mode']}"
+
+
+def _config_text(cfg: SimConfig) -> str:
+    """A layer configuration in words (what ``SimConfig.label`` abbreviates)."""
+    return (
+        f"{cfg.dispatch_mode} dispatch, {cfg.combine_mode} combine, {cfg.num_comm_sms} comm "
+        f"SMs, minibatch {cfg.minibatch_size}, {cfg.ring_slots} ring slots"
+    )
+
+
+def _ranks_text(ranks: Sequence[int], ep: int) -> str:
+    """``all 8 ranks`` / ``ranks 0-3 of 8`` / ``ranks 0, 5 of 8``."""
+    ranks = list(ranks)
+    if ranks == list(range(ep)):
+        return f"all {ep} ranks"
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]} of {ep}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {ep}"
+
+
+def _common_workload(rows: Sequence[dict], skip: Sequence[str] = ()) -> str:
+    """The workload fields every row shares, in words (``deepseek-v3, 512 tokens per rank``);
+    empty when the rows are not simulator records."""
+    parts = []
+    for key, fmt in (
+        ("shape", "{}"),
+        ("tokens_per_rank", "{} tokens per rank"),
+        ("ep", "EP{}"),
+        ("topology", "on {}"),
+        ("skew", "{} routing"),
+    ):
+        vals = {r.get(key) for r in rows}
+        if key in skip or len(vals) != 1 or None in vals:
+            continue
+        v = vals.pop()
+        parts.append(fmt.format(topology_title(v) if key == "topology" else v))
+    text = ", ".join(parts)
+    return text.replace(", on ", " on ")
 
 
 def gantt(result: LayerResult, ranks: Sequence[int] | None = None) -> Figure:
-    """Per-rank Gantt chart: compute, dispatch, combine and signal lanes."""
+    """Per-rank timeline of one layer: a compute lane and the dispatch, combine and signal lanes
+    under it; ``ranks`` (default: the first 8) are named in the title with the total."""
     recs = result.records()
-    ranks = list(ranks) if ranks is not None else list(range(min(result.workload.ep, 8)))
-    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.75 * len(ranks)))
+    ep = result.workload.ep
+    ranks = list(ranks) if ranks is not None else list(range(min(ep, 8)))
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.75 * len(ranks)), layout="constrained")
     lane_h = 0.2
     for i, r in enumerate(ranks):
         for rec in recs:
@@ -101,51 +189,61 @@ def gantt(result: LayerResult, ranks: Sequence[int] | None = None) -> Figure:
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("time (us)")
-    ax.set_title(f"{result.workload.label()} | {result.config.label()}", fontsize=9)
+    ax.set_ylabel("lanes per rank: compute,\ndispatch, combine, signal", fontsize=8)
+    ax.set_xlabel("time since the layer started (us)")
+    ax.set_title(
+        f"Timeline of one layer forward, {_ranks_text(ranks, ep)}\n"
+        f"{workload_title(result.workload.to_dict())}; {_config_text(result.config)}",
+        fontsize=9,
+    )
     handles = [
-        matplotlib.patches.Patch(color=c, label=p)
+        Patch(color=c, label=p.replace("_", " "))
         for p, c in PHASE_COLORS.items()
         if any(rec["phase"] == p for rec in recs)
     ]
-    ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=4)
-    fig.tight_layout()
+    fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncol=len(handles))
     return fig
 
 
 def link_utilisation(result: LayerResult, ranks: Sequence[int] | None = None) -> Figure:
-    """NVLink utilisation per direction (tx and rx of each rank's port) over time; needs a run
-    with ``record_links=True``."""
+    """NVLink utilisation per direction (what each rank's port sends and receives, as a fraction
+    of its rate) over time; ``ranks`` (default: the first 4) are named in the title with the
+    total. Needs a run with ``record_links=True``."""
     run, topo = result.run, result.topology
-    fig, axes = plt.subplots(2, 1, figsize=(11, 5), sharex=True)
+    ep = result.workload.ep
+    ranks = list(ranks) if ranks is not None else list(range(min(ep, 4)))
+    fig, axes = plt.subplots(2, 1, figsize=(11, 5.4), sharex=True, layout="constrained")
+    fig.suptitle(
+        f"NVLink port utilisation over one layer forward, {_ranks_text(ranks, ep)}\n"
+        f"{workload_title(result.workload.to_dict())}; {_config_text(result.config)}",
+        fontsize=9,
+    )
+    for ax, name in zip(axes, ("sent (tx)", "received (rx)"), strict=True):
+        ax.set_ylabel(f"{name}, fraction\nof the port rate", fontsize=8)
+    axes[1].set_xlabel("time since the layer started (us)")
     if run is None or not run.link_series:
         axes[0].text(0.5, 0.5, "no link series recorded (record_links=True)", ha="center")
         return fig
     caps = np.asarray(topo.capacities())
     t = np.array([s[0] for s in run.link_series])
     used = np.stack([s[1] for s in run.link_series])
-    ranks = list(ranks) if ranks is not None else list(range(min(result.workload.ep, 4)))
-    for ax, kind, name in ((axes[0], 1, "tx"), (axes[1], 2, "rx")):
+    for ax, kind in ((axes[0], 1), (axes[1], 2)):
         for r in ranks:
             res = r * RES_PER_GPU + kind
             ax.step(t, used[:, res] / caps[res], where="post", label=f"rank {r}", lw=0.9)
-        ax.set_ylabel(f"NVLink {name} utilisation")
         ax.set_ylim(0, 1.05)
-        ax.legend(fontsize=7, loc="upper right", ncol=4)
-    axes[1].set_xlabel("time (us)")
-    axes[0].set_title(f"{result.workload.label()} | {result.config.label()}", fontsize=9)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="outside right upper")
     return fig
 
 
 def _grid_axes(ax, x: str, y: str, xs: list, ys: list) -> None:
-    """Ticks at the cells of a heatmap over ``xs`` x ``ys`` and the axis names."""
+    """Ticks at the cells of a heatmap over ``xs`` x ``ys`` and the axis names with units."""
     ax.set_xticks(range(len(xs)))
     ax.set_xticklabels(xs)
     ax.set_yticks(range(len(ys)))
     ax.set_yticklabels(ys)
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
+    ax.set_xlabel(axis_label(x), fontsize=9)
+    ax.set_ylabel(axis_label(y), fontsize=9)
 
 
 def _best_grid(rows, x: str, y: str, value: str, xs: list, ys: list) -> np.ndarray:
@@ -158,31 +256,88 @@ def _best_grid(rows, x: str, y: str, value: str, xs: list, ys: list) -> np.ndarr
     return grid
 
 
+def _varying(rows: Sequence[dict], x: str, y: str) -> list[str]:
+    """The configuration fields (in words) that take several values inside one (x, y) cell."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r[x], r[y]), []).append(r)
+    names = []
+    for key, name in _CONFIG_FIELDS.items():
+        if key in (x, y) or name in names:
+            continue
+        if any(len({c.get(key) for c in cell}) > 1 for cell in cells.values()):
+            names.append(name)
+    return names
+
+
+def _cell_texts(ax, im, grid: np.ndarray, texts=None, fontsize: float = 8) -> None:
+    """The value of each cell written on it in black or white, whichever reads better on the
+    cell's colour (:func:`sim.app.labels.ink_for`); ``texts[i][j]`` replaces the number."""
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            if np.isnan(grid[i, j]):
+                continue
+            text = texts[i][j] if texts is not None else f"{grid[i, j]:.0f}"
+            ink = ink_for(im.cmap(im.norm(grid[i, j])))
+            ax.text(j, i, text, ha="center", va="center", fontsize=fontsize, color=ink)
+
+
+def _box(ax, i: int, j: int, color: str) -> None:
+    ax.add_patch(Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, fill=False, edgecolor=color, lw=1.8))
+
+
+def _value_note(value: str) -> str:
+    return LOWER_IS_BETTER if value.endswith("_us") else ""
+
+
 def sweep_heatmap(
     rows: Sequence[dict],
     x: str = "num_comm_sms",
     y: str = "minibatch_size",
     value: str = "layer_us",
     where: dict | None = None,
+    title: str | None = None,
 ) -> Figure:
-    """Heatmap of the best ``value`` over the other swept fields, for each (x, y) cell."""
+    """Heatmap of ``value`` over ``x`` x ``y`` (rows filtered by ``where``): each cell is the
+    smallest value of its rows, the best over the fields the title names; the best cell is
+    outlined in red. Light is fast. ``title``: the first line (default: the workload)."""
     where = where or {}
     sel = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
     xs = sorted({r[x] for r in sel})
     ys = sorted({r[y] for r in sel})
     grid = _best_grid(sel, x, y, value, xs, ys)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(xs), 1.2 + 0.6 * len(ys)))
+    fig, ax = plt.subplots(
+        figsize=(3.4 + 0.95 * len(xs), 2.2 + 0.6 * len(ys)), layout="constrained"
+    )
     im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
     _grid_axes(ax, x, y, xs, ys)
-    for i in range(len(ys)):
-        for j in range(len(xs)):
-            if not np.isnan(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=7, color="w")
-    fig.colorbar(im, ax=ax, label=value)
-    title = ", ".join(f"{k}={v}" for k, v in where.items()) or "best over other fields"
-    ax.set_title(title, fontsize=8)
-    fig.tight_layout()
+    _cell_texts(ax, im, grid)
+    if not np.isnan(grid).all():
+        _box(ax, *np.unravel_index(np.nanargmin(grid), grid.shape), "r")
+    fig.colorbar(im, ax=ax, label=axis_label(value, _value_note(value)))
+    over = _varying(sel, x, y)
+    per_cell = max(1, len(sel) // max(1, int(np.sum(~np.isnan(grid)))))
+    note = _value_note(value)
+    lines = [
+        f"{axis_label(value)} per {AXIS_SHORT.get(x, x)} x {AXIS_SHORT.get(y, y)}"
+        + (f", {note}" if note else ""),
+        title or _common_workload(sel),
+    ]
+    if where:
+        lines.append(", ".join(f"{axis_label(k)} {v}" for k, v in where.items()))
+    cell = f"each cell: the best of {per_cell} configs over {', '.join(over)}; " if over else ""
+    lines.append(cell + "red box: the best cell")
+    ax.set_title(_wrap(lines, fig.get_figwidth() - 1.4, 8), fontsize=8)
     return fig
+
+
+def _wrap(lines: Sequence[str], width_in: float, fontsize: float) -> str:
+    """``lines`` joined by newlines, each wrapped to about ``width_in`` inches of text."""
+    chars = max(20, int(width_in * 72 / (0.55 * fontsize)))
+    return "\n".join(textwrap.fill(ln, chars) for ln in lines if ln)
+
+
+AXIS_SHORT = {"num_comm_sms": "comm SMs", "minibatch_size": "minibatch"}
 
 
 def sweep_heatmap_panels(
@@ -195,12 +350,14 @@ def sweep_heatmap_panels(
     measured: Sequence[dict] = (),
     measured_value: str = "measured_us",
     vmax_rel: float | None = None,
+    title: str | None = None,
 ) -> Figure:
     """:func:`sweep_heatmap` panels, one per (``row``, ``col``) value pair, with one colour
-    scale per panel row (capped at ``vmax_rel`` x the row's best when given; lighter is faster).
+    scale per panel row (capped at ``vmax_rel`` x the row's best when given; light is fast).
     Each panel's best cell is outlined in red. The cells of ``measured`` (records with the same
     x, y, row and col fields plus ``measured_value``) are outlined in the text colour and show
-    the measured value under the predicted one (``m ...``)."""
+    the measured value under the predicted one (``m ...``). ``title``: the first line of the
+    heading (default: the workload the rows share)."""
     prows = list(dict.fromkeys(r[row] for r in rows))
     pcols = list(dict.fromkeys(r[col] for r in rows))
     xs = sorted({r[x] for r in rows})
@@ -211,7 +368,7 @@ def sweep_heatmap_panels(
         len(pcols),
         figsize=(
             0.6 + (1.2 + 0.9 * len(xs)) * len(pcols),
-            0.6 + (1.0 + 0.7 * len(ys)) * len(prows),
+            1.0 + (1.0 + 0.7 * len(ys)) * len(prows),
         ),
         squeeze=False,
         layout="constrained",
@@ -227,61 +384,154 @@ def sweep_heatmap_panels(
             ax = axes[i][j]
             im = ax.imshow(grid, cmap="viridis_r", aspect="auto", vmin=lo, vmax=hi)
             _grid_axes(ax, x, y, xs, ys)
+            texts = [
+                [
+                    f"{grid[a, b]:.0f}"
+                    + (
+                        f"\nm {m:.0f}"
+                        if (m := meas.get((pr, pc, xs[b], ys[a]))) is not None
+                        else ""
+                    )
+                    for b in range(len(xs))
+                ]
+                for a in range(len(ys))
+            ]
+            _cell_texts(ax, im, grid, texts, fontsize=7)
             best = np.unravel_index(np.nanargmin(grid), grid.shape)
-            for a in range(len(ys)):
-                for b in range(len(xs)):
-                    if np.isnan(grid[a, b]):
-                        continue
-                    m = meas.get((pr, pc, xs[b], ys[a]))
-                    text = f"{grid[a, b]:.0f}" + (f"\nm {m:.0f}" if m is not None else "")
-                    # black on the light (fast) end of viridis_r, white elsewhere
-                    ink = "k" if grid[a, b] < lo + 0.35 * (hi - lo) else "w"
-                    ax.text(b, a, text, ha="center", va="center", fontsize=7, color=ink)
-                    if m is not None or (a, b) == best:
-                        ax.add_patch(
-                            matplotlib.patches.Rectangle(
-                                (b - 0.46, a - 0.46),
-                                0.92,
-                                0.92,
-                                fill=False,
-                                edgecolor="r" if (a, b) == best else ink,
-                                lw=1.5,
-                            )
-                        )
-            ax.set_title(f"{row}={pr}, {col}={pc}", fontsize=8)
+            for a, b in np.argwhere(~np.isnan(grid)):
+                if (a, b) == best:
+                    _box(ax, a, b, "r")
+                elif (pr, pc, xs[b], ys[a]) in meas:
+                    _box(ax, a, b, ink_for(im.cmap(im.norm(grid[a, b]))))
+            ax.set_title(f"{pr}, {axis_label(col)} {pc}", fontsize=8)
         capped = hi < np.nanmax(grids)
-        fig.colorbar(im, ax=axes[i].tolist(), label=value, extend="max" if capped else "neither")
+        label = axis_label(value) + (f"\n(capped at {vmax_rel:g}x the best)" if capped else "")
+        fig.colorbar(im, ax=axes[i].tolist(), label=label, extend="max" if capped else "neither")
+    heading = title or _common_workload(rows, skip=(row, col))
+    note = "; boxed in the text colour: measured (m, under the prediction)" if meas else ""
+    what = (
+        f"{axis_label(value)} per {AXIS_SHORT.get(x, x)} x {AXIS_SHORT.get(y, y)}"
+        f" ({_value_note(value) or 'colour: value'}; red box: each panel's best{note})"
+    )
+    fig.suptitle(_wrap([heading, what], fig.get_figwidth() - 0.5, 9), fontsize=9)
     return fig
+
+
+def push_pull_verdict(results: Sequence[LayerResult]) -> str:
+    """The fastest policy of ``results`` against the best policy of the other dispatch family
+    (push against pull / dedup-pull), in words: ``pull/pull is 0.13 % (3.5 us) faster than
+    push/push``; ``... tie at ... us`` within 0.05 us."""
+    times = {f"{r.config.dispatch_mode}/{r.config.combine_mode}": r.layer_us for r in results}
+    best = min(times, key=times.__getitem__)
+    push = best.startswith("push/")
+    rivals = {p: t for p, t in times.items() if p.startswith("push/") != push}
+    rivals = rivals or {p: t for p, t in times.items() if p != best}
+    if not rivals:
+        return f"{best}: {times[best]:.1f} us"
+    other = min(rivals, key=rivals.__getitem__)
+    gap = rivals[other] - times[best]
+    if gap < 0.05:
+        return f"{best} and {other} tie at {times[best]:.1f} us"
+    return f"{best} is {pct_text(100 * gap / rivals[other])} ({gap:.1f} us) faster than {other}"
 
 
 def compare_bars(groups: dict[str, Sequence[LayerResult]]) -> Figure:
-    """Stacked critical-path breakdown per policy, one panel per workload label."""
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
-    for ax, (title, results) in zip(axes[0], groups.items(), strict=True):
-        labels = [f"{r.config.dispatch_mode}\n{r.config.combine_mode}" for r in results]
-        bottom = np.zeros(len(results))
-        for key, color in BREAKDOWN_COLORS.items():
-            vals = np.array([r.breakdown[key] for r in results])
-            ax.bar(labels, vals, bottom=bottom, color=color, label=key.removesuffix("_us"))
-            bottom += vals
-        for i, r in enumerate(results):
-            ax.text(i, r.layer_us, f"{r.layer_us:.0f}", ha="center", va="bottom", fontsize=8)
-        ax.set_title(title, fontsize=9)
-        ax.set_ylabel("layer time (us), critical-path breakdown")
-        ax.set_ylim(0, bottom.max() * 1.12)
-    axes[0][0].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+    """Push or pull at a glance, one column per workload (``groups``: a label -> the
+    LayerResults of its dispatch/combine policies). Top: each policy's layer time minus the
+    fastest policy's, labelled in us and %, with the verdict (:func:`push_pull_verdict`) in the
+    panel title. Bottom: where they part, the same difference per term of the critical-path
+    breakdown (:mod:`sim.layer.results`: GEMM, exposed communication, exposed signalling,
+    schedule), which add up to the bar above."""
+    policies = list(
+        dict.fromkeys(
+            f"{r.config.dispatch_mode}/{r.config.combine_mode}"
+            for res in groups.values()
+            for r in res
+        )
+    )
+    fig, axes = plt.subplots(
+        2,
+        len(groups),
+        figsize=(6.4 * len(groups), 7.0),
+        squeeze=False,
+        layout="constrained",
+        height_ratios=(1.0, 1.3),
+    )
+    terms = list(BREAKDOWN_NAMES)
+    for j, (label, results) in enumerate(groups.items()):
+        top, bot = axes[0][j], axes[1][j]
+        by = {f"{r.config.dispatch_mode}/{r.config.combine_mode}": r for r in results}
+        names = list(by)
+        best = min(names, key=lambda p: by[p].layer_us)
+        t0 = by[best].layer_us
+        gaps = np.array([by[p].layer_us - t0 for p in names])
+        span = float(gaps.max()) or 1.0
+        ys = np.arange(len(names))
+        top.barh(ys, gaps, 0.6, color=[policy_color(p) for p in names])
+        for yi, p, g in zip(ys, names, gaps, strict=True):
+            if p == best:
+                text = f"fastest: {t0:.1f} us"
+            elif g < 0.05:
+                text = f"ties the fastest ({by[p].layer_us:.1f} us)"
+            else:
+                text = f"+{g:.1f} us (+{pct_text(100 * g / t0)})"
+            top.text(g + 0.02 * span, yi, text, va="center", fontsize=8)
+        top.set_yticks(ys, [p.replace("/", " / ") for p in names])
+        top.invert_yaxis()
+        top.set_xlim(0, 1.7 * span)
+        top.set_ylabel("dispatch / combine")
+        top.set_xlabel(f"layer time minus the fastest policy's (us), {LOWER_IS_BETTER}")
+        wl = results[0].workload
+        where = f"{topology_title(wl.topology)}, EP{wl.ep}" if wl is not None else label
+        top.set_title(f"{where}\n{push_pull_verdict(results)}", fontsize=10, fontweight="bold")
+
+        width = 0.8 / len(names)
+        for k, p in enumerate(names):
+            diff = [by[p].breakdown[t] - by[best].breakdown[t] for t in terms]
+            xs = np.arange(len(terms)) + (k - (len(names) - 1) / 2) * width
+            bot.bar(xs, diff, width, color=policy_color(p))
+        bot.axhline(0, color="k", lw=0.6)
+        lim = max(1.0, *(abs(v) for v in bot.get_ylim()))
+        bot.set_ylim(-1.1 * lim, 1.1 * lim)
+        bot.set_xticks(range(len(terms)), [BREAKDOWN_NAMES[t].replace(" (", "\n(") for t in terms])
+        bot.tick_params(axis="x", labelsize=8)
+        bot.set_ylabel(f"term minus the fastest policy's (us)\n{LOWER_IS_BETTER}", fontsize=9)
+        bot.set_xlabel("critical-path terms of the layer time (they add up to the bar above)")
+        bot.set_title(f"where they part (reference: {best}, the fastest)", fontsize=9)
+    handles = [Patch(color=policy_color(p), label=p.replace("/", " / ")) for p in policies]
+    fig.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncol=len(handles),
+        fontsize=8,
+        title="dispatch / combine policy",
+        title_fontsize=8,
+    )
+    first = next(iter(groups.values()))[0]
+    rows = [r.workload.to_dict() for res in groups.values() for r in res if r.workload]
+    fig.suptitle(
+        f"Push or pull? One MoE layer forward: {_common_workload(rows) or 'the workloads'}; "
+        f"{first.config.num_comm_sms} comm SMs, minibatch {first.config.minibatch_size}, "
+        f"{first.config.ring_slots} ring slots",
+        fontsize=10,
+    )
     return fig
 
 
-def _policy(row: dict) -> str:
-    return f"{row['dispatch_mode']}/{row['combine_mode']}"
+def _case_ticks(ax, cases: Sequence[tuple[str, int]]) -> None:
+    """(topology, EP) tick labels, slanted so that long names do not collide."""
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(
+        [f"{t} EP{ep}" for t, ep in cases], fontsize=7, rotation=30, ha="right",
+        rotation_mode="anchor",
+    )  # fmt: skip
 
 
 def policy_comparison(rows: Sequence[dict], reference: str = "pull/push") -> Figure:
-    """Layer time, layer time relative to the ``reference`` policy and NVLink payload per rank
-    of each (dispatch, combine) policy: one row of panels per routing skew, one group of bars per
-    (topology, EP). ``rows`` are :meth:`LayerResult.summary` rows."""
+    """Per (topology, EP) group of bars, one bar per (dispatch, combine) policy: the layer time
+    (log scale), the layer time relative to the ``reference`` policy (in %, 0 = the reference)
+    and the NVLink payload per rank, one row of panels per routing skew. ``rows`` are
+    :meth:`LayerResult.summary` rows."""
     skews = list(dict.fromkeys(r["skew"] for r in rows))
     cases = list(dict.fromkeys((r["topology"], r["ep"]) for r in rows))
     policies = list(dict.fromkeys(_policy(r) for r in rows))
@@ -289,17 +539,24 @@ def policy_comparison(rows: Sequence[dict], reference: str = "pull/push") -> Fig
         (r["topology"], r["ep"], r["skew"]): r["layer_us"] for r in rows if _policy(r) == reference
     }
     fig, axes = plt.subplots(
-        len(skews), 3, figsize=(15, 2.6 * len(skews) + 0.6), squeeze=False, sharex=True
+        len(skews),
+        3,
+        figsize=(15, 2.7 * len(skews) + 1.6),
+        squeeze=False,
+        sharex=True,
+        layout="constrained",
     )
     width = 0.8 / len(policies)
+
+    def rel(r: dict) -> float:
+        return 100 * (r["layer_us"] / ref.get((r["topology"], r["ep"], r["skew"]), np.nan) - 1)
+
     metrics = (
-        ("layer time (us)", lambda r: r["layer_us"]),
-        (
-            f"layer time / {reference}",
-            lambda r: r["layer_us"] / ref.get((r["topology"], r["ep"], r["skew"]), np.nan),
-        ),
-        ("NVLink MB per rank", lambda r: r["nvlink_payload_mb"] / r["ep"]),
+        (f"layer time (us, log scale)\n{LOWER_IS_BETTER}", lambda r: r["layer_us"]),
+        (f"layer time vs {reference} (%)\n{LOWER_IS_BETTER}", rel),
+        ("NVLink payload per rank (MB)", lambda r: r["nvlink_payload_mb"] / r["ep"]),
     )
+    titles = ("layer time", f"layer time relative to {reference}", "NVLink payload per rank")
     for i, skew in enumerate(skews):
         for j, (label, get) in enumerate(metrics):
             ax = axes[i][j]
@@ -309,188 +566,24 @@ def policy_comparison(rows: Sequence[dict], reference: str = "pull/push") -> Fig
                     if r["skew"] == skew and _policy(r) == pol:
                         vals[cases.index((r["topology"], r["ep"]))] = get(r)
                 xs = np.arange(len(cases)) + (p - (len(policies) - 1) / 2) * width
-                ax.bar(xs, vals, width, label=pol)
+                ax.bar(xs, vals, width, color=policy_color(pol), label=pol)
             ax.set_ylabel(label, fontsize=8)
-            ax.set_title(f"skew {skew}", fontsize=8)
-        axes[i][1].axhline(1.0, color="k", lw=0.6)
+            ax.set_title(f"skew {skew}: {titles[j]}", fontsize=8)
+        axes[i][0].set_yscale("log")
+        axes[i][1].axhline(0.0, color="k", lw=0.6)
     for ax in axes[-1]:
-        ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels([f"{t}\nEP{ep}" for t, ep in cases], fontsize=7)
-    axes[0][0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
-
-
-def best_train_rows(rows: Sequence[dict]) -> dict[tuple[str, str, str], dict]:
-    """The fastest row (``step_us``) of each (model, skew, impl) of a ``mok.bench train`` CSV:
-    torch-best's faster of eager / compile, mok-fused's faster SM count."""
-    best: dict[tuple[str, str, str], dict] = {}
-    for r in rows:
-        key = (r["model"], r["skew"], r["impl"])
-        if key not in best or float(r["step_us"]) < float(best[key]["step_us"]):
-            best[key] = r
-    return best
-
-
-def train_steps(
-    rows: Sequence[dict],
-    reference: str = "torch-best",
-    target: float | None = None,
-    title: str | None = None,
-) -> Figure:
-    """One training step (forward + backward) per implementation of a ``mok.bench train`` CSV:
-    one panel per (skew, model), a bar per implementation (its fastest row) split into forward
-    and backward, labelled with the step time, its ratio to ``reference`` and the memory the step
-    adds above the weights (``step_mem_gib``); ``target``: a dashed line at the reference's step
-    time divided by it (a speed-up goal)."""
-    best = best_train_rows(rows)
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    skews = list(dict.fromkeys(r["skew"] for r in rows))
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fig, axes = plt.subplots(
-        len(skews), len(models), figsize=(4.2 * len(models), 3.0 * len(skews) + 0.4),
-        squeeze=False,
-    )  # fmt: skip
-    for i, skew in enumerate(skews):
-        for j, model in enumerate(models):
-            ax = axes[i][j]
-            ref = best.get((model, skew, reference))
-            top = 0.0
-            for x, impl in enumerate(impls):
-                r = best.get((model, skew, impl))
-                if r is None:
-                    continue
-                fwd, bwd = float(r["fwd_us"]) / 1e3, float(r["bwd_us"]) / 1e3
-                step = float(r["step_us"]) / 1e3
-                ax.bar(x, fwd, 0.7, color="#aec7e8", label="forward" if x == 0 else None)
-                ax.bar(x, bwd, 0.7, bottom=fwd, color="#1f77b4",
-                       label="backward" if x == 0 else None)  # fmt: skip
-                text = f"{step:.1f} ms"
-                if ref is not None and impl != reference:
-                    text += f"\n{float(ref['step_us']) / float(r['step_us']):.2f}x"
-                if r.get("step_mem_gib"):
-                    text += f"\n+{float(r['step_mem_gib']):.1f} GiB"
-                ax.text(x, fwd + bwd, text, ha="center", va="bottom", fontsize=6.5)
-                top = max(top, fwd + bwd)
-            if target and ref is not None:
-                goal = float(ref["step_us"]) / 1e3 / target
-                label = f"{reference} / {target:g}" if (i, j) == (0, 0) else None
-                ax.axhline(goal, color="#d62728", ls="--", lw=0.8, label=label)
-            ax.set_ylim(0, top * 1.45)
-            ax.set_xticks(range(len(impls)))
-            ax.set_xticklabels(impls, fontsize=7, rotation=20)
-            ax.set_title(f"{model}, {skew}", fontsize=8)
-            ax.set_ylabel("ms per step", fontsize=8)
+        _case_ticks(ax, cases)
+        ax.set_xlabel("topology, expert-parallel ranks", fontsize=8)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    return fig
-
-
-def expert_pieces(rows: Sequence[dict], skew: str = "uniform", peak_tflops: float | None = None,
-                  title: str | None = None) -> Figure:  # fmt: skip
-    """The routed experts' GEMM pieces of a training step, each alone (a ``mok.bench experts``
-    CSV, one ``skew``): one panel per model, per piece a bar for each implementation at its
-    TFLOP/s of the routed rows' FLOPs, labelled with its time; ``peak_tflops``: a dashed line at
-    the GPU's dense rate."""
-    sel = [r for r in rows if r["skew"] == skew]
-    models = list(dict.fromkeys(r["model"] for r in sel))
-    pieces = list(dict.fromkeys(r["piece"] for r in sel))
-    impls = list(dict.fromkeys(r["impl"] for r in sel))
-    colors = {"mok": "#1f77b4", "mok-serial": "#aec7e8", "torch": "#ff7f0e"}
-    width = 0.8 / max(1, len(impls))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 3.6), squeeze=False)
-    for j, (ax, model) in enumerate(zip(axes[0], models, strict=True)):
-        got = {(r["piece"], r["impl"]): r for r in sel if r["model"] == model}
-        for k, impl in enumerate(impls):
-            for x, piece in enumerate(pieces):
-                r = got.get((piece, impl))
-                if r is None:
-                    continue
-                at = x + (k - (len(impls) - 1) / 2) * width
-                rate = float(r["tflops"])
-                ax.bar(at, rate, width, color=colors.get(impl, "#7f7f7f"), label=impl)
-                ax.text(at, rate, f"{float(r['median_us']) / 1e3:.2f}", ha="center",
-                        va="bottom", fontsize=5.5, rotation=90)  # fmt: skip
-        if peak_tflops:
-            label = f"{peak_tflops:g} TFLOP/s (dense bf16 peak)" if j == 0 else None
-            ax.axhline(peak_tflops, color="#d62728", ls="--", lw=0.8, label=label)
-        ax.set_ylim(0, (peak_tflops or max(float(r["tflops"]) for r in sel)) * 1.12)
-        ax.set_xticks(range(len(pieces)))
-        ax.set_xticklabels(pieces, fontsize=6.5, rotation=25)
-        ax.set_title(f"{model}, {skew}", fontsize=8)
-        ax.set_ylabel("TFLOP/s (bars labelled in ms)", fontsize=7)
-    handles, labels = [], []
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    return fig
-
-
-def lm_run_label(rows: Sequence[dict]) -> str:
-    """A ``mok.bench lm`` run in words: ``EP4 (4 ranks on one NVIDIA H100, bfloat16)``."""
-    r = rows[0]
-    ep = int(r["ep"])
-    if r["device"] != "cuda":
-        where = f"{ep} CPU processes" if ep > 1 else "CPU"
-    elif int(r.get("shared_gpu") or 0) and ep > 1:
-        where = f"{ep} ranks on one {r['gpu']}"
-    else:
-        where = f"{ep} x {r['gpu']}" if ep > 1 else r["gpu"]
-    return f"EP{ep} ({where}, {r['dtype']})"
-
-
-def train_loss(
-    runs: dict[str, Sequence[dict]], reference: str | None = None, title: str | None = None
-) -> Figure:
-    """The loss curves of ``mok.bench lm`` runs (label -> the rows of its CSV: ``step``,
-    ``loss``) over the steps, the chain's loss floor dashed where the rows carry it, and below
-    each run's per-step difference to ``reference`` (default: the EP1 run, else the first)."""
-    if not runs:
-        raise ValueError("train_loss needs at least one run")
-    if reference is None:
-        ep1 = [k for k, rows in runs.items() if str(rows[0].get("ep")) == "1"]
-        reference = ep1[0] if ep1 else next(iter(runs))
-    curves = {k: {int(r["step"]): float(r["loss"]) for r in rows} for k, rows in runs.items()}
-    ref = curves[reference]
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(7.5, 5.2), sharex=True, height_ratios=(2.2, 1), layout="constrained"
+    fig.legend(
+        handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8,
+        title="dispatch / combine policy", title_fontsize=8,
+    )  # fmt: skip
+    fig.suptitle(
+        "Push vs pull vs dedup-pull per (topology, EP), one row per routing skew"
+        + (f": {w}" if (w := _common_workload(rows, skip=("ep", "topology", "skew"))) else ""),
+        fontsize=10,
     )
-    for (label, curve), style in zip(curves.items(), ("-", "--", ":", "-."), strict=False):
-        top.plot(list(curve), list(curve.values()), style, lw=1.2, label=label)
-        if label == reference:
-            continue
-        steps = sorted(set(curve) & set(ref))
-        diff = [curve[s] - ref[s] for s in steps]
-        worst = max((abs(d) for d in diff), default=0.0)
-        bottom.plot(steps, diff, lw=0.9, label=f"{label} - {reference} (max |diff| {worst:.2e})")
-    floor = next(iter(runs.values()))[0].get("loss_floor")
-    if floor not in (None, ""):
-        top.axhline(float(floor), color="grey", ls=":", lw=1.0, label="loss floor (chain entropy)")
-    top.set_ylabel("cross-entropy (nats)")
-    top.legend(fontsize=8)
-    bottom.axhline(0.0, color="grey", lw=0.6)
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("loss difference (nats)", fontsize=8)
-    if len(curves) > 1:
-        bottom.legend(fontsize=7)
-    if title is None:
-        r = next(iter(runs.values()))[0]
-        title = (
-            f"MoE LM: hidden {r['hidden']}, {r['num_experts']} experts, top-{r['num_topk']}, "
-            f"{r['tokens_per_step']} tokens/step, seed {r['seed']}\n"
-            + " vs ".join(curves)
-            + " from the same seed"
-        )
-    top.set_title(title, fontsize=9)
     return fig
 
 
@@ -500,36 +593,42 @@ def scaling_summary(rows: Sequence[dict], where: dict | None = None) -> Figure:
     per rank. ``rows`` are :meth:`LayerResult.summary` rows; ``where`` filters them."""
     where = where or {}
     sel = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
-    labels = [f"{r['topology']}\nEP{r['ep']}" for r in sel]
+    cases = [(r["topology"], r["ep"]) for r in sel]
     x = np.arange(len(sel))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), layout="constrained")
     bottom = np.zeros(len(sel))
     for key, color in BREAKDOWN_COLORS.items():
         vals = np.array([r[key] for r in sel])
-        axes[0].bar(x, vals, bottom=bottom, color=color, label=key.removesuffix("_us"))
+        axes[0].bar(x, vals, bottom=bottom, color=color, label=BREAKDOWN_NAMES[key])
         bottom += vals
-    axes[0].set_ylabel("layer time (us), critical-path breakdown")
+    axes[0].set_ylabel(f"layer time (us), {LOWER_IS_BETTER}")
+    axes[0].set_title("layer time and its critical-path terms", fontsize=9)
     axes[0].legend(fontsize=7)
     share = np.array([r["exposed_comm_us"] / r["layer_us"] for r in sel])
     idle = np.array([r["compute_idle_frac"] for r in sel])
-    axes[1].plot(x, 100 * share, "o-", color=BREAKDOWN_COLORS["exposed_comm_us"], label="exposed")
-    axes[1].plot(x, 100 * idle, "s--", color="#7f7f7f", label="compute idle")
-    axes[1].set_ylabel("% of layer time")
+    axes[1].plot(
+        x, 100 * share, "o-", color=BREAKDOWN_COLORS["exposed_comm_us"],
+        label="exposed communication",
+    )  # fmt: skip
+    axes[1].plot(x, 100 * idle, "s--", color="#7f7f7f", label="compute SMs idle")
+    axes[1].set_ylabel(f"% of the layer time, {LOWER_IS_BETTER}")
+    axes[1].set_title("exposed communication and idle compute", fontsize=9)
     axes[1].set_ylim(0, 100)
     axes[1].legend(fontsize=7)
     nv = np.array([r["nvlink_payload_mb"] / r["ep"] for r in sel])
     nic = np.array([r["nic_payload_mb"] / r["ep"] for r in sel])
     axes[2].bar(x, nv, color="#1f77b4", label="NVLink")
-    axes[2].bar(x, nic, bottom=nv, color="#ff7f0e", label="NIC")
-    axes[2].set_ylabel("payload MB per rank")
+    axes[2].bar(x, nic, bottom=nv, color="#ff7f0e", label="NIC (between NVLink domains)")
+    axes[2].set_ylabel("payload per rank (MB)")
+    axes[2].set_title("bytes each rank sends, by link", fontsize=9)
     axes[2].legend(fontsize=7)
     for ax in axes:
-        ax.set_xticks(x)
-        ax.set_xticklabels(labels, fontsize=7)
-    title = ", ".join(f"{k}={v}" for k, v in where.items())
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+        _case_ticks(ax, cases)
+        ax.set_xlabel("topology, expert-parallel ranks", fontsize=8)
+    policy = {_policy(r) for r in sel}
+    heading = f"Scaling out {policy.pop() if len(policy) == 1 else 'the layer'}"
+    w = _common_workload(sel, skip=("ep", "topology"))
+    fig.suptitle(heading + (f": {w}" if w else ""), fontsize=10)
     return fig
 
 
@@ -539,322 +638,59 @@ def waves_scatter(
     y: str = "layer_us",
     hue: str = "num_comm_sms",
     threshold: float | None = 2.0,
+    title: str | None = None,
 ) -> Figure:
     """Scatter of ``y`` against ``x`` (e.g. GEMM waves per minibatch, a field the caller adds to
     sweep rows), one colour per ``hue`` value, with a vertical line at ``threshold``."""
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
     for h in sorted({r[hue] for r in rows}):
         sel = [r for r in rows if r[hue] == h]
-        ax.scatter([r[x] for r in sel], [r[y] for r in sel], s=18, label=f"{hue}={h}")
+        ax.scatter([r[x] for r in sel], [r[y] for r in sel], s=18, label=str(h))
     if threshold is not None:
-        ax.axvline(threshold, color="k", ls=":", lw=1)
+        ax.axvline(threshold, color="k", ls=":", lw=1, label=f"{threshold:g} {axis_label(x)}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    ax.set_xlabel(f"{axis_label(x)} (log2 scale)")
+    ax.set_ylabel(axis_label(y, _value_note(y)))
+    fig.legend(fontsize=7, title=axis_label(hue), title_fontsize=7, loc="outside right upper")
+    heading = title or _common_workload(rows) or "sweep"
+    ax.set_title(f"{heading}\n{axis_label(y)} against {axis_label(x)}, one dot per config",
+                 fontsize=9)  # fmt: skip
     return fig
 
 
-def validation_scatter(records: Sequence[dict]) -> Figure:
-    """Predicted vs measured phase time of ``sim.app.validate`` records (log-log, y = x and +-15%
-    lines), coloured by ``what`` (a comm kernel's phase, or a train row's fwd / bwd / step),
-    hollow markers for the rows the knobs were fitted on."""
-    ok = [r for r in records if r.get("status") == "ok"]
-    fig, ax = plt.subplots(figsize=(6.4, 6.0), layout="constrained")
-    colors = {"schedule": "#7f7f7f", "dispatch": "#ff7f0e", "combine": "#2ca02c"}
-    # the quantities of a train CSV's records (sim.app.validate.validate_train_rows)
-    colors.update(fwd="#1f77b4", bwd="#d62728", step="#9467bd")
-    for what in sorted({r["what"] for r in ok}):
-        for role, face in (("validation", None), ("fit", "none")):
-            pts = [r for r in ok if r["what"] == what and r["role"] == role]
-            if not pts:
-                continue
-            c = colors.get(what, "#1f77b4")
-            ax.scatter(
-                [r["measured_us"] for r in pts],
-                [r["predicted_us"] for r in pts],
-                s=28,
-                edgecolors=c,
-                facecolors=face or c,
-                label=f"{what} ({role})",
-            )
-    if ok:
-        lo = min(min(r["measured_us"], r["predicted_us"]) for r in ok) * 0.8
-        hi = max(max(r["measured_us"], r["predicted_us"]) for r in ok) * 1.25
-        x = np.array([lo, hi])
-        ax.plot(x, x, color="k", lw=0.8)
-        for f in (0.85, 1.15):
-            ax.plot(x, f * x, color="k", lw=0.6, ls="--")
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(lo, hi)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured us")
-    ax.set_ylabel("predicted us")
-    ax.set_title("mok-sim validate: predicted vs measured (dashed: +-15%)")
-    ax.legend(fontsize=8)
-    return fig
-
-
-def layer_validation(records: Sequence[dict]) -> Figure:
-    """Fused-layer rows of ``sim.app.validate.validate_layer_rows``: per row, the prediction error
-    ``predicted / measured - 1`` (filled: validation row, hollow: fit row) against the measured
-    p20-p80 band around the median (grey bar), one panel per model; dotted lines at +-5 %.
-    With several measured CSVs, tick labels end in the CSV's letter (legend title)."""
-    ok = [r for r in records if r.get("status") == "ok"]
-    models = list(dict.fromkeys(r["model"] for r in ok)) or ["(no rows)"]
-    sources = list(dict.fromkeys(r.get("source", "") for r in ok))
-    tag = {src: f" {chr(97 + i)}" if len(sources) > 1 else "" for i, src in enumerate(sources)}
-    fig, axes = plt.subplots(
-        len(models), 1, figsize=(12, 2.7 * len(models)), squeeze=False, layout="constrained"
-    )
-    colors = {"pull": "#ff7f0e", "dedup_pull": "#1f77b4"}
-    for ax, model in zip(axes[:, 0], models, strict=True):
-        rows = sorted(
-            (r for r in ok if r["model"] == model),
-            key=lambda r: (r["skew"], r["mode"], int(r["sms"]), int(r["minibatch"]), r["source"]),
-        )
-        x = np.arange(len(rows))
-        lo = [100 * (r["p20_us"] / r["measured_us"] - 1) for r in rows]
-        hi = [100 * (r["p80_us"] / r["measured_us"] - 1) for r in rows]
-        ax.bar(x, np.subtract(hi, lo), bottom=lo, width=0.6, color="#cccccc", label="p20-p80")
-        errs = [100 * r["err"] for r in rows]
-        for mode, c in colors.items():
-            for role, face in (("validation", c), ("fit", "none")):
-                sel = [i for i, r in enumerate(rows) if r["mode"] == mode and r["role"] == role]
-                if sel:
-                    ax.scatter(
-                        x[sel],
-                        [errs[i] for i in sel],
-                        s=36,
-                        edgecolors=c,
-                        facecolors=face,
-                        zorder=3,
-                        label=f"{mode} ({role})",
-                    )
-        ax.axhline(0, color="k", lw=0.6)
-        for y in (-5, 5):
-            ax.axhline(y, color="k", lw=0.6, ls=":")
-        top = 1.15 * max([6.0] + [abs(v) for v in errs + lo + hi])
-        ax.set_ylim(-top, top)
-        ax.set_xlim(-0.5, max(len(rows), 8) - 0.5)
-        ax.set_xticks(x)
-        ax.set_xticklabels(
-            [
-                f"{r['skew'].replace('uniform', 'uni')}{tag[r['source']]}\n"
-                f"{r['sms']}/{r['minibatch']}"
-                for r in rows
-            ],
-            fontsize=7,
-        )
-        ax.set_ylabel("% vs measured")
-        ax.set_title(f"{model} (x: skew, comm SMs / minibatch)", fontsize=9)
-        ax.legend(
-            fontsize=7,
-            loc="upper left",
-            bbox_to_anchor=(1.0, 1.0),
-            title="\n".join(f"{t.strip()}: {src}" for src, t in tag.items() if t) or None,
-            title_fontsize=6,
-        )
-    fig.suptitle("fused layer: predicted vs measured median (grey: measured p20-p80)", fontsize=10)
-    return fig
-
-
-# -- sensitivity of the push-signalling assumptions ----------------------------------------------
-
-
-@contextlib.contextmanager
-def gpu_variant(gpu_name: str, change: Callable[[GpuProfile], GpuProfile]) -> Iterator[GpuProfile]:
-    """Within the block, :func:`sim.core.hardware.load_gpu` (so every topology on this GPU)
-    returns ``change(profile)`` for the preset ``gpu_name``; restored on exit."""
-    base = load_gpu(gpu_name)
-    new = change(base)
-    hardware._CACHE[gpu_name] = new
-    try:
-        yield new
-    finally:
-        hardware._CACHE[gpu_name] = base
-
-
-def _sig(**kw) -> Callable[[GpuProfile], GpuProfile]:
-    return lambda g: dataclasses.replace(g, signalling=dataclasses.replace(g.signalling, **kw))
-
-
-def _inc(**kw) -> Callable[[GpuProfile], GpuProfile]:
-    return lambda g: dataclasses.replace(g, incast=dataclasses.replace(g.incast, **kw))
-
-
-# name -> (axis label, values swept, profile change for one value, the measurement that pins it)
-SIGNALLING_ASSUMPTIONS: dict[str, tuple[str, tuple[float, ...], Callable, str]] = {
-    "incast_e_min": (
-        "incast efficiency_min (many writers into one NVSwitch port)",
-        (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
-        lambda v: _inc(efficiency_min=float(v)),
-        "N GPUs writing into one port against one reader of N sources (8-GPU HGX)",
-    ),
-    "incast_n_half": (
-        "incast writers_half (efficiency half-way at 1 + n_half writers)",
-        (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
-        lambda v: _inc(writers_half=float(v)),
-        "the same N-writer probe at N = 1..7 (8-GPU HGX)",
-    ),
-    "fence_inflight_kib": (
-        "fence in-flight window per comm SM (KiB), drained at the NVLink rate",
-        (0.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0),
-        lambda v: _sig(fence_inflight_bytes_per_sm=1024.0 * float(v)),
-        "fence_cost into a peer GPU (two GPUs in one process)",
-    ),
-    "jitter_us": (
-        "cross-GPU completion jitter mean (us, exponential per sender)",
-        (0.0, 0.045, 0.086, 0.2, 0.5, 1.0, 2.0),
-        lambda v: _sig(completion_jitter_us=float(v)),
-        "signal_jitter across two GPUs; the last of N flags at one receiver (8-GPU HGX)",
-    ),
-}
-
-_SENS_MODES = (("push", "push"), ("pull", "push"), ("pull", "pull"))
-
-
-def signalling_sensitivity_rows(
-    param: str,
-    values: Sequence[float] | None = None,
-    shape: str = "kimi-k2",
-    topology: str = "gb300-nvl72",
-    ep: int = 64,
-    skews: Sequence[str] = ("hot:0.3", "uniform"),
-    tokens: int = 4096,
-    cfg: SimConfig | None = None,
-    modes: Sequence[tuple[str, str]] = _SENS_MODES,
-) -> list[dict]:
-    """One row per (value of ``param``, skew, dispatch/combine mode): the layer time, the
-    signalling a rank spends (mean over ranks), with the GPU profile
-    of ``topology`` changed by :data:`SIGNALLING_ASSUMPTIONS` ``[param]`` (``values``: its
-    default sweep)."""
-    _, default, change, _ = SIGNALLING_ASSUMPTIONS[param]
-    gpu_name = get_topology(topology).gpu_name
-    base = cfg or SimConfig()
-    rows = []
-    for v in values if values is not None else default:
-        with gpu_variant(gpu_name, change(v)):
-            for skew in skews:
-                wl = Workload(shape, tokens, ep, topology, skew)
-                for disp, comb in modes:
-                    r = simulate(wl, base.replace(dispatch_mode=disp, combine_mode=comb))
-                    rows.append(
-                        {
-                            "param": param,
-                            "value": float(v),
-                            "skew": skew,
-                            "mode": f"{disp}/{comb}",
-                            "layer_us": r.layer_us,
-                            "signal_rank_us": r.signalling_per_rank()[0],
-                        }
-                    )
-    return rows
-
-
-def signalling_sensitivity(rows: Sequence[dict], title: str = "") -> Figure:
-    """Per skew (columns): the layer time of each mode against the parameter (top) and the
-    push-vs-pull differences push/push - pull/push and push/push - pull/pull (bottom)."""
-    param = rows[0]["param"]
-    label = SIGNALLING_ASSUMPTIONS.get(param, (param,))[0]
-    skews = list(dict.fromkeys(r["skew"] for r in rows))
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    fig, axes = plt.subplots(2, len(skews), figsize=(5.2 * len(skews), 6.4), squeeze=False)
-    for j, skew in enumerate(skews):
-        by = {
-            m: sorted(
-                (r["value"], r["layer_us"]) for r in rows if r["skew"] == skew and r["mode"] == m
-            )
-            for m in modes
-        }
-        top, bot = axes[0][j], axes[1][j]
-        for m, pts in by.items():
-            x, y = zip(*pts, strict=True)
-            top.plot(x, y, "o-", ms=3, label=m)
-        top.set_title(skew, fontsize=9)
-        top.set_ylabel("layer us")
-        top.legend(fontsize=7)
-        ref = dict(by.get("push/push", []))
-        for m in modes:
-            if m == "push/push" or not ref:
-                continue
-            other = dict(by[m])
-            x = sorted(set(ref) & set(other))
-            bot.plot(x, [ref[v] - other[v] for v in x], "s-", ms=3, label=f"push/push - {m}")
-        bot.axhline(0, color="k", lw=0.6)
-        bot.set_ylabel("layer us difference")
-        bot.set_xlabel(label, fontsize=8)
-        if bot.lines[1:]:
-            bot.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
-def write_signalling_sensitivity(
-    out_dir: str | Path = "docs/img",
-    params: Sequence[str] | None = None,
-    values: dict[str, Sequence[float]] | None = None,
-    **kw,
-) -> list[Path]:
-    """Write ``signalling-sensitivity-<param>.png`` for each of ``params`` (default: every
-    :data:`SIGNALLING_ASSUMPTIONS`) into ``out_dir``; ``values``: sweeps other than the default
-    per param; ``kw``: :func:`signalling_sensitivity_rows` arguments (workload, config)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for p in params or list(SIGNALLING_ASSUMPTIONS):
-        rows = signalling_sensitivity_rows(p, (values or {}).get(p), **kw)
-        wl = (
-            f"{kw.get('shape', 'kimi-k2')} EP{kw.get('ep', 64)} {kw.get('topology', 'gb300-nvl72')}"
-            f", {kw.get('tokens', 4096)} tokens per rank; pins it: {SIGNALLING_ASSUMPTIONS[p][3]}"
-        )
-        fig = signalling_sensitivity(rows, wl)
-        path = out / f"signalling-sensitivity-{p.replace('_', '-')}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
-def write_train_loss(csvs: Sequence[str | Path], out: str | Path, title: str | None = None) -> Path:
-    """:func:`train_loss` of the ``mok.bench lm`` CSVs ``csvs`` (each labelled by
-    :func:`lm_run_label`, or its file name where two runs read the same) saved to ``out``."""
-    from sim.measured import read_rows
-
-    runs: dict[str, list[dict]] = {}
-    for path in csvs:
-        rows = read_rows(path)
-        if not rows:
-            raise ValueError(f"{path}: no rows")
-        label = lm_run_label(rows)
-        runs[label if label not in runs else f"{label} [{Path(path).name}]"] = rows
-    fig = train_loss(runs, title=title)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+def _save(fig: Figure, out: str | Path) -> None:
+    """Save ``fig`` to ``out``, creating its folder, and say where."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":  # pragma: no cover - maintenance entry point
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m sim.app.plots")
+    ap = argparse.ArgumentParser(
+        prog="python -m sim.app.plots",
+        description="Figures of committed or measured CSVs. Each writes under build/ unless "
+        "--out names another path; the committed figures under docs/img are refreshed only by "
+        "naming them (e.g. train-steps --out docs/img/train-step-h200.png).",
+    )
     sub = ap.add_subparsers(dest="what", required=True)
     sp = sub.add_parser("signalling-sensitivity", help="the push-signalling assumptions' figures")
-    sp.add_argument("--out", default="docs/img")
+    sp.add_argument("--out", default="build/img", help="folder (docs/img: the committed ones)")
     sp.add_argument("--params", default=",".join(SIGNALLING_ASSUMPTIONS))
     tp = sub.add_parser("train-steps", help="the training-step figure of a mok.bench train CSV")
     tp.add_argument("--csv", default="mok/bench/results/h200x1-train.csv")
-    tp.add_argument("--out", default="docs/img/train-step-h200.png")
+    tp.add_argument(
+        "--out", default="build/train-step-h200.png",
+        help="PNG (docs/img/train-step-h200.png: the README's figure)",
+    )  # fmt: skip
     tp.add_argument("--title", default=None)
     ep = sub.add_parser("experts-pieces", help="the expert GEMM pieces of a mok.bench experts CSV")
     ep.add_argument("--csv", default="mok/bench/results/h200x1-experts.csv")
-    ep.add_argument("--out", default="docs/img/experts-pieces-h200.png")
+    ep.add_argument(
+        "--out", default="build/experts-pieces-h200.png",
+        help="PNG (docs/img/experts-pieces-h200.png: docs/backward.md's figure)",
+    )  # fmt: skip
     ep.add_argument("--skew", default="uniform")
     ep.add_argument("--peak", type=float, default=790.0, help="dense bf16 TFLOP/s of the GPU")
     lp = sub.add_parser("train-loss", help="loss curves of mok.bench lm CSVs (EP R vs EP1)")
@@ -868,13 +704,11 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
     elif a.what == "train-steps":
         from sim.measured import read_rows
 
-        train_steps(read_rows(a.csv), target=1.5, title=a.title).savefig(a.out, dpi=110)
-        print(f"wrote {a.out}")
+        _save(train_steps(read_rows(a.csv), target=1.5, title=a.title), a.out)
     elif a.what == "experts-pieces":
         from sim.measured import read_rows
 
-        expert_pieces(read_rows(a.csv), a.skew, a.peak).savefig(a.out, dpi=110)
-        print(f"wrote {a.out}")
+        _save(expert_pieces(read_rows(a.csv), a.skew, a.peak), a.out)
     else:
         for path in write_signalling_sensitivity(a.out, a.params.split(",")):
             print(f"wrote {path}")

@@ -74,6 +74,8 @@ __all__ = [
     "rerun_spearman",
     "validate_rows",
     "summarise",
+    "applicable_targets",
+    "missed_targets",
     "spearman",
     "chosen_gap",
     "format_report",
@@ -649,6 +651,30 @@ def summarise(records: Sequence[dict]) -> dict:
         "gap": vg["gap_max"] <= TARGETS["gap"],
     }
     return s
+
+
+def applicable_targets(summary: dict) -> list[str]:
+    """The targets of a :func:`summarise` or :func:`summarise_train` summary that apply (a
+    target without validation rows or ranked groups reads ``n/a`` in the report), named as the
+    report names them (``max_abs_err``; a train summary's ``fwd max_abs_err``)."""
+    t = summary["targets"]
+    if all(isinstance(v, dict) for v in t.values()):  # per train quantity, None: no rows
+        return [f"{q} {k}" for q, ks in t.items() for k, v in ks.items() if v is not None]
+    v, vg = summary["validation"], summary["ranking"]["validation groups"]
+    na = {"median_abs_err": v["n"] == 0, "max_abs_err": v["n"] == 0}
+    na.update(spearman=math.isnan(vg["spearman_min"]), gap=math.isnan(vg["gap_max"]))
+    return [k for k in t if not na.get(k, False)]
+
+
+def missed_targets(summary: dict) -> list[str]:
+    """The :func:`applicable_targets` of ``summary`` that it misses."""
+    t = summary["targets"]
+    nested = all(isinstance(v, dict) for v in t.values())
+    return [
+        name
+        for name in applicable_targets(summary)
+        if not (t[name.split()[0]][name.split()[1]] if nested else t[name])
+    ]
 
 
 # -- report -----------------------------------------------------------------------------------
