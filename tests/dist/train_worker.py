@@ -244,6 +244,10 @@ def api_case(dev) -> None:
     check(torch.equal(m.gate_up.grad[:, inter:], want["dw_up"]), "MoE(group): gate_up grad (up)")
     check(torch.equal(m.down.grad, want["dw_down"]), "MoE(group): down grad")
     check(torch.equal(m.shared_gate_up.grad[:s_inter], want["d_shared_w_gate"]), "MoE: shared gate")
+    # the explicit backward (no autograd): the same bits
+    g = mf.moe_backward(p.grad_out[sl], p.x[sl], p.idx[sl], p.tw[sl], local, shape.num_experts, cfg)
+    for n in ("dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down", "d_shared_w_down"):
+        check(torch.equal(getattr(g, n), want[n]), f"moe_backward at EP{R}: {n} differs")
     # compiled, fullgraph
     w = leaves(local)
     x = p.x[sl].clone().requires_grad_(True)
@@ -283,7 +287,9 @@ def api_case(dev) -> None:
         check(t.grad is None, f"main_grad: {n}.grad set")
         check(torch.equal(t.main_grad.to(t.dtype), want[g]), f"main_grad: {n} differs")
     mok.clear_workspaces()
-    print(f"rank {rank}: MoE(group), torch.compile and main_grad at EP{R} ok", flush=True)
+    print(
+        f"rank {rank}: MoE(group), moe_backward, torch.compile, main_grad at EP{R} ok", flush=True
+    )
 
 
 def fuzz_cases(dev, num_cases: int) -> None:
