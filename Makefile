@@ -8,6 +8,8 @@ BIN := $(VENV)/bin
 NVCC ?= nvcc
 CUDA_ARCHS ?= 90a 100a
 CU_SOURCES := $(shell find csrc -name '*.cu' 2>/dev/null | sort)
+# The transformers release the hf extra's tests (tests/test_integrations_hf.py) run against.
+TRANSFORMERS ?= 5.17.0
 
 .PHONY: setup demo test lint pytest cuda-check clean
 
@@ -16,7 +18,7 @@ setup: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[dev,notebooks]"
+	$(BIN)/python -m pip install -q -e ".[dev,notebooks,hf]" "transformers==$(TRANSFORMERS)"
 	touch $@
 
 # The demo's chart goes under build/ (git-ignored), not into the checkout's root.

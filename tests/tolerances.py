@@ -132,3 +132,13 @@ def assert_json_close(
         )
     else:
         assert type(got) is type(want) and got == want, f"{path}: got {got!r}, want {want!r}"
+
+
+# mok.integrations.hf on CPU: a tiny HF transformers model in fp32 with the "mok" experts (mok's
+# reference layer, fp32) against transformers' own experts on the same Parameters. The same
+# products are summed in another order (per expert then over k, against transformers' grouped
+# GEMMs and index_add_), a few fp32 ulps per layer that the later layers carry into the logits,
+# every gradient and, through SGD, the next steps' losses; each compared relative to its own
+# scale, max |transformers'|. Measured below 1e-6; a wrong gate / up half, a lost routing weight
+# or a missing slot moves them by 1e-2 or more.
+HF_FP32_RTOL = 1e-5

@@ -1,0 +1,7 @@
+"""mok inside other libraries' models. Each integration is its own module, imports its library
+only when called (``import mok`` and ``import mok.integrations.x`` never pull it in) and names
+the extra that installs it when it is missing:
+
+* :mod:`mok.integrations.hf`: an experts implementation of HF transformers' MoE models
+  (``pip install "mok[hf]"``).
+"""
