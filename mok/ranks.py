@@ -25,13 +25,21 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mok.errors import MoKUnsupportedError
 
-__all__ = ["NO_MULTICAST", "SHARED_GPU_ENV", "disable_multicast", "init_ranks", "shared_gpu"]
+__all__ = [
+    "NO_MULTICAST",
+    "SHARED_GPU_ENV",
+    "disable_multicast",
+    "init_ranks",
+    "shared_gpu",
+    "solo_group",
+]
 
 # NVLink multicast (NVLS, and torch symmetric memory's multicast objects) must stay off on the
 # GPU hosts mok runs on: enabling it can take a shared host's GPUs out of service. mok never
@@ -118,3 +126,22 @@ def init_ranks(command: str = "mok", device: str = "cuda") -> torch.device:
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", device_id=dev)
     return dev
+
+
+_SELF_GROUP: list[Any] = [None, None]  # [the default group it was made under, the group]
+
+
+def solo_group(group=None):
+    """The group an adapter runs mok in when its framework handles the experts of one rank
+    (mok.integrations): ``group`` where given; else None without torch.distributed or with one
+    rank, and otherwise a group of this rank alone (mok's None would mean the default group,
+    every rank). Created once, by this rank alone (no collective over the world)."""
+    if group is not None or not (dist.is_available() and dist.is_initialized()):
+        return group
+    if dist.get_world_size() == 1:
+        return None
+    world = dist.group.WORLD
+    if _SELF_GROUP[0] is not world:
+        # NOTE: only this rank takes part in creating it (no collective over the world)
+        _SELF_GROUP[:] = [world, dist.new_group([dist.get_rank()], use_local_synchronization=True)]
+    return _SELF_GROUP[1]

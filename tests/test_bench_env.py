@@ -12,7 +12,14 @@ import torch.distributed as dist
 
 from mok.bench import __main__ as bench_main
 from mok.bench.env import NO_MULTICAST, disable_multicast
-from tests.dist import ep_worker, launch, layer_worker, mok_worker, train_worker
+from tests.dist import (
+    ep_worker,
+    launch,
+    layer_worker,
+    mok_worker,
+    torchtitan_worker,
+    train_worker,
+)
 
 # what the entry points set when torchrun has not (probe: a world of one)
 _LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOK_SHARED_GPU"]
@@ -49,7 +56,9 @@ def test_bench_commands_disable_multicast_before_init(at_init, command, tmp_path
     assert at_init == [NO_MULTICAST]
 
 
-@pytest.mark.parametrize("worker", [ep_worker, mok_worker, layer_worker, train_worker])
+@pytest.mark.parametrize(
+    "worker", [ep_worker, mok_worker, layer_worker, train_worker, torchtitan_worker]
+)
 def test_test_workers_disable_multicast_before_init(at_init, monkeypatch, worker):
     monkeypatch.setattr("sys.argv", [worker.__file__])
     with pytest.raises(_Started):

@@ -51,11 +51,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from mok.errors import MoKUnsupportedError
+from mok.ranks import solo_group
 from mok.spec.config import MoKConfig
 
 __all__ = ["MIN_TRANSFORMERS", "register", "local_routing"]
@@ -174,7 +174,7 @@ def _experts_forward(config, group, fused: bool, recompute: bool):
         weights = MoEWeights(gate_up[:, :inter], gate_up[:, inter:], down)
         leaves = [gate_up, None, down, None, None, None]  # gate_up is the one gate / up leaf
         out = moe_on_leaves(
-            x, idx, w, weights, leaves, num_local, config, _one_rank(group), fused, recompute
+            x, idx, w, weights, leaves, num_local, config, solo_group(group), fused, recompute
         )
         return out.to(hidden_states.dtype)
 
@@ -223,22 +223,3 @@ def _swiglu_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tenso
             "implementation for this model"
         )
     return gate_up, down
-
-
-_SELF_GROUP: list[Any] = [None, None]  # [the default group it was made under, the group]
-
-
-def _one_rank(group):
-    """The process group mok runs the experts module in: ``group`` (one rank) where given; else
-    None without torch.distributed or with one rank, and otherwise a group of this rank alone
-    (mok's None would mean the default group, every rank)."""
-    dist = torch.distributed
-    if group is not None or not (dist.is_available() and dist.is_initialized()):
-        return group
-    if dist.get_world_size() == 1:
-        return None
-    world = dist.group.WORLD
-    if _SELF_GROUP[0] is not world:
-        # NOTE: only this rank takes part in creating it (no collective over the world)
-        _SELF_GROUP[:] = [world, dist.new_group([dist.get_rank()], use_local_synchronization=True)]
-    return _SELF_GROUP[1]
