@@ -28,6 +28,7 @@ group at R > 1). ``MOK_SHARED_GPU=1`` runs the R ranks on one GPU (:mod:`mok.ran
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -48,6 +49,7 @@ from mok.bench.tiny_lm import (
 from mok.ranks import init_ranks, shared_gpu
 from mok.spec.config import MoKConfig
 from mok.spec.rows import PROVENANCE_COLUMNS, git_sha
+from mok.workspace import clear_workspaces
 
 __all__ = ["LossRecorder", "build_parser", "main", "mok_config"]
 
@@ -228,5 +230,14 @@ def main(argv: list[str]) -> int:
     if is_rank0():
         print(f"replicated parameters bitwise equal on all {ranks} ranks: {same}", flush=True)
     rec.write()
+    # NOTE: nothing may keep the process group alive past its destruction. A gloo group whose
+    # last reference goes only at interpreter exit can abort the process there (its worker
+    # threads' tensors reach for the GIL while Python finalizes: "terminate called without an
+    # active exception", seen once in CI after a complete run). The model and mok's workspaces
+    # hold the group.
+    del model, opt, replicated, experts, loss, seq
+    if cuda:
+        clear_workspaces()
+    gc.collect()
     close_dist()
     return 0 if same else 1
