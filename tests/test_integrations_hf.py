@@ -14,6 +14,7 @@ reference, and a short training loop the same way.
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.metadata
 import os
 import re
@@ -332,6 +333,10 @@ def _ep_worker(checkpoint: str) -> None:
         _assert_close(full(param.grad), named[name].grad, name)
     rank, ranks = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank} of {ranks}: mok ran {len(calls)} layers of {calls[0]} local experts")
+    # the models hold the process group: released first, so that it ends inside
+    # destroy_process_group and not at interpreter exit (mok/bench/lm.py says why)
+    del ep, whole, got, want, named
+    gc.collect()
     dist.destroy_process_group()
 
 

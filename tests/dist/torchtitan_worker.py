@@ -12,6 +12,7 @@ keys with its experts' rows. Prints ``TORCHTITAN-EP-OK rank=R``.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -79,6 +80,8 @@ def main() -> int:
 
     dist.barrier()
     print(f"TORCHTITAN-EP-OK rank={rank}", flush=True)
+    del mk, fresh, tt  # they hold the process group (mok/bench/lm.py says why this order)
+    gc.collect()
     dist.destroy_process_group()
     return 0
 
