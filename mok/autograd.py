@@ -167,9 +167,10 @@ def moe_on_leaves(
             )
         leaves, into = _main_grad_leaves(leaves, x.is_cuda)
         tensors = [x, topk_weights, *leaves]
-    if not x.is_cuda and not traced([topk_idx, *tensors]):
+    tracing = traced([topk_idx, *tensors])
+    if not x.is_cuda and not tracing:
         check_reference_inputs(x, topk_idx, topk_weights, weights, num_experts)
-    if traced([topk_idx, *tensors]) or not x.is_cuda:
+    if tracing or not x.is_cuda:
         out, _, _ = _moe_op(
             x, topk_idx, topk_weights, *leaves, num_experts, _config_text(config),
             _group_name(group), fused, recompute,
@@ -428,7 +429,6 @@ def _backward_on(
     saved_gu, saved_shared = (None, None) if saved is None else saved
     wd = routed[2]
     num_tokens, hidden = x.shape
-    config = as_config(config)
     cfg = unfused_config(config, budget_sms(x.device, config.num_sms))
     if saved_gu is not None:
         # NOTE: the kept rows are where the forward put them: this schedule must pad the expert
@@ -477,10 +477,7 @@ def _backward_on(
         # one launch: the reverse combine, the routed experts, the reverse dispatch onto the
         # shared expert's input gradient (computed first)
         dx_shared, d_shared = _shared_backward(x, g_out, shared, saved_shared)
-        valid = (sched.src_rank[:cap] >= 0) & (
-            torch.arange(cap, device=x.device) < sched.num_rows.to(torch.int64)
-        )
-        row_src = torch.where(valid, sched.src_index[:cap], -1).to(torch.int32)
+        row_src = torch.where(sched.real_rows(), sched.src_index, -1).to(torch.int32)
         dx, d_row_w, d_wgu, d_wd = swiglu_backward_tokens(
             g_out, x.contiguous(), row_src, topk_idx.shape[1], (empty, recv), gu, wd, row_w,
             sched.group_ends, saved_gu, dx_shared, into, dedup,

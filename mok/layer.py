@@ -154,8 +154,8 @@ def moe_forward(
 
 
 def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused, _saved):
-    """:func:`moe_forward` under its SM budget."""
-    if not fused and x.is_cuda:
+    """:func:`moe_forward` on CUDA, under its SM budget."""
+    if not fused:
         config = unfused_config(config, budget_sms(x.device, config.num_sms))
     if x.ndim != 2 or x.dtype != torch.bfloat16:
         raise MoKInputError(

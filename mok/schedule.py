@@ -52,16 +52,23 @@ class DeviceSchedule:
         Returns:
             [capacity] fp32, a new tensor: 0 for padding rows and rows past ``num_rows``.
         """
-        ws, cap = self.ws, self.ws.capacity
+        ws = self.ws
         if not self.route_epoch:
             raise MoKInputError("row_weights needs a schedule from build_schedule")
-        src_rank, src_index = self.src_rank[:cap], self.src_index[:cap]
-        rows = torch.arange(cap, device=ws.device)
-        valid = (src_rank >= 0) & (rows < self.num_rows.to(torch.int64))
+        src_rank, src_index = self.src_rank, self.src_index
         flat = ws.route_weights(self.route_epoch).reshape(-1)
         at = src_rank.long().clamp(min=0) * (ws.max_tokens * ws.shapes.num_topk)
         at += src_index.long().clamp(min=0)
-        return torch.where(valid, flat[at], 0.0)
+        return torch.where(self.real_rows(), flat[at], 0.0)
+
+    def real_rows(self) -> torch.Tensor:
+        """Which receive rows hold a (token, k): not padding, before ``num_rows``.
+
+        Returns:
+            [capacity] bool, a new tensor (no synchronisation).
+        """
+        rows = torch.arange(self.ws.capacity, device=self.ws.device)
+        return (self.src_rank >= 0) & (rows < self.num_rows.to(torch.int64))
 
     def unit_weights(self) -> DeviceSchedule:
         """This schedule with every combine weight 1: a combine of it sums each token's rows

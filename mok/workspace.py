@@ -707,7 +707,7 @@ def get_workspace(
                 f"group), the most it keeps; call mok.clear_workspaces() on every rank, or use "
                 "fewer distinct configs"
             )
-        most = _check_same_everywhere(key, group, num_tokens)
+        most = _check_same_everywhere(key, group, num_tokens, config.num_sms)
         max_tokens = config.max_tokens or max(1, most)
         shapes = Shapes(max_tokens, hidden, num_topk, num_experts, dtype)
         ws = Workspace(shapes, config, group, device, fused)
@@ -756,8 +756,9 @@ def clear_workspaces() -> None:
         torch.cuda.empty_cache()
 
 
-def _check_same_everywhere(key: tuple, group, num_tokens: int) -> int:
-    """Check that every rank creates the same workspace; the largest token count of any rank."""
+def _check_same_everywhere(key: tuple, group, num_tokens: int, num_sms: int) -> int:
+    """Check that every rank creates the same workspace, its kernels on the same SM count
+    (``num_sms``: the config's budget); the largest token count of any rank."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -765,7 +766,7 @@ def _check_same_everywhere(key: tuple, group, num_tokens: int) -> int:
     world = dist.get_world_size(group)
     # NOTE: the launch geometry too: the fused layer runs one block per SM and its fill targets
     # count the peers' blocks as its own grid.
-    sms = budget_sms(torch.cuda.current_device(), key[6].num_sms)  # key[6]: the config
+    sms = budget_sms(torch.cuda.current_device(), num_sms)
     mine = f"{key[2:]!r} with {sms} SMs"
     # NOTE: only on workspace creation (once per shape/config), never in the steady state.
     t = torch.tensor(list(mine.encode()), dtype=torch.uint8)

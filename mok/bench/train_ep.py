@@ -9,7 +9,9 @@ mok.bench train``): the one-rank ``torch-best`` layer of :mod:`mok.bench.train` 
   as every all-to-all pipeline has), the rows and their local expert ids sent with NCCL
   ``all_to_all_single``; at the owner one stable argsort by local expert, gate and up as one
   ``torch._grouped_mm`` over the ``[L, 2I, H]`` weight, bf16 SwiGLU, the down grouped GEMM and
-  the inverse gather (:func:`expert_rows`); the rows sent back by the reverse
+  the inverse gather (:func:`expert_rows`). It sends one row per (token, k), not one per
+  (token, destination rank) as DeepEP does, and runs eager (its collectives are not compiled):
+  the plain pipeline people build from NCCL. The rows are sent back by the reverse
   ``all_to_all_single``, put back in (token, k) order and summed over k with the routing weights
   by a ``bmm`` (:func:`combine_rows`); plus the bf16 shared expert. The backward is autograd's:
   the gathers' scatters and the grouped GEMMs' gradients, and :class:`AllToAll`, whose backward
