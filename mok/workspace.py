@@ -6,9 +6,12 @@ routing, the x buffer (pull dispatch reads peers' rows from it), the receive buf
 dispatch stores into peers'), the combine slots (push combine) and the expert-output buffer
 (pull combine). Workspaces are cached per (group, device, hidden, top-k, experts, dtype,
 config); creating one is collective and happens once, outside the steady state. A workspace is
-sized for ``max_tokens`` tokens per rank (``MoKConfig.max_tokens``, or the largest count any rank
-passes when it is created) and serves every call with 0..max_tokens tokens per rank; the ranks'
-counts may differ. Steady-state calls only bump host-side epoch counters and launch kernels: no
+sized for ``max_tokens`` tokens per rank and serves every call with 0..max_tokens tokens per rank;
+the ranks' counts may differ. ``max_tokens`` is ``MoKConfig.max_tokens``, or, when that is 0,
+the larger of a default (:func:`mok.sizing.default_max_tokens`: 8192, less where that would
+take more than 1/16 of the GPU's memory) and the largest count any rank passes in the first
+call; a one-rank workspace of that kind grows (to twice its size or more) when a call passes
+more. Steady-state calls only bump host-side epoch counters and launch kernels: no
 host synchronisation.
 
 Errors the kernels find in the inputs (a bad expert id, a full receive buffer, more tokens than
@@ -23,19 +26,18 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from mok import _ext
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError, MoKUnsupportedError
+from mok.sizing import ALIGN, CHUNK_TOKENS, Shapes, default_max_tokens, plan
 from mok.sms import budget_sms, device_sms
 from mok.spec.config import MoKConfig
 
 __all__ = ["Workspace", "get_workspace", "cached_workspaces", "clear_workspaces", "check"]
 
-_ALIGN = 256
-_CHUNK_TOKENS = 64
+_ALIGN = ALIGN
 _SCHEDULE_BLOCKS = 64
 # Distinct layer shapes / configs held at once (each holds its buffers until cleared).
 MAX_WORKSPACES = 16
@@ -51,15 +53,6 @@ _next_id = 1
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-@dataclass(frozen=True)
-class Shapes:
-    max_tokens: int  # token rows per rank of every per-token buffer (any call: 0..max_tokens)
-    hidden: int
-    num_topk: int
-    num_experts: int
-    dtype: torch.dtype
 
 
 def _layout(names_sizes: list[tuple[str, int]], align: int) -> tuple[dict[str, int], int]:
@@ -109,53 +102,14 @@ class Workspace:
         if (H * 2) % 16 or self.row_bytes % 16:
             raise MoKInputError(f"hidden={H} must make 16-byte rows (hidden % 8 == 0 for bf16)")
         self.num_local_experts = E // R
-        self.capacity = config.capacity_rows(N, K, self.num_local_experts)
-        self.num_chunks = max(1, -(-N // _CHUNK_TOKENS))
-        self.num_minibatches = -(-self.capacity // config.minibatch_size)
-
-        recv_rows = min(self.ring_rows, self.capacity) if fused else self.capacity
-        # Symmetric layout (bytes).
-        self.sym_sizes = dict(
-            [
-                ("signals", _ext.NUM_SIGNALS * _ext.MAX_RANKS * 8),
-                ("route_status", 2 * _ext.MAX_RANKS * _ext.ROUTE_STATUS_WORDS * 4),
-                ("route_idx", 2 * R * N * K * 4),
-                ("route_w", 2 * R * N * K * 4),
-                ("x", N * self.row_bytes),
-                ("recv", recv_rows * self.row_bytes),
-                ("slots", N * K * H * 2),
-                ("y", 0 if fused else self.capacity * H * 2),
-                ("partials", 0 if fused else R * N * H * 2),
-                # fp32 per receive row: the backward's router-weight gradient, staged by the
-                # expert's owner for the token's home rank to read (no kernel addresses it)
-                ("row_grads", self.capacity * 4),
-            ]
-        )
+        self.plan = plan(shapes, config, R, fused)
+        self.capacity = self.plan.capacity
+        self.num_chunks = self.plan.num_chunks
+        self.num_minibatches = self.plan.num_minibatches
+        # Symmetric layout (bytes) and local schedule layout (int32 elements).
+        self.sym_sizes = dict(self.plan.sym_sizes)
         self.sym_off, sym_bytes = _layout(list(self.sym_sizes.items()), _ALIGN)
-        # Local schedule layout (int32 elements).
-        L, cap, NC = self.num_local_experts, self.capacity, self.num_chunks
-        self.sched_off, sched_len = _layout(
-            [
-                ("counts", E * R),
-                ("offsets", R * (L + 1)),
-                ("src_rank", cap),
-                ("src_index", cap),
-                ("dst_rank", N * K),
-                ("dst_index", N * K),
-                ("dedup_src_rank", R * N),
-                ("dedup_src_token", R * N),
-                ("dedup_slot", R * N),
-                ("fanout", cap),
-                ("fan_rows", R * N * K),
-                ("fan_w", R * N * K),
-                ("hist", R * NC * E),
-                ("dhist", R * NC),
-                ("dcount", R),
-                ("meta", _ext.META_WORDS),
-                ("ready", self.num_minibatches),
-            ],
-            _ALIGN // 4,
-        )
+        self.sched_off, sched_len = _layout(self.plan.sched_sizes, _ALIGN // 4)
         self.sched = torch.zeros(sched_len, dtype=torch.int32, device=device)
         self.sched[self.sched_off["meta"] + _ext.META["bad_detail"]] = 2**31 - 1
 
@@ -439,7 +393,7 @@ class Workspace:
         )
         p.num_experts, p.num_local_experts = s.num_experts, self.num_local_experts
         p.row_tile, p.capacity = self.config.row_tile, self.capacity
-        p.chunk_tokens, p.num_chunks = _CHUNK_TOKENS, self.num_chunks
+        p.chunk_tokens, p.num_chunks = CHUNK_TOKENS, self.num_chunks
         p.minibatch_rows, p.num_minibatches = self.config.minibatch_size, self.num_minibatches
         p.hidden, p.row_bytes = s.hidden, self.row_bytes
         p.timeout_ns = int(self.config.wait_timeout_ms * 1e6)
@@ -483,9 +437,7 @@ class Workspace:
     def ring_rows(self) -> int:
         """Rows of the fused layer's receive / h ring: the config's macrobatch_size, or every
         minibatch of the receive buffer (no reuse) when it is 0 or larger."""
-        mb = self.config.minibatch_size
-        full = self.num_minibatches * mb
-        return min(self.config.macrobatch_size or full, full)
+        return self.plan.ring_rows
 
     def layer_buffers(self, inter: int, shared_inter: int) -> dict[str, torch.Tensor]:
         """The fused layer's local buffers for these FFN sizes (allocated once): h ring,
@@ -587,17 +539,27 @@ class Workspace:
                 expected=expected,
             )
         if code == _ext.ERR_CAPACITY:
+            N, K, R = self.shapes.max_tokens, self.shapes.num_topk, self.num_ranks
+            pad = self.num_local_experts * (self.config.row_tile - 1)
+            need = math.ceil(100 * max(0, observed - pad) / (N * K)) / 100
             return MoKCapacityError(
                 f"mok: rank {peer} must receive {observed} rows (padded to row_tile="
                 f"{self.config.row_tile}) but its receive buffer holds {expected} "
                 f"(capacity_factor={self.config.capacity_factor:g}); the overflow starts at "
-                f"expert {extra}. Raise capacity_factor; mok never drops tokens ({where}).{tail}"
+                f"expert {extra}. Raise capacity_factor to at least {need:g} for this routing "
+                f"({R:g} holds any routing at {R} ranks); mok never drops tokens ({where}).{tail}"
             )
         if code == _ext.ERR_TOO_MANY_TOKENS:
+            sized = (
+                "MoKConfig.max_tokens"
+                if self.config.max_tokens
+                else "MoKConfig.max_tokens=0: the default size or the first call's count, the "
+                "larger; several ranks cannot grow it"
+            )
             return MoKCapacityError(
                 f"mok: rank {peer} passed {observed} tokens but the workspace holds at most "
-                f"{expected} per rank (sized by MoKConfig.max_tokens, or by the first call when "
-                f"it is 0); set max_tokens to the largest batch ({where}).{tail}"
+                f"{expected} per rank ({sized}); set max_tokens to the largest batch any rank "
+                f"passes ({where}).{tail}"
             )
         if code in (_ext.ERR_BAD_EXPERT, _ext.ERR_DUP_EXPERT):
             K = self.shapes.num_topk
@@ -663,10 +625,13 @@ def get_workspace(
 
     Args:
         num_tokens: this rank's token count of the call at hand (an int >= 0); it matters only
-            when the workspace is created with ``config.max_tokens == 0``: then it is sized for
-            the largest ``num_tokens`` any rank passes (one collective, at creation). Later
-            calls of any count up to the workspace's ``max_tokens`` reuse it; more raise
-            :class:`mok.MoKCapacityError` on every rank (from the schedule build).
+            when ``config.max_tokens == 0``: the workspace is then created for the larger of
+            the default (:func:`mok.sizing.default_max_tokens`, agreed by every rank) and the
+            largest ``num_tokens`` any rank passes (one collective, at creation); at one rank
+            a later call with more tokens replaces it by one at least twice as large (the
+            device synchronised once). Otherwise calls of any count up to the workspace's
+            ``max_tokens`` reuse it; more raise :class:`mok.MoKCapacityError` on every rank
+            (from the schedule build).
         hidden: the token row width; rows must be a multiple of 16 bytes (hidden % 8 == 0 for
             bf16).
         num_topk: experts per token, in [1, 32] (``_ext.MAX_TOPK``).
@@ -700,6 +665,12 @@ def get_workspace(
         raise MoKInputError(f"num_tokens must be an int >= 0 (found {num_tokens!r})")
     key = (_group_key(group), device.index, hidden, num_topk, num_experts, dtype, config, fused)
     ws = _cache.get(key)
+    floor = 1
+    if ws is not None and num_tokens > ws.max_tokens and ws.num_ranks == 1:
+        if config.max_tokens:
+            return ws  # the schedule build raises MoKCapacityError, naming max_tokens
+        floor = _outgrown(key, ws, num_tokens)
+        ws = None
     if ws is None:
         if len(_cache) >= MAX_WORKSPACES:
             raise MoKInputError(
@@ -707,12 +678,51 @@ def get_workspace(
                 f"group), the most it keeps; call mok.clear_workspaces() on every rank, or use "
                 "fewer distinct configs"
             )
-        most = _check_same_everywhere(key, group, num_tokens, config.num_sms)
-        max_tokens = config.max_tokens or max(1, most)
+        shapes = Shapes(config.max_tokens or 1, hidden, num_topk, num_experts, dtype)
+        ranks = key[0][1] if len(key[0]) > 1 else 1
+        default = 0 if config.max_tokens else _default_tokens(shapes, config, ranks, fused, device)
+        most, default = _check_same_everywhere(key, group, num_tokens, config.num_sms, default)
+        max_tokens = config.max_tokens or max(floor, most, default)
         shapes = Shapes(max_tokens, hidden, num_topk, num_experts, dtype)
         ws = Workspace(shapes, config, group, device, fused)
         _cache[key] = ws
     return ws
+
+
+def _default_tokens(shapes: Shapes, config: MoKConfig, ranks: int, fused: bool, device) -> int:
+    """This rank's proposal for a default-sized workspace (:func:`mok.sizing.default_max_tokens`;
+    ranks sharing the GPU split its memory)."""
+    from mok.ranks import shared_gpu
+
+    memory = _device_memory(device)
+    return default_max_tokens(shapes, config, ranks, fused, memory, ranks if shared_gpu() else 1)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _device_memory(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def _outgrown(key: tuple, ws: Workspace, num_tokens: int) -> int:
+    """Drop ``ws``, a one-rank workspace of a config with ``max_tokens=0`` that a call with
+    ``num_tokens`` tokens outgrew (its pending errors raised first; the device synchronised
+    once); the caller creates one for at least twice its tokens (the returned floor): a later
+    ordinary call never fails for its size, and a growing batch grows it a few times at most.
+    Several ranks cannot grow without a collective that every rank enters (a rank does not
+    know its peers' counts): their workspaces keep the size they were created with."""
+    if _capturing():
+        raise MoKCapacityError(
+            f"mok: {num_tokens} tokens, but the workspace holds at most {ws.max_tokens} and "
+            "cannot grow during a CUDA graph capture; set MoKConfig.max_tokens to the largest "
+            "batch"
+        )
+    ws.check()
+    del _cache[key]
+    _by_handle.pop(ws.id, None)
+    return 2 * ws.max_tokens
 
 
 def workspace_by_id(handle: int) -> Workspace:
@@ -756,13 +766,17 @@ def clear_workspaces() -> None:
         torch.cuda.empty_cache()
 
 
-def _check_same_everywhere(key: tuple, group, num_tokens: int, num_sms: int) -> int:
+def _check_same_everywhere(
+    key: tuple, group, num_tokens: int, num_sms: int, default: int = 0
+) -> tuple[int, int]:
     """Check that every rank creates the same workspace, its kernels on the same SM count
-    (``num_sms``: the config's budget); the largest token count of any rank."""
+    (``num_sms``: the config's budget); the largest token count of any rank and the smallest
+    ``default`` (each rank's proposal of a default size: the same rule on GPUs of different
+    memory gives different counts, and every rank must size alike)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return num_tokens
+        return num_tokens, default
     world = dist.get_world_size(group)
     # NOTE: the launch geometry too: the fused layer runs one block per SM and its fill targets
     # count the peers' blocks as its own grid.
@@ -770,7 +784,7 @@ def _check_same_everywhere(key: tuple, group, num_tokens: int, num_sms: int) -> 
     mine = f"{key[2:]!r} with {sms} SMs"
     # NOTE: only on workspace creation (once per shape/config), never in the steady state.
     t = torch.tensor(list(mine.encode()), dtype=torch.uint8)
-    n = torch.tensor([t.numel(), num_tokens], dtype=torch.int64)
+    n = torch.tensor([t.numel(), num_tokens, default], dtype=torch.int64)
     dev = torch.device("cuda", torch.cuda.current_device())
     ns = [torch.empty_like(n, device=dev) for _ in range(world)]
     dist.all_gather(ns, n.to(dev), group=group)
@@ -786,4 +800,4 @@ def _check_same_everywhere(key: tuple, group, num_tokens: int, num_sms: int) -> 
         raise MoKInputError(
             f"ranks disagree on the layer's shapes, config or GPU (SM count): {diff}"
         )
-    return max(int(x[1].item()) for x in ns)
+    return max(int(x[1].item()) for x in ns), min(int(x[2].item()) for x in ns)

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 import mok  # noqa: E402
 from mok import functional as mf  # noqa: E402
+from mok import sizing  # noqa: E402
 from mok.spec.workload import ModelShape  # noqa: E402
 from reference.moe import moe_forward as ref_moe_forward  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
@@ -75,7 +76,7 @@ def test_zero_tokens_every_stage_function(problem):
     w, x, idx, tw = problem
     H = SHAPE.hidden
     ws = mok.get_workspace(0, H, SHAPE.num_topk, SHAPE.num_experts, config=_cfg("pull", "push"))
-    assert ws.max_tokens == 1  # sized by the first call: at least one row
+    assert ws.max_tokens == sizing.DEFAULT_MAX_TOKENS  # max_tokens=0: the default size
     s = mf.build_schedule(idx[:0], tw[:0], ws)
     assert s.num_tokens == 0 and s.dst_rank.shape == (0, SHAPE.num_topk)
     for mode in ("pull", "push", "dedup_pull"):
@@ -120,9 +121,9 @@ def test_twenty_token_counts_one_workspace(problem, dm, cm, fused):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_sized_by_the_first_call_then_too_many_tokens_raise_and_recover(problem, fused):
+def test_max_tokens_then_too_many_tokens_raise_and_recover(problem, fused):
     w, x, idx, tw = problem
-    cfg = _cfg("dedup_pull", "push")
+    cfg = _cfg("dedup_pull", "push", max_tokens=300)
     first = _layer(w, x[:300], idx[:300], tw[:300], cfg, fused)
     (ws,) = mok.cached_workspaces()
     assert ws.max_tokens == 300
@@ -131,7 +132,8 @@ def test_sized_by_the_first_call_then_too_many_tokens_raise_and_recover(problem,
         assert torch.equal(less, first[:100])
     else:
         _check_rule(less, w, x[:100], idx[:100], tw[:100])
-    with pytest.raises(mok.MoKCapacityError, match="rank 0 passed 301 tokens but the workspace"):
+    too_many = "rank 0 passed 301 tokens but the workspace holds at most 300 per rank"
+    with pytest.raises(mok.MoKCapacityError, match=too_many):
         _layer(w, x[:301], idx[:301], tw[:301], cfg, fused)
     again = _layer(w, x[:300], idx[:300], tw[:300], cfg, fused)
     assert torch.equal(again, first)

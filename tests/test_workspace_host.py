@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mok
-from mok import _ext, workspace
+from mok import _ext, sizing, workspace
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
 from tests.test_ep_rank_counts import fake_group  # noqa: F401 - fixture
 
@@ -16,24 +16,33 @@ H, K, E = 512, 4, 16
 
 
 class _Recorder:
-    """Stands in for Workspace in get_workspace: records how it was built."""
+    """Stands in for Workspace in get_workspace: records how it was built (one rank)."""
 
     built: list = []
+    checked: list = []
 
     def __init__(self, shapes, config, group, device, fused=False):
-        self.shapes, self.config = shapes, config
+        self.shapes, self.config, self.num_ranks = shapes, config, 1
+        self.id = len(_Recorder.built)
         _Recorder.built.append(shapes)
 
     @property
     def max_tokens(self) -> int:
         return self.shapes.max_tokens
 
+    def check(self) -> None:  # the device synchronised, pending errors raised
+        _Recorder.checked.append(self.id)
+
+
+GPU_MEMORY = 80 * 2**30
+
 
 @pytest.fixture
 def recorder(monkeypatch):
     monkeypatch.setattr(workspace, "Workspace", _Recorder)
     monkeypatch.setattr(workspace, "_cache", {})
-    _Recorder.built = []
+    monkeypatch.setattr(workspace, "_device_memory", lambda device: GPU_MEMORY)
+    _Recorder.built, _Recorder.checked = [], []
     return _Recorder
 
 
@@ -41,23 +50,97 @@ def _get(n, config=None):
     return mok.get_workspace(n, H, K, E, torch.bfloat16, config, device="cuda:0")
 
 
-def test_one_workspace_for_every_token_count(recorder):
-    ws = _get(300)
-    for n in [0, 1, 17, 299, 300, 301, 4096]:  # more than 300 is the device's error to report
+def test_a_small_first_call_does_not_cap_later_calls(recorder):
+    """The first-call trap of max_tokens=0 is gone: the default size holds every later ordinary
+    call, whatever came first (0, 1 or 777 tokens, or the largest first)."""
+    for counts in ([0, 1, 777, 1024, 4096], [4096, 1024, 777, 1, 0]):
+        workspace._cache.clear()
+        ws = _get(counts[0])
+        assert ws.max_tokens == sizing.DEFAULT_MAX_TOKENS
+        for n in counts[1:]:
+            assert _get(n) is ws
+    assert len(recorder.built) == 2 and not recorder.checked
+
+
+def test_a_first_call_above_the_default_sizes_the_workspace(recorder):
+    ws = _get(10_000)
+    assert ws.max_tokens == 10_000
+    for n in [0, 1, 8192, 10_000]:
         assert _get(n) is ws
-    assert [s.max_tokens for s in recorder.built] == [300]
 
 
-def test_max_tokens_from_the_config_wins_over_the_first_call(recorder):
-    ws = _get(10, mok.MoKConfig(max_tokens=8192))
-    assert ws.max_tokens == 8192
+def test_one_rank_grows_when_a_call_passes_more(recorder):
+    """At one rank a call with more tokens than the workspace holds replaces it by one at least
+    twice as large (after raising the old one's errors), and it stays for smaller calls."""
+    ws = _get(300)
+    big = _get(sizing.DEFAULT_MAX_TOKENS + 1)
+    assert big is not ws and big.max_tokens == 2 * sizing.DEFAULT_MAX_TOKENS
+    assert recorder.checked == [ws.id]
+    assert list(workspace._cache.values()) == [big]
+    for n in [0, 1, 300, 2 * sizing.DEFAULT_MAX_TOKENS]:
+        assert _get(n) is big
+    huge = _get(5 * sizing.DEFAULT_MAX_TOKENS)
+    assert huge.max_tokens == 5 * sizing.DEFAULT_MAX_TOKENS
+    assert len(recorder.built) == 3
+
+
+def test_no_growth_inside_a_cuda_graph_capture(recorder, monkeypatch):
+    ws = _get(300)
+    monkeypatch.setattr(workspace, "_capturing", lambda: True)
+    assert _get(sizing.DEFAULT_MAX_TOKENS) is ws
+    with pytest.raises(MoKCapacityError, match="cannot grow during a CUDA graph capture; set"):
+        _get(sizing.DEFAULT_MAX_TOKENS + 1)
+    assert list(workspace._cache.values()) == [ws] and not recorder.checked
+
+
+def test_max_tokens_from_the_config_wins_and_never_grows(recorder):
+    ws = _get(10, mok.MoKConfig(max_tokens=500))
+    assert ws.max_tokens == 500
     other = _get(0)  # another config (the default): another workspace
-    assert other is not ws and other.max_tokens == 1
-    assert _get(0, mok.MoKConfig(max_tokens=8192)) is ws
+    assert other is not ws and other.max_tokens == sizing.DEFAULT_MAX_TOKENS
+    assert _get(0, mok.MoKConfig(max_tokens=500)) is ws
+    # more than max_tokens: the device's error to report (MoKCapacityError), no growth
+    assert _get(501, mok.MoKConfig(max_tokens=500)) is ws
+    assert not recorder.checked
 
 
-def test_a_first_call_without_tokens_still_sizes_one_row(recorder):
-    assert _get(0).max_tokens == 1
+def test_the_default_shrinks_with_the_gpus_memory(recorder, monkeypatch):
+    """8192 tokens per rank where the workspace takes at most 1/16 of the GPU's memory, halved
+    until it does (never below MIN_DEFAULT_TOKENS); ranks sharing one GPU split it."""
+    shape = (7168, 8, 256)  # DeepSeek-V3's hidden, top-k and experts
+    cfg = mok.MoKConfig()
+
+    def default(memory, ranks=1, per_gpu=1, fused=False):
+        s = sizing.Shapes(0, *shape, torch.bfloat16)
+        return sizing.default_max_tokens(s, cfg, ranks, fused, memory, per_gpu)
+
+    def nbytes(n, ranks=1, fused=False):
+        p = sizing.plan(sizing.Shapes(n, *shape, torch.bfloat16), cfg, ranks, fused)
+        return p.sym_bytes + p.sched_bytes + p.dedup_bytes + (n * shape[0] * 2 if fused else 0)
+
+    for memory in (8 * 2**30, 80 * 2**30, 141 * 2**30, 2**40):
+        for ranks, per_gpu in ((1, 1), (8, 1), (4, 4)):
+            for fused in (False, True):
+                n = default(memory, ranks, per_gpu, fused)
+                budget = memory // sizing.MEMORY_SHARE // per_gpu
+                assert sizing.MIN_DEFAULT_TOKENS <= n <= sizing.DEFAULT_MAX_TOKENS
+                assert n == sizing.MIN_DEFAULT_TOKENS or nbytes(n, ranks, fused) <= budget
+                if n < sizing.DEFAULT_MAX_TOKENS:
+                    assert nbytes(2 * n, ranks, fused) > budget
+    assert default(2**40) == sizing.DEFAULT_MAX_TOKENS
+    assert default(8 * 2**30) < sizing.DEFAULT_MAX_TOKENS
+    assert default(80 * 2**30, 4, 4) < default(80 * 2**30, 4, 1)
+
+
+def test_the_plan_is_what_the_workspace_allocates():
+    """mok.sizing.plan's bytes are the workspace's memory_report (the README's table)."""
+    cfg = mok.MoKConfig()
+    p = sizing.plan(sizing.Shapes(777, H, K, E, torch.bfloat16), cfg, 2)
+    assert p.capacity == cfg.capacity_rows(777, K, E // 2)
+    assert p.sym_sizes["x"] == 777 * H * 2 and p.sym_sizes["recv"] == p.capacity * H * 2
+    assert p.sym_sizes["partials"] == 2 * 777 * H * 2 and p.dedup_bytes == 2 * 777 * H * 2
+    fused = sizing.plan(sizing.Shapes(777, H, K, E, torch.bfloat16), cfg, 2, fused=True)
+    assert fused.sym_sizes["y"] == 0 and fused.sym_bytes < p.sym_bytes
 
 
 def test_token_count_must_be_a_non_negative_int(recorder):

@@ -50,9 +50,11 @@ class MoKConfig:
     wait_timeout_ms: bound of every spin-wait; expiry raises :class:`mok.MoKTimeoutError`.
     max_tokens: the most tokens one rank passes in one call. The workspace is sized for it
         once; every call with 0..max_tokens tokens per rank (ranks may differ) reuses it
-        without allocating or synchronising. 0: the largest count any rank passes in the first
-        call. More tokens than that in a later call raise :class:`mok.MoKCapacityError` on
-        every rank.
+        without allocating or synchronising, and more raise :class:`mok.MoKCapacityError` on
+        every rank. 0 (the default): the larger of a default size (8192 tokens per rank, less
+        where that would take more than 1/16 of the GPU's memory; ``mok.sizing``) and the
+        largest count any rank passes in the first call; at one rank the workspace grows
+        when a later call passes more.
     row_order: the order of an expert's rows in the receive buffer. ``interleaved`` (the
         default): the source ranks take turns, so each minibatch draws rows from every peer.
         ``source``: rank 0's rows, then rank 1's, ... (each in token order). Give rank r the

@@ -11,6 +11,8 @@ outputs bitwise, the full layer within the BF16 rule. Prints ``MOK-WORKER-OK ran
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import sys
 import time
 
@@ -238,7 +240,9 @@ def error_cases(dev):
     E = max(16, K * R)
     # NOTE: every rank routes every token to experts 0..K-1, all on rank 0, which receives R * N
     # * K rows: a capacity factor of R holds them (the default, 2, overflows from EP3 on).
-    cfg = mok.MoKConfig(num_comm_sms=4, wait_timeout_ms=5000.0, capacity_factor=float(max(R, 2)))
+    cfg = mok.MoKConfig(
+        num_comm_sms=4, wait_timeout_ms=5000.0, capacity_factor=float(max(R, 2)), max_tokens=N
+    )
     ws = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg, device=dev)
     idx = torch.arange(K, device=dev).repeat(N, 1)
     w = torch.full((N, K), 0.25, device=dev)
@@ -289,7 +293,9 @@ def error_cases(dev):
     check(torch.equal(again["src_index"], good["src_index"]), "schedule after too many tokens")
     # Capacity: every token to experts 0..K-1 overflows a small receive buffer on rank 0 (row
     # tile 16 keeps the padding allowance small); every rank raises the same error.
-    cfg2 = mok.MoKConfig(num_comm_sms=4, capacity_factor=0.1, row_tile=16, wait_timeout_ms=5000.0)
+    cfg2 = mok.MoKConfig(
+        num_comm_sms=4, capacity_factor=0.1, row_tile=16, wait_timeout_ms=5000.0, max_tokens=N
+    )
     ws2 = mok.get_workspace(N, H, K, E, torch.bfloat16, cfg2, device=dev)
     mf.build_schedule(idx, w, ws2)
     try:
@@ -297,6 +303,12 @@ def error_cases(dev):
         check(False, "capacity overflow not detected")
     except mok.MoKCapacityError as e:
         check("rank 0 must receive" in str(e) and "never drops tokens" in str(e), str(e))
+        # the knob and by how much: the factor it names holds the rows it names
+        m = re.search(r"must receive (\d+) rows .* to at least ([0-9.]+) for this", str(e))
+        check(m is not None, str(e))
+        enough = dataclasses.replace(cfg2, capacity_factor=float(m.group(2)))
+        rows = enough.capacity_rows(N, K, E // R)
+        check(rows >= int(m.group(1)), f"{m.group(2)} gives {rows} rows: {e}")
 
 
 def varying_case(dev):
@@ -348,6 +360,84 @@ def varying_case(dev):
                 check(torch.equal(out, full[:n]), f"varying {dm} fused {counts} differs")
         check(len(mok.cached_workspaces()) == 1, "one workspace for every count")
         mok.clear_workspaces()
+
+
+def sizes_case(dev):
+    """The default workspace size (max_tokens=0) at EP R: calls with 0, 1, 777, 1024 and 4096
+    tokens per rank, in that order and reversed, on the forward's paths and under training
+    (fused or not, recompute or not). Each call gives, bitwise, what it gives on a fresh
+    workspace: a small first call caps nothing, and the history does not matter."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    counts = [0, 1, 777, 1024, 4096]
+    shape = ModelShape("mok-sizes", 16, 512, 256, 4, shared_intermediate=256)
+    N, E = max(counts), shape.num_experts
+    w = MoEWeights.random(shape, seed=SEED, dtype=torch.float32, device=dev).to(torch.bfloat16)
+    t = make_routing(N * world, E, shape.num_topk, world, "uniform", seed=SEED + 7)
+    sl = slice(rank * N, (rank + 1) * N)
+    idx = torch.from_numpy(t.topk_idx)[sl].to(dev)
+    tw = torch.from_numpy(t.topk_weights)[sl].to(dev)
+    x = tokens(rank, N, shape.hidden).to(dev)
+    g = torch.Generator(device=dev).manual_seed(SEED + rank)
+    grad_out = torch.randn(x.shape, device=dev, generator=g).to(torch.bfloat16)
+    lw = local_weights(w, dev)
+
+    def cfg(dm="dedup_pull", cm="push"):  # max_tokens left at 0
+        return mok.MoKConfig(
+            dispatch_mode=dm, combine_mode=cm, num_comm_sms=8, minibatch_size=256,
+            wait_timeout_ms=60_000.0,
+        )  # fmt: skip
+
+    def forward(dm, cm, fused):
+        def call(n):
+            out = mf.moe_forward(x[:n], idx[:n], tw[:n], lw, E, cfg(dm, cm), fused=fused)
+            mok.check()
+            return [out]
+
+        return call
+
+    def train(fused, recompute):
+        def call(n):
+            leaves = {
+                k: v.clone().requires_grad_(True) for k, v in vars(lw).items() if v is not None
+            }
+            ws = dataclasses.replace(lw, **leaves)
+            xs, tws = x[:n].clone().requires_grad_(True), tw[:n].clone().requires_grad_(True)
+            out = mf.moe(xs, idx[:n], tws, ws, E, cfg(), fused=fused, recompute=recompute)
+            out.backward(grad_out[:n])
+            mok.check()
+            return [out.detach(), xs.grad, tws.grad, *(leaves[k].grad for k in sorted(leaves))]
+
+        return call
+
+    cases = [(f"forward {dm}/{cm} fused={f}", forward(dm, cm, f)) for dm, cm, f in (
+        ("dedup_pull", "push", True), ("pull", "push", True),
+        ("pull", "pull", False), ("dedup_pull", "push", False),
+    )]  # fmt: skip
+    cases += [
+        (f"training fused={f} recompute={r}", train(f, r))
+        for f in (True, False)
+        for r in (True, False)
+    ]
+    for what, call in cases:
+        mok.clear_workspaces()
+        fresh = {}
+        for n in counts:
+            fresh[n] = call(n)
+            mok.clear_workspaces()
+        for order in (counts, counts[::-1]):
+            for n in order:
+                for i, (a, b) in enumerate(zip(call(n), fresh[n], strict=True)):
+                    check(
+                        a.shape == b.shape and torch.equal(a, b),
+                        f"{what}: {n} tokens after {order[: order.index(n)]} differ from a "
+                        f"fresh workspace (tensor {i})",
+                    )
+            held = mok.cached_workspaces()
+            check(
+                all(ws.max_tokens >= N for ws in held),
+                f"{what}: sizes {[ws.max_tokens for ws in held]}",
+            )
+            mok.clear_workspaces()
 
 
 def local_weights(w: MoEWeights, dev) -> MoEWeights:
@@ -496,6 +586,8 @@ def main() -> int:
         print(f"rank {rank}: varying token counts ok", flush=True)
         error_cases(dev)
         print(f"rank {rank}: errors ok", flush=True)
+        sizes_case(dev)
+        print(f"rank {rank}: default workspace size, 0..4096 tokens both ways ok", flush=True)
         if dist.get_world_size() > 1:
             concurrency_cases(dev)
             print(f"rank {rank}: concurrency ok", flush=True)

@@ -1,0 +1,220 @@
+"""What a workspace holds, worked out from its shapes before anything is allocated.
+
+:func:`plan` gives the receive capacity, the symmetric and schedule layouts and the bytes of a
+workspace for ``max_tokens`` tokens per rank; :class:`mok.workspace.Workspace` allocates by it.
+:func:`default_max_tokens` is the token count a workspace is sized for when the config leaves
+``max_tokens`` at 0: ``DEFAULT_MAX_TOKENS`` per rank, halved while the workspace would take
+more than ``1 / MEMORY_SHARE`` of the GPU's memory (its share of it where ranks share the GPU),
+and never below ``MIN_DEFAULT_TOKENS``. The workspace is then sized for the larger of that and
+the largest count any rank passes in its first call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mok import _ext
+from mok.spec.config import MoKConfig
+
+__all__ = [
+    "Shapes",
+    "Plan",
+    "plan",
+    "default_max_tokens",
+    "DEFAULT_MAX_TOKENS",
+    "MIN_DEFAULT_TOKENS",
+    "MEMORY_SHARE",
+]
+
+# Token rows per rank of a workspace whose config has max_tokens=0 (at most).
+DEFAULT_MAX_TOKENS = 8192
+# ... and at least (the memory rule never halves below it).
+MIN_DEFAULT_TOKENS = 256
+# A default-sized workspace takes at most this fraction (1 / MEMORY_SHARE) of its GPU's memory.
+MEMORY_SHARE = 16
+ALIGN = 256  # bytes: every symmetric region starts at a multiple
+CHUNK_TOKENS = 64  # tokens per chunk of the schedule's histograms
+
+
+@dataclass(frozen=True)
+class Shapes:
+    max_tokens: int  # token rows per rank of every per-token buffer (any call: 0..max_tokens)
+    hidden: int
+    num_topk: int
+    num_experts: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A workspace's sizes (rows, and bytes per rank)."""
+
+    capacity: int  # receive-buffer rows (MoKConfig.capacity_rows)
+    num_chunks: int  # schedule histogram chunks of CHUNK_TOKENS tokens
+    num_minibatches: int  # minibatches of the receive buffer
+    ring_rows: int  # the fused layer's receive / h ring
+    sym_sizes: dict[str, int]  # symmetric regions, bytes (unaligned)
+    sched_sizes: list[tuple[str, int]]  # the schedule table's arrays, int32 elements
+    dedup_bytes: int  # the local dedup-dispatch buffer (allocated on first use)
+
+    @property
+    def sym_bytes(self) -> int:
+        """The symmetric allocation: every region, each starting at a multiple of ALIGN."""
+        return sum(-(-n // ALIGN) * ALIGN for n in self.sym_sizes.values())
+
+    @property
+    def sched_bytes(self) -> int:
+        words = ALIGN // 4
+        return 4 * sum(-(-n // words) * words for _, n in self.sched_sizes)
+
+
+def plan(shapes: Shapes, config: MoKConfig, num_ranks: int, fused: bool = False) -> Plan:
+    """The sizes of a workspace of ``shapes`` at ``num_ranks`` ranks (``fused``: of the fused
+    layer alone: a receive buffer of the ring's rows, no expert-output buffer, no dedup
+    partials or rows)."""
+    R, N, H, K, E = (
+        num_ranks,
+        shapes.max_tokens,
+        shapes.hidden,
+        shapes.num_topk,
+        shapes.num_experts,
+    )
+    L = E // R
+    row_bytes = H * torch.empty((), dtype=shapes.dtype).element_size()
+    cap = config.capacity_rows(N, K, L)
+    num_chunks = max(1, -(-N // CHUNK_TOKENS))
+    mb = config.minibatch_size
+    num_minibatches = -(-cap // mb)
+    full = num_minibatches * mb
+    ring = min(config.macrobatch_size or full, full)
+    recv_rows = min(ring, cap) if fused else cap
+    sym = {
+        "signals": _ext.NUM_SIGNALS * _ext.MAX_RANKS * 8,
+        "route_status": 2 * _ext.MAX_RANKS * _ext.ROUTE_STATUS_WORDS * 4,
+        "route_idx": 2 * R * N * K * 4,
+        "route_w": 2 * R * N * K * 4,
+        "x": N * row_bytes,
+        "recv": recv_rows * row_bytes,
+        "slots": N * K * H * 2,
+        "y": 0 if fused else cap * H * 2,
+        "partials": 0 if fused else R * N * H * 2,
+        # fp32 per receive row: the backward's router-weight gradient, staged by the expert's
+        # owner for the token's home rank to read (no kernel addresses it)
+        "row_grads": cap * 4,
+    }
+    sched = [
+        ("counts", E * R),
+        ("offsets", R * (L + 1)),
+        ("src_rank", cap),
+        ("src_index", cap),
+        ("dst_rank", N * K),
+        ("dst_index", N * K),
+        ("dedup_src_rank", R * N),
+        ("dedup_src_token", R * N),
+        ("dedup_slot", R * N),
+        ("fanout", cap),
+        ("fan_rows", R * N * K),
+        ("fan_w", R * N * K),
+        ("hist", R * num_chunks * E),
+        ("dhist", R * num_chunks),
+        ("dcount", R),
+        ("meta", _ext.META_WORDS),
+        ("ready", num_minibatches),
+    ]
+    dedup = 0 if fused else R * N * row_bytes
+    return Plan(cap, num_chunks, num_minibatches, ring, sym, sched, dedup)
+
+
+def default_max_tokens(
+    shapes: Shapes,
+    config: MoKConfig,
+    num_ranks: int,
+    fused: bool,
+    memory_bytes: int,
+    ranks_per_gpu: int = 1,
+) -> int:
+    """The tokens per rank a workspace is sized for when ``config.max_tokens`` is 0 (before the
+    first call's count is taken into account; ``shapes.max_tokens`` is ignored):
+    ``DEFAULT_MAX_TOKENS``, halved while the workspace's bytes (:func:`plan`: symmetric,
+    schedule and dedup buffers; the fused layer's shared-expert output) exceed ``memory_bytes /
+    MEMORY_SHARE / ranks_per_gpu``, never below ``MIN_DEFAULT_TOKENS``."""
+    budget = memory_bytes // MEMORY_SHARE // max(1, ranks_per_gpu)
+    n = DEFAULT_MAX_TOKENS
+    while n > MIN_DEFAULT_TOKENS:
+        p = plan(
+            Shapes(n, shapes.hidden, shapes.num_topk, shapes.num_experts, shapes.dtype),
+            config,
+            num_ranks,
+            fused,
+        )
+        extra = n * shapes.hidden * 2 if fused else 0  # the shared expert's output rows
+        if p.sym_bytes + p.sched_bytes + p.dedup_bytes + extra <= budget:
+            break
+        n //= 2
+    return n
+
+
+def default_cost(
+    hidden: int,
+    num_topk: int,
+    num_experts: int,
+    config: MoKConfig,
+    num_ranks: int,
+    fused: bool,
+    memory_bytes: int,
+    ranks_per_gpu: int = 1,
+) -> tuple[int, int]:
+    """(tokens per rank, bytes per rank) of a workspace created for a first call of at most the
+    default size (bf16 rows): :func:`default_max_tokens` and :func:`plan`'s symmetric, schedule
+    and dedup bytes (the fused layer's local buffers, which depend on the FFN sizes, aside)."""
+    s = Shapes(0, hidden, num_topk, num_experts, torch.bfloat16)
+    n = default_max_tokens(s, config, num_ranks, fused, memory_bytes, ranks_per_gpu)
+    p = plan(Shapes(n, hidden, num_topk, num_experts, torch.bfloat16), config, num_ranks, fused)
+    return n, p.sym_bytes + p.sched_bytes + p.dedup_bytes
+
+
+def default_table(models: list, eps: list[int], memory_gib: float) -> str:
+    """A markdown table of :func:`default_cost` with the default config: one row per model
+    (a :class:`mok.spec.workload.ModelShape`) and EP size, the unfused and fused workspaces."""
+    cfg = MoKConfig()
+    memory = int(memory_gib * 2**30)
+    lines = [
+        "| model | EP | default tokens / rank | workspace (GB) | fused layer's (GB) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for m in models:
+        for r in eps:
+            if m.num_experts % r:
+                continue
+            args = (m.hidden, m.num_topk, m.num_experts, cfg, r)
+            n, full = default_cost(*args, False, memory)
+            nf, fused = default_cost(*args, True, memory)
+            tokens = str(n) if n == nf else f"{n} ({nf} fused)"
+            lines.append(f"| {m.name} | {r} | {tokens} | {full / 1e9:.2f} | {fused / 1e9:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from mok.spec.workload import get_shape
+
+    ap = argparse.ArgumentParser(
+        prog="python -m mok.sizing",
+        description="What a default-sized workspace (MoKConfig.max_tokens=0) holds and costs "
+        "per rank, per model shape and EP size.",
+    )
+    ap.add_argument("--models", default="deepseek-v3,kimi-k2,qwen3-30b-a3b,gpt-oss-120b")
+    ap.add_argument("--ep", default="1,2,8", help="EP sizes (comma list)")
+    ap.add_argument("--memory-gib", type=float, default=80.0, help="the GPU's memory")
+    args = ap.parse_args(argv)
+    models = [get_shape(name) for name in args.models.split(",")]
+    eps = [int(r) for r in args.ep.split(",")]
+    print(default_table(models, eps, args.memory_gib))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
