@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mok.bench import train
+from mok.bench import sonicmoe, train
 from mok.bench.common import Timing
 from mok.errors import MoKUnsupportedError
 from mok.experts import _halves_of_one
@@ -25,7 +25,7 @@ META = {"gpu": "NVIDIA H200", "num_ranks": 1, "torch": "2.11", "cuda": "13.0", "
 TRAIN_COLUMNS = (
     "model,hidden,intermediate,num_experts,num_topk,skew,tokens_per_rank,routing_seed,emulated_ep,"
     "ep,impl,mode,sms,fwd_us,bwd_us,step_us,p20_us,p80_us,flops_fwd,flops_recompute,step_tflops,"
-    "bwd_tflops,peak_mem_gib,step_mem_gib,sm_mhz,shared_gpu,note,gpu,num_ranks,torch,cuda,git_sha"
+    "fwd_tflops,bwd_tflops,peak_mem_gib,step_mem_gib,sm_mhz,shared_gpu,note,gpu,num_ranks,torch,cuda,git_sha"
 )
 TINY = [
     ModelShape("shared", 8, 64, 32, 4, shared_intermediate=32),
@@ -53,6 +53,45 @@ def test_parser_keeps_its_defaults():
     )
     assert a.csv == "mok-bench-train.csv"
     assert train.build_parser().prog == "python -m mok.bench train"
+
+
+def test_the_sonicmoe_suite_runs_its_shapes_at_its_token_counts():
+    """--suite sonicmoe: SonicMoE's four shapes (E, d, n, K of its Fig. 14, no shared expert),
+    every expert on the one GPU, uniform routing; refused under torchrun."""
+    ap = train.build_parser()
+    a = train.resolve_args(ap, ap.parse_args(["--suite", "sonicmoe"]), world=1, shared=False)
+    assert (a.emulate_ep, a.skews) == (1, "uniform")
+    shapes = [get_shape(m) for m in a.models.split(",")]
+    assert [(s.num_experts, s.hidden, s.intermediate, s.num_topk) for s in shapes] == [
+        (128, 1536, 256, 8),
+        (128, 4096, 512, 8),
+        (64, 4096, 1024, 4),
+        (64, 4096, 2048, 4),
+    ]
+    assert all(s.shared_intermediate == 0 for s in shapes)
+    assert [p.tokens for p in sonicmoe.SONICMOE_H100] == [24576, 32768, 32768, 32768]
+    # SonicMoE's count is the layer's forward FLOPs where there is no shared expert
+    for p, s in zip(sonicmoe.SONICMOE_H100, shapes, strict=True):
+        fwd, bwd = sonicmoe.sonicmoe_flops(p.tokens, s.hidden, s.intermediate, s.num_topk)
+        assert train.step_flops(s, p.tokens, recompute=False) == (fwd, 0) and bwd == 2 * fwd
+    with pytest.raises(SystemExit):
+        train.resolve_args(ap, ap.parse_args(["--suite", "sonicmoe"]), world=2, shared=False)
+
+
+def test_the_sonicmoe_table_puts_each_row_beside_the_published_figures():
+    p = sonicmoe.SONICMOE_H100[2]
+    s = get_shape(p.model)
+    row = dict(model=p.model, tokens_per_rank=p.tokens, hidden=s.hidden,
+               intermediate=s.intermediate, num_experts=s.num_experts, num_topk=s.num_topk,
+               impl="mok-saved", mode="pull", sms=24, fwd_tflops=440.0, bwd_tflops=555.0,
+               sm_mhz=1755)  # fmt: skip
+    other = dict(row, model="deepseek-v3")  # not one of SonicMoE's shapes: no line
+    lines = sonicmoe.comparison_lines([row, other])
+    assert len(lines) == 3
+    assert lines[2] == (
+        "| 32768, 4096, 1024, 64, 4 | 550 / 555 | mok-saved (pull, 24) | 440 / 555 | 0.80 / 1.00 "
+        "| 1755 |"
+    )
 
 
 def test_without_a_gpu_it_refuses_and_names_the_command(monkeypatch):
@@ -284,6 +323,7 @@ def test_one_case_gives_a_row_per_implementation(no_gpu, tmp_path, capsys):
         mok_row = r["impl"].startswith("mok")
         assert (r["flops_fwd"], r["flops_recompute"]) == (fwd, again if mok_row else 0)
         assert r["step_tflops"] == round(3 * fwd / 3000e6, 1)
+        assert r["fwd_tflops"] == round(fwd / 1000e6, 1)
         assert r["bwd_tflops"] == round(2 * fwd / 2000e6, 1)
         assert (r["peak_mem_gib"], r["step_mem_gib"]) == (3.0, 2.0)
     # mok saw the fused layout (mok.MoE's gate_up halves), fused kernel or not

@@ -69,7 +69,10 @@ FLOPs count the real rows (no padding), as ``layer``: ``flops_fwd`` = tokens x k
 x 6 H Is (at EP R: the world's useful FLOPs / R, each rank's tokens' rows wherever they run, so
 the rates are per GPU over the slowest rank's time); a step does 3 x ``flops_fwd`` of useful work
 (the backward's dgrad and wgrad are 2 x the forward), so ``step_tflops`` = 3 ``flops_fwd`` / step
-time and ``bwd_tflops`` = 2 ``flops_fwd`` / backward time; ``flops_recompute`` is what the
+time, ``fwd_tflops`` = ``flops_fwd`` / forward time and ``bwd_tflops`` = 2 ``flops_fwd`` /
+backward time (without a shared expert these are SonicMoE's counts, 6 T K d n and twice that;
+``--suite sonicmoe`` runs its four throughput shapes and prints its published figures beside
+mok's, :mod:`mok.bench.sonicmoe`); ``flops_recompute`` is what the
 backward computes again on top (mok: the gate / up GEMMs; torch-best: 0), counted in neither
 rate. Memory: one more step after the timed ones, after ``torch.cuda.reset_peak_memory_stats``:
 ``peak_mem_gib`` its ``max_memory_allocated``, ``step_mem_gib`` that minus the memory allocated
@@ -116,6 +119,7 @@ from mok.bench.common import (
     time_cuda,
 )
 from mok.bench.layer import DEEPEP_MAX_LOCAL_EXPERTS, MODELS, emulated_shape
+from mok.bench.sonicmoe import SONICMOE_H100, comparison_lines
 from mok.bench.train_ep import DeepEPTrainLayer, nccl_train_layer
 from mok.bench.train_layers import (  # noqa: F401 - swiglu, shared_expert: this module's API too
     grouped_experts,
@@ -164,7 +168,8 @@ class TrainRecorder(OneGpuRecorder):
             f"{row['model']:>14} EP{row['ep']:<2} N={row['tokens_per_rank']:>5} "
             f"{row['skew']:>8} {row['impl']:>17} {row['mode']:>10} sms={row['sms']:>3} "
             f"fwd {row['fwd_us']:>8.1f} bwd {row['bwd_us']:>8.1f} step {row['step_us']:>8.1f} us "
-            f"{row['step_tflops']:>6.1f} TFLOP/s (bwd {row['bwd_tflops']:>6.1f}) "
+            f"{row['step_tflops']:>6.1f} TFLOP/s (fwd {row['fwd_tflops']:>6.1f}, bwd "
+            f"{row['bwd_tflops']:>6.1f}) "
             f"mem +{row['step_mem_gib']:.2f} of {row['peak_mem_gib']:.2f} GiB"
             + (" [shared-GPU smoke test]" if row.get("shared_gpu") else "")
         )
@@ -363,6 +368,7 @@ def run_model(
             flops_fwd=flops_fwd,
             flops_recompute=recomputed,
             step_tflops=_tflops(3 * flops_fwd, ts.median_us),
+            fwd_tflops=_tflops(flops_fwd, tf.median_us),
             bwd_tflops=_tflops(2 * flops_fwd, bwd),
             peak_mem_gib=round(peak, 3),
             step_mem_gib=round(added, 3),
@@ -473,6 +479,14 @@ def build_parser() -> argparse.ArgumentParser:
         "or at EP R under torchrun --nproc-per-node=R (one GPU per rank; MOK_SHARED_GPU=1: a "
         "smoke test with every rank on one GPU).",
     )
+    ap.add_argument(
+        "--suite",
+        choices=("sonicmoe",),
+        default=None,
+        help="sonicmoe: SonicMoE's four throughput shapes at its token counts (one GPU, every "
+        "expert local, uniform routing; --models / --tokens / --skews / --emulate-ep ignored) "
+        "and a table against its published H100 figures (mok.bench.sonicmoe)",
+    )
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument(
         "--tokens",
@@ -553,6 +567,11 @@ def resolve_args(ap, args, world: int, shared: bool) -> argparse.Namespace:
             f"torch-best runs at one rank (every expert local); at EP{world} its rows are "
             f"{' / '.join(EP_IMPLS)}"
         )
+    if args.suite and world > 1:
+        ap.error(f"--suite {args.suite} runs on one GPU (python -m mok.bench train --suite ...)")
+    if args.suite:  # SonicMoE's shapes: the whole problem on one GPU
+        args.models = ",".join(p.model for p in SONICMOE_H100)
+        args.emulate_ep, args.skews = 1, "uniform"
     emulate_ep = (2 if args.emulate_ep is None else args.emulate_ep) if world == 1 else 0
     ep = world if world > 1 else emulate_ep
     for model in args.models.split(","):
@@ -620,7 +639,15 @@ def main(argv: list[str]) -> int:
             args.warm_s, group, deepep_sms, shared,
         )  # fmt: skip
 
-    return run_cases(rec, case_jobs(args), "train", run)
+    if args.suite:
+        jobs = [(p.model, p.tokens, "uniform") for p in SONICMOE_H100]
+    else:
+        jobs = case_jobs(args)
+    status = run_cases(rec, jobs, "train", run)
+    if args.suite and rec.rows:
+        print("\n".join(["", "against SonicMoE's published H100 figures:"]
+                        + comparison_lines(rec.rows)), flush=True)  # fmt: skip
+    return status
 
 
 if __name__ == "__main__":

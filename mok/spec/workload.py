@@ -89,6 +89,12 @@ PRESETS: dict[str, ModelShape] = {
         ModelShape("glm-4.5", 160, 5120, 1536, 8, shared_intermediate=1536),
         ModelShape("gpt-oss-120b", 128, 2880, 2880, 4),
         ModelShape("tiny", 16, 256, 128, 4, shared_intermediate=128),
+        # SonicMoE's throughput shapes (its paper's Fig. 14: hidden d x expert intermediate n,
+        # E experts, top-K, no shared expert; mok.bench.sonicmoe holds its figures)
+        ModelShape("sonic-1536x256", 128, 1536, 256, 8),
+        ModelShape("sonic-4096x512", 128, 4096, 512, 8),
+        ModelShape("sonic-4096x1024", 64, 4096, 1024, 4),
+        ModelShape("sonic-4096x2048", 64, 4096, 2048, 4),
     )
 }
 
