@@ -6,7 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 NVCC ?= nvcc
-CUDA_ARCHS ?= 90a 100a
+# The extension's targets (mok.spec.arch.BUILD_TARGETS): Hopper, B200 / GB200, GB300.
+CUDA_ARCHS ?= 90a 100a 103a
 CU_SOURCES := $(shell find csrc -name '*.cu' 2>/dev/null | sort)
 # The transformers release the hf extra's tests (tests/test_integrations_hf.py) run against.
 TRANSFORMERS ?= 5.17.0

@@ -2,7 +2,8 @@
 
 JIT through ``torch.utils.cpp_extension.load`` (ninja) into ``$MOK_CACHE_DIR`` (default
 ``~/.cache/mok``); one log line when it compiles. The arch is detected from the current GPU
-(sm_90a for Hopper, sm_100a for Blackwell) unless ``MOK_CUDA_ARCH`` is set (e.g. ``90a``).
+(:func:`mok.spec.arch.arch_paths`: sm_90a for Hopper, sm_100a / sm_103a for B200 / GB300)
+unless ``MOK_CUDA_ARCH`` is set (e.g. ``90a``).
 Nothing here runs at import time.
 """
 
@@ -252,7 +253,8 @@ def _versions() -> str:
 
 
 def detect_arch() -> str:
-    """``90a`` or ``100a`` for the current GPU, or ``$MOK_CUDA_ARCH``."""
+    """The extension's nvcc target for the current GPU (``90a``, ``100a``, ``103a``), or
+    ``$MOK_CUDA_ARCH``."""
     import torch
 
     env = os.environ.get("MOK_CUDA_ARCH")
@@ -263,16 +265,17 @@ def detect_arch() -> str:
             f"mok's kernels need a CUDA GPU (torch.cuda.is_available() is False; {_versions()}); "
             "the reference and the simulator run on the CPU"
         )
-    major, minor = torch.cuda.get_device_capability()
-    name = torch.cuda.get_device_name()
-    if (major, minor) == (9, 0):
-        return "90a"
-    if major == 10:
-        return "100a"
-    raise MoKUnsupportedError(
-        f"mok needs sm_90 or sm_100 (found sm_{major}{minor} on {name}, {_versions()}); "
-        "set MOK_CUDA_ARCH (e.g. 90a) to override"
-    )
+    from mok.spec.arch import arch_paths, supported_text
+
+    cap = torch.cuda.get_device_capability()
+    paths = arch_paths(cap)
+    if paths.build is None:
+        raise MoKUnsupportedError(
+            f"mok's kernels are built for compute capability {supported_text()}; found "
+            f"{paths.name} on {torch.cuda.get_device_name()} ({_versions()}). The reference "
+            "layer runs on the CPU (device='cpu'); MOK_CUDA_ARCH (e.g. 90a) forces a target"
+        )
+    return paths.build
 
 
 def load():

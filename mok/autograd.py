@@ -63,6 +63,7 @@ from mok.ops import TAGS, traced
 from mok.reference_layer import check_reference_inputs, group_size, reference_grads, reference_layer
 from mok.schedule import build_schedule, routed_rows_bound
 from mok.sms import budget_sms, sm_budget
+from mok.spec.arch import arch_paths, refusal
 from mok.spec.config import MoKConfig
 from mok.workspace import get_workspace
 from reference.moe import MoEGrads
@@ -295,6 +296,11 @@ def _check_saving(x, weights, fused: bool, recompute: bool) -> None:
     backward from them runs in mok's Hopper kernel (the fused forward checks the rest)."""
     if recompute:
         return
+    if x.is_cuda:
+        paths = arch_paths(torch.cuda.get_device_capability(x.device))
+        if not paths.expert_kernels:
+            what = "recompute=False (the backward from kept gate / up, in mok's kernel)"
+            raise MoKUnsupportedError(refusal(paths, what, "Use recompute=True."))
     gu = gate_up_weight(weights.w_gate, weights.w_up)
     if not _kernel_fits(x, gu, weights.w_down, x):
         raise MoKUnsupportedError(

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mok import ops
+from mok.spec.arch import arch_paths
 
 __all__ = [
     "gate_up_weight",
@@ -447,7 +448,7 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: in
 
 def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:
     """Whether the Hopper kernel (:func:`mok.ops.swiglu_backward_sm90`) takes these operands."""
-    if not a.is_cuda or torch.cuda.get_device_capability(a.device) != (9, 0):
+    if not a.is_cuda or not arch_paths(torch.cuda.get_device_capability(a.device)).expert_kernels:
         return False
     return _kernel_shapes_fit(a, w_down, w_gate_up, dy)
 

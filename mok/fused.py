@@ -12,6 +12,7 @@ from mok import _ext, ops
 from mok.checks import check_tensor
 from mok.errors import MoKInputError, MoKUnsupportedError
 from mok.experts import _halves_of_one
+from mok.spec.arch import arch_paths, refusal
 from mok.spec.limits import why_unsupported
 from mok.workspace import Workspace
 
@@ -24,12 +25,11 @@ __all__ = ["forward"]
 
 def _check_fused(ws: Workspace, weights: MoEWeights, x: torch.Tensor, num_tokens: int) -> None:
     """Raise a clear error for everything the fused layer does not support (yet)."""
-    cap = torch.cuda.get_device_capability(ws.device)
-    if cap != (9, 0):
+    paths = arch_paths(torch.cuda.get_device_capability(ws.device))
+    if not paths.fused_forward:
         raise MoKUnsupportedError(
-            f"the fused layer has a Hopper (sm_90a) path only; found "
-            f"{torch.cuda.get_device_name(ws.device)} (sm_{cap[0]}{cap[1]}, {_ext._versions()}). "
-            "Use moe_forward(..., fused=False) (communication kernels + torch grouped GEMM)"
+            refusal(paths, "the fused layer", "Use moe_forward(..., fused=False).")
+            + f" ({torch.cuda.get_device_name(ws.device)}, {_ext._versions()})"
         )
     cfg, s = ws.config, ws.shapes
     L, H = ws.num_local_experts, s.hidden

@@ -71,8 +71,8 @@ def unfused_config(config: MoKConfig, num_sms: int) -> MoKConfig:
 
     Args:
         config: the caller's config (the same on every rank).
-        num_sms: the SMs of the call's budget (:func:`mok.sms.budget_sms`; capped at the
-            kernels' limit, ``MAX_COMM_SMS``).
+        num_sms: the SMs of the call's budget (:func:`mok.sms.budget_sms`: the device's count
+            or the config's ``num_sms``).
 
     Returns:
         A :class:`MoKConfig` (``config`` itself when nothing changes).

@@ -96,6 +96,11 @@ uint64_t host_device_pointer(void* host_ptr, int* err) {
   return reinterpret_cast<uint64_t>(dev);
 }
 
-const char* error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
+const char* error_string(int err) {
+  if (err == cudaErrorNoKernelImageForDevice)
+    return "the kernel has a Hopper (sm_90a) body only and this GPU is not sm_90 "
+           "(mok.spec.arch: which of mok's paths run on which GPU)";
+  return cudaGetErrorString(static_cast<cudaError_t>(err));
+}
 
 }  // namespace mok

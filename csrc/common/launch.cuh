@@ -32,6 +32,18 @@ inline int finish_launch(cudaError_t e) {
   return static_cast<int>(e);
 }
 
+// 0 on an sm_90 device (the current one), else cudaErrorNoKernelImageForDevice: the Hopper
+// kernels (the fused layer, the experts' backward) are compiled into every build, with empty
+// bodies on other targets, so their launchers refuse instead of launching them.
+inline int require_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (e != cudaSuccess) return finish_launch(e);
+  return major == 9 && minor == 0 ? 0 : static_cast<int>(cudaErrorNoKernelImageForDevice);
+}
+
 // A plain launch of `kernel(args)` with `smem` bytes of dynamic shared memory (its limit raised
 // first); the launch's result as finish_launch gives it.
 template <typename Args>

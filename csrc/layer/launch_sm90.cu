@@ -27,6 +27,7 @@ int layer_smem_bytes() { return kLayerSmem; }
 int layer_counters(const Params& p) { return Counters(p).total; }
 
 int launch_layer(const Params& p, const LayerArgs& a, int grid, void* stream_ptr) {
+  if (const int arch = require_sm90()) return arch;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   LayerKernelArgs k{};
   k.p = p;

@@ -24,6 +24,7 @@ int launch_swiglu_mode(const SwigluBwdKernelArgs& k, int grid, cudaStream_t stre
 }  // namespace
 
 int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
+  if (const int arch = require_sm90()) return arch;
   const int64_t H = l.hidden, I = l.inter, L = l.num_experts;
   if (l.rows <= 0 || H <= 0 || H % OperandBf16::kTileK != 0 || I <= 0 || I % 128 != 0 ||
       L < 1 || L > kBwdMaxExperts || grid < 1 || l.rows > INT32_MAX / 2 ||
@@ -79,6 +80,7 @@ int launch_wgrad_out(const WgradKernelArgs& k, int grid, cudaStream_t stream) {
 }  // namespace
 
 int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
+  if (const int arch = require_sm90()) return arch;
   const int64_t M = l.m, N = l.n, L = l.num_experts;
   if (l.rows <= 0 || M <= 0 || M % kTileM != 0 || N <= 0 || N % kTileN != 0 || L < 1 ||
       grid < 1 || l.rows > INT32_MAX || L * M > INT32_MAX || l.out < kWgradBf16 ||
@@ -126,6 +128,7 @@ int64_t bwd_fused_counters(int64_t rows, int64_t num_experts) {
 }
 
 int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* stream_ptr) {
+  if (const int arch = require_sm90()) return arch;
   const SwigluBwdLaunch& d = l.dh;
   const int64_t H = d.hidden, I = d.inter, L = d.num_experts, R = d.rows;
   const int64_t n_counters = bwd_fused_counters(R, L);

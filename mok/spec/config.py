@@ -20,7 +20,9 @@ CONFIG_FORMAT = "mok-config/1"
 DISPATCH_MODES = ("pull", "push", "dedup_pull")
 COMBINE_MODES = ("push", "pull")
 ROW_ORDERS = ("interleaved", "source")
-MAX_COMM_SMS = 132  # H200 / H100 SXM; the launch also checks the actual device
+# A bound on num_comm_sms that no GPU reaches (H100 / H200 SXM have 132 SMs, B200 148): the
+# config cannot know its GPU; the workspace checks the count against the device's own.
+MAX_COMM_SMS = 1024
 
 
 def _finite(v: int | float) -> bool:
