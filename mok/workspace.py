@@ -34,6 +34,7 @@ from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError, MoKUnsu
 from mok.sizing import ALIGN, CHUNK_TOKENS, Shapes, default_max_tokens, plan
 from mok.sms import budget_sms, device_sms
 from mok.spec.config import MoKConfig
+from mok.spec.limits import expert_split_problem
 
 __all__ = ["Workspace", "get_workspace", "cached_workspaces", "clear_workspaces", "check"]
 
@@ -91,8 +92,9 @@ class Workspace:
             raise MoKUnsupportedError(
                 f"mok's NVLink kernels support up to {_ext.MAX_RANKS} ranks (found {R})"
             )
-        if E % R:
-            raise MoKInputError(f"num_experts={E} is not divisible by num_ranks={R}")
+        split = expert_split_problem(E, R)
+        if split:
+            raise MoKInputError(f"mok: {split}")
         if N < 1:
             raise MoKInputError(f"a workspace holds at least 1 token per rank (max_tokens={N})")
         if not 1 <= K <= _ext.MAX_TOPK:

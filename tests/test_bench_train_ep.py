@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from mok.bench import train, train_ep
 from mok.bench.common import Timing
+from mok.spec import limits
 from mok.spec.workload import ModelShape, make_routing
 from reference.moe import moe_backward, moe_forward
 from reference.weights import MoEWeights
@@ -60,6 +61,11 @@ def test_shared_gpu_ranks_default_to_a_small_smoke_run_unless_told_otherwise():
 
 
 def test_nearest_ep_sizes():
+    assert train.nearest_ep_sizes is limits.nearest_ep_sizes  # one rule (mok.spec.limits)
+    assert limits.expert_split_problem(256, 8) is None
+    assert limits.expert_split_problem(256, 72).endswith(
+        "the nearest EP sizes that do: EP64 / EP128"
+    )
     assert train.nearest_ep_sizes(256, 6) == [4, 8]
     assert train.nearest_ep_sizes(384, 5) == [4, 6]
     assert train.nearest_ep_sizes(16, 32) == [16]

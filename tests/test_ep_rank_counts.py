@@ -333,7 +333,10 @@ def test_more_than_max_ranks_is_a_clear_error_before_any_allocation(fake_group, 
 
 
 def test_experts_must_split_evenly_at_ep8(fake_group):
-    with pytest.raises(MoKInputError, match="num_experts=20 is not divisible by num_ranks=8"):
+    split = (
+        "num_experts=20 does not split evenly over 8 ranks .* nearest EP sizes that do: EP5 / EP10"
+    )
+    with pytest.raises(MoKInputError, match=split):
         fake_group(8, 3, 64, 256, 4, 20)
     assert fake_group.allocs == []
 

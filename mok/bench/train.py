@@ -129,6 +129,7 @@ from mok.bench.train_layers import (  # noqa: F401 - swiglu, shared_expert: this
 )
 from mok.experts import clear_cache
 from mok.ranks import shared_gpu
+from mok.spec.limits import nearest_ep_sizes  # noqa: F401 - this module's API too
 from mok.spec.rows import bench_routing_seed
 from mok.spec.workload import ModelShape, get_shape
 
@@ -529,15 +530,6 @@ def build_parser() -> argparse.ArgumentParser:
         "mok-bench-train-epR-shared.csv (shared-GPU ranks)",
     )
     return ap
-
-
-def nearest_ep_sizes(num_experts: int, ep: int) -> list[int]:
-    """The EP sizes nearest ``ep`` (one below, one above, where they exist) whose ranks split
-    ``num_experts`` evenly."""
-    fits = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-    below = [d for d in fits if d < ep][-1:]
-    above = [d for d in fits if d > ep][:1]
-    return below + above
 
 
 def resolve_args(ap, args, world: int, shared: bool) -> argparse.Namespace:

@@ -56,6 +56,7 @@ from torch import nn
 from mok.errors import MoKInputError, MoKUnsupportedError
 from mok.ranks import solo_group
 from mok.spec.config import MoKConfig
+from mok.spec.limits import expert_split_problem
 
 __all__ = ["MoKExpertWeights", "MoKRoutedExperts", "replace_routed_experts"]
 
@@ -193,8 +194,9 @@ class MoKRoutedExperts(nn.Module):
         total = w1.shape[0] if total is None else total
         ranks = 1 if group is None else group_size(group)
         rank = 0 if ranks == 1 else torch.distributed.get_rank(group)
-        if total % ranks:
-            raise MoKInputError(f"num_experts={total} is not divisible by the {ranks} ranks")
+        split = expert_split_problem(total, ranks)
+        if split:
+            raise MoKInputError(f"mok: {split}")
         local = total // ranks
         if w1.shape[0] == local:
             gate_up, down = torch.cat([w1, w3], dim=1), w2  # w2 is mok's down as it is

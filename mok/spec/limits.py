@@ -22,6 +22,8 @@ __all__ = [
     "FUSED_DTYPES",
     "TMA_MIN_ROW_BYTES",
     "config_problems",
+    "expert_split_problem",
+    "nearest_ep_sizes",
     "expert_problems",
     "shape_problems",
     "why_unsupported",
@@ -118,3 +120,25 @@ def expert_problems(num_local_experts: int) -> list[str]:
         f"the fused layer supports at most {FUSED_MAX_LOCAL_EXPERTS} experts per rank (found "
         f"{num_local_experts}: raise the expert parallelism, or use moe_forward(..., fused=False))"
     ]
+
+
+def nearest_ep_sizes(num_experts: int, ep: int) -> list[int]:
+    """The EP sizes nearest ``ep`` (one below, one above, where they exist) whose ranks split
+    ``num_experts`` evenly."""
+    fits = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+    below = [d for d in fits if d < ep][-1:]
+    above = [d for d in fits if d > ep][:1]
+    return below + above
+
+
+def expert_split_problem(num_experts: int, num_ranks: int) -> str | None:
+    """Why ``num_experts`` experts cannot run at EP ``num_ranks`` (None: they can): every rank
+    holds the same number of experts (experts r * E / R .. on rank r), so R must divide E; the
+    message names the nearest EP sizes that do."""
+    if num_ranks >= 1 and num_experts % num_ranks == 0:
+        return None
+    near = " / ".join(f"EP{d}" for d in nearest_ep_sizes(num_experts, num_ranks))
+    return (
+        f"num_experts={num_experts} does not split evenly over {num_ranks} ranks (every rank "
+        f"holds num_experts / ranks experts); the nearest EP sizes that do: {near}"
+    )

@@ -388,10 +388,11 @@ def imbalance(trace: RoutingTrace, num_ranks: int | None = None) -> dict[str, fl
     fraction of (token, k) rows whose expert lives on another rank than the token.
     """
     num_ranks = num_ranks or trace.num_ranks
-    if trace.num_experts % num_ranks:
-        raise ValueError(
-            f"num_experts={trace.num_experts} is not divisible by num_ranks={num_ranks}"
-        )
+    from mok.spec.limits import expert_split_problem
+
+    split = expert_split_problem(trace.num_experts, num_ranks)
+    if split:
+        raise ValueError(split)
     per_expert = np.bincount(trace.topk_idx.ravel(), minlength=trace.num_experts)
     per_rank = per_expert.reshape(num_ranks, -1).sum(axis=1)
     dst = trace.topk_idx // (trace.num_experts // num_ranks)

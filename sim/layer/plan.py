@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from mok.spec.limits import expert_split_problem
 from mok.spec.workload import RoutingTrace
 
 __all__ = ["RoutingPlan", "RoundCounts"]
@@ -129,8 +130,9 @@ class RoutingPlan:
         self.num_tokens = trace.num_tokens
         self.num_topk = trace.num_topk
         e_total = trace.num_experts
-        if e_total % self.num_ranks:
-            raise ValueError(f"num_experts={e_total} is not divisible by EP size {self.num_ranks}")
+        split = expert_split_problem(e_total, self.num_ranks)
+        if split:
+            raise ValueError(split)
         self.num_local_experts = e_total // self.num_ranks
         flat = trace.topk_idx.reshape(-1).astype(np.int64)  # [R*T*k]
         src = np.arange(flat.size, dtype=np.int64) // (self.num_tokens * self.num_topk)
