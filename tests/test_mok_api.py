@@ -39,7 +39,7 @@ def test_defaults_and_roundtrip(tmp_path):
         ({"dispatch_mode": "scatter"}, "unknown dispatch_mode 'scatter'; supported: pull, push"),
         ({"combine_mode": "gather"}, "unknown combine_mode 'gather'"),
         ({"combine_mode": "pull"}, "dedup_pull' pairs with the dedup push combine"),
-        ({"num_comm_sms": 0}, r"num_comm_sms must be in \[1, 132\] \(found 0\)"),
+        ({"num_comm_sms": 0}, r"num_comm_sms must be in \[1, 1024\] \(found 0\)"),
         ({"num_comm_sms": 2.5}, "num_comm_sms must be an int"),
         ({"row_tile": 96}, "row_tile must be a positive power of two"),
         ({"minibatch_size": 100}, "minibatch_size must be a positive multiple of row_tile=128"),
