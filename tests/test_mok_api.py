@@ -211,7 +211,7 @@ def test_unfused_path_gives_every_sm_to_communication_and_pads_little():
     got = unfused_config(cfg, 132)
     assert (got.num_comm_sms, got.row_tile) == (132, UNFUSED_ROW_TILE)
     assert got.minibatch_size == cfg.minibatch_size  # everything else is the caller's
-    assert unfused_config(cfg, 148).num_comm_sms == 132  # capped at the kernels' limit
+    assert unfused_config(cfg, 148).num_comm_sms == 148  # a B200: every SM (no 132 cap)
     small = MoKConfig(num_comm_sms=16, row_tile=8, minibatch_size=4096)
     assert unfused_config(small, 132).row_tile == 8  # never padded more than asked
     assert unfused_config(got, 132) is got
