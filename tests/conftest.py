@@ -16,12 +16,22 @@ def _cuda_info() -> tuple[int, tuple[int, int] | None]:
     return torch.cuda.device_count(), torch.cuda.get_device_capability(0)
 
 
+def _builds_for(cap: tuple[int, int] | None) -> bool:
+    """Whether mok builds its kernels for this capability (mok.spec.arch)."""
+    if cap is None:
+        return False
+    from mok.spec.arch import arch_paths
+
+    return arch_paths(cap).build is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     num_gpus, cap = _cuda_info()
     reasons = {
         "gpu": None if num_gpus >= 1 else "needs a CUDA GPU (none found)",
         "multigpu": None if num_gpus >= 2 else f"needs >= 2 CUDA GPUs (found {num_gpus})",
         "sm90": None if cap == (9, 0) else f"needs sm_90 (found {cap})",
+        "kernels": None if _builds_for(cap) else f"needs a GPU mok's kernels build for ({cap})",
         "sm100": None if cap is not None and cap[0] == 10 else f"needs sm_100 (found {cap})",
     }
     for item in items:

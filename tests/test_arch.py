@@ -110,3 +110,26 @@ def test_the_readme_lists_each_targets_paths():
     text = (ROOT / "README.md").read_text()
     for cap in BUILD_TARGETS:
         assert arch_paths(cap).describe() in text, arch_paths(cap).describe()
+
+
+def test_gpu_tests_split_by_capability():
+    """conftest's markers follow mok.spec.arch: ``kernels`` tests run on every GPU mok builds
+    for, ``sm90`` ones on Hopper only; the fused and recompute=False cases carry ``sm90``."""
+    from tests import test_mok_robust_gpu as robust
+    from tests import test_mok_sizing_gpu as sizing
+    from tests.conftest import _builds_for
+
+    assert all(_builds_for(cap) for cap in BUILD_TARGETS)
+    assert not _builds_for((12, 0)) and not _builds_for((8, 0)) and not _builds_for(None)
+
+    def hopper_only(p) -> bool:
+        return any(m.name == "sm90" for m in getattr(p, "marks", ()))
+
+    def values(p):
+        return p.values if hasattr(p, "values") else p
+
+    for p in (*robust.PATHS, *sizing.FORWARD_PATHS):
+        assert hopper_only(p) == values(p)[-1]  # fused
+    for p in sizing.TRAIN_PATHS:
+        fused, recompute = values(p)
+        assert hopper_only(p) == (fused or not recompute)

@@ -41,7 +41,7 @@ def test_missing_peer_raises_timeout():
 
 
 @pytest.mark.gpu
-@pytest.mark.sm90
+@pytest.mark.kernels
 def test_single_gpu_without_process_group():
     import torch
 

@@ -22,22 +22,26 @@ from mok.spec.workload import ModelShape  # noqa: E402
 from reference.moe import moe_forward as ref_moe_forward  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
 from tests.layer_problem import layer_problem  # noqa: E402
+from tests.marks import hopper  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.usefixtures("fresh_workspaces")]
+# Every test runs where mok's kernels build; the fused layer's and recompute=False's cases need
+# sm_90 (hopper()).
+pytestmark = [pytest.mark.gpu, pytest.mark.kernels, pytest.mark.usefixtures("fresh_workspaces")]
 
 SEED = 4321
 SHAPE = ModelShape("sizing", 16, 512, 256, 4, shared_intermediate=256)
 COUNTS = [0, 1, 777, 1024, 4096]
 ORDERS = [COUNTS, COUNTS[::-1]]
 FORWARD_PATHS = [
-    ("pull", "push", True),
-    ("dedup_pull", "push", True),
+    hopper("pull", "push", True),
+    hopper("dedup_pull", "push", True),
     ("pull", "push", False),
     ("push", "push", False),
     ("pull", "pull", False),
     ("dedup_pull", "push", False),
 ]
-TRAIN_PATHS = [(True, False), (True, True), (False, False), (False, True)]  # fused, recompute
+# fused, recompute
+TRAIN_PATHS = [hopper(True, False), hopper(True, True), hopper(False, False), (False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +130,7 @@ def test_training_call_sequences_on_the_default_size(problem, fused, recompute):
     )
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused", [hopper(True), False])
 def test_a_call_above_the_default_grows_the_workspace(problem, fused):
     w, x, idx, tw = problem
     big = sizing.DEFAULT_MAX_TOKENS + 777
