@@ -25,6 +25,7 @@ workspace stays unusable until :func:`clear_workspaces`.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -48,7 +49,10 @@ _SNAPSHOTS = 64
 # Symmetric regions that only host-side torch ops read and write (no kernel parameter).
 HOST_REGIONS = frozenset({"row_grads"})
 _cache: dict[tuple, Workspace] = {}
-_by_handle: dict[int, Workspace] = {}
+# Every live workspace by id (the custom ops pass ids): weak, so that a workspace dropped from
+# the cache (cleared, or outgrown at one rank) stays usable while its holder keeps it and is
+# freed after.
+_by_handle: weakref.WeakValueDictionary[int, Workspace] = weakref.WeakValueDictionary()
 _next_id = 1
 
 
@@ -722,8 +726,7 @@ def _outgrown(key: tuple, ws: Workspace, num_tokens: int) -> int:
             "batch"
         )
     ws.check()
-    del _cache[key]
-    _by_handle.pop(ws.id, None)
+    del _cache[key]  # a caller still holding it keeps a working (smaller) workspace
     return 2 * ws.max_tokens
 
 
