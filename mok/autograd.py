@@ -335,7 +335,7 @@ def _saved_rows(
             "recompute=True"
         )
     return dataclasses.replace(config, row_tile=tile).capacity_rows(
-        config.max_tokens, num_topk, num_local_experts
+        config.max_tokens, num_topk, num_local_experts, num_ranks
     )
 
 

@@ -83,7 +83,7 @@ def plan(shapes: Shapes, config: MoKConfig, num_ranks: int, fused: bool = False)
     )
     L = E // R
     row_bytes = H * torch.empty((), dtype=shapes.dtype).element_size()
-    cap = config.capacity_rows(N, K, L)
+    cap = config.capacity_rows(N, K, L, R)
     num_chunks = max(1, -(-N // CHUNK_TOKENS))
     mb = config.minibatch_size
     num_minibatches = -(-cap // mb)

@@ -65,6 +65,11 @@ def test_json_errors_name_keys():
 def test_capacity_rows():
     c = MoKConfig(capacity_factor=1.0, row_tile=128)
     assert c.capacity_rows(100, 8, 4) == 1408  # 800 + 4 * 127 = 1308 -> 11 tiles
+    # the factor capped at the number of ranks (R ranks' rows are the most one rank receives)
+    d = MoKConfig(capacity_factor=2.0, row_tile=128)
+    assert d.capacity_rows(100, 8, 4, num_ranks=1) == 1408  # one rank: its own 800 rows
+    assert d.capacity_rows(100, 8, 4, num_ranks=2) == d.capacity_rows(100, 8, 4) == 2176
+    assert d.capacity_rows(100, 8, 4, num_ranks=8) == 2176
 
 
 def test_import_never_touches_cuda():

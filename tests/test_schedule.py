@@ -194,5 +194,5 @@ def test_the_capacity_formula_holds_every_padded_routing(case, row_tile):
     routed = torch.bincount(idx.reshape(-1) // (num_experts // num_ranks), minlength=num_ranks)
     factor = max(float(routed.max()) / (num_tokens * num_topk), 1e-6)
     cfg = MoKConfig(capacity_factor=factor, row_tile=row_tile, minibatch_size=max(row_tile, 128))
-    cap = cfg.capacity_rows(num_tokens, num_topk, num_experts // num_ranks)
+    cap = cfg.capacity_rows(num_tokens, num_topk, num_experts // num_ranks, num_ranks)
     assert int(offsets[:, -1].max()) <= cap

@@ -48,7 +48,8 @@ class MoKConfig:
         whole receive buffer.
     row_tile: GEMM row tile; every expert region is padded to a multiple of it.
     capacity_factor: receive-buffer rows per rank = capacity_factor * num_tokens * num_topk
-        plus padding. Overflow raises :class:`mok.MoKCapacityError`; nothing is dropped.
+        plus padding (the factor capped at the number of ranks, which holds any routing).
+        Overflow raises :class:`mok.MoKCapacityError`; nothing is dropped.
     wait_timeout_ms: bound of every spin-wait; expiry raises :class:`mok.MoKTimeoutError`.
     max_tokens: the most tokens one rank passes in one call. The workspace is sized for it
         once; every call with 0..max_tokens tokens per rank (ranks may differ) reuses it
@@ -144,10 +145,16 @@ class MoKConfig:
     def macrobatch_rows(self) -> int:
         return self.macrobatch_size or self.minibatch_size
 
-    def capacity_rows(self, num_tokens: int, num_topk: int, num_local_experts: int) -> int:
+    def capacity_rows(
+        self, num_tokens: int, num_topk: int, num_local_experts: int, num_ranks: int | None = None
+    ) -> int:
         """Receive-buffer rows per rank: the routed rows the capacity factor allows plus the
-        worst-case padding of every expert region, rounded up to the row tile."""
-        rows = math.ceil(self.capacity_factor * num_tokens * num_topk)
+        worst-case padding of every expert region, rounded up to the row tile. ``num_ranks``
+        (None: not known) caps the factor: no rank receives more than every rank's rows, so a
+        factor of ``num_ranks`` holds any routing (one rank: its own rows, whatever the
+        factor)."""
+        factor = self.capacity_factor if num_ranks is None else min(self.capacity_factor, num_ranks)
+        rows = math.ceil(factor * num_tokens * num_topk)
         rows += num_local_experts * (self.row_tile - 1)
         return -(-rows // self.row_tile) * self.row_tile
 

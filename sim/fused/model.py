@@ -177,9 +177,10 @@ def _case(
     nw = sms * COMM_WARPS_PER_SM
     f_local, f_peer = gpu.flag_latency_local_us, _peer_flag_us(wl)
     # ring: the whole receive buffer (macrobatch_size = 0; MoKConfig.capacity_rows at the
-    # default capacity_factor 2), so >= 2 slots and no reuse
+    # default capacity_factor 2, capped at the number of ranks), so no reuse
+    factor = min(2, plan.num_ranks)
     capacity = (
-        -(-(2 * tokens * shape.num_topk + plan.num_local_experts * (row_tile - 1)) // row_tile)
+        -(-(factor * tokens * shape.num_topk + plan.num_local_experts * (row_tile - 1)) // row_tile)
         * row_tile
     )
     interleave = -(-capacity // minibatch) >= 2

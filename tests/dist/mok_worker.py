@@ -307,7 +307,7 @@ def error_cases(dev):
         m = re.search(r"must receive (\d+) rows .* to at least ([0-9.]+) for this", str(e))
         check(m is not None, str(e))
         enough = dataclasses.replace(cfg2, capacity_factor=float(m.group(2)))
-        rows = enough.capacity_rows(N, K, E // R)
+        rows = enough.capacity_rows(N, K, E // R, R)
         check(rows >= int(m.group(1)), f"{m.group(2)} gives {rows} rows: {e}")
 
 
