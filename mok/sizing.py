@@ -175,13 +175,16 @@ def default_cost(
     return n, p.sym_bytes + p.sched_bytes + p.dedup_bytes
 
 
-def default_table(models: list, eps: list[int], memory_gib: float) -> str:
+def default_table(models: list, eps: list[int], memory_gib: float, max_tokens: int = 0) -> str:
     """A markdown table of :func:`default_cost` with the default config: one row per model
-    (a :class:`mok.spec.workload.ModelShape`) and EP size, the unfused and fused workspaces."""
+    (a :class:`mok.spec.workload.ModelShape`) and EP size, the unfused and fused workspaces.
+    ``max_tokens``: the cost of a workspace of exactly that many tokens per rank instead
+    (``MoKConfig(max_tokens=...)``; the memory then does not matter)."""
     cfg = MoKConfig()
     memory = int(memory_gib * 2**30)
+    what = "tokens / rank" if max_tokens else "default tokens / rank"
     lines = [
-        "| model | EP | default tokens / rank | workspace (GB) | fused layer's (GB) |",
+        f"| model | EP | {what} | workspace (GB) | fused layer's (GB) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for m in models:
@@ -189,11 +192,21 @@ def default_table(models: list, eps: list[int], memory_gib: float) -> str:
             if m.num_experts % r:
                 continue
             args = (m.hidden, m.num_topk, m.num_experts, cfg, r)
-            n, full = default_cost(*args, False, memory)
-            nf, fused = default_cost(*args, True, memory)
+            if max_tokens:
+                n = nf = max_tokens
+                full, fused = (_bytes(m, cfg, r, max_tokens, f) for f in (False, True))
+            else:
+                n, full = default_cost(*args, False, memory)
+                nf, fused = default_cost(*args, True, memory)
             tokens = str(n) if n == nf else f"{n} ({nf} fused)"
             lines.append(f"| {m.name} | {r} | {tokens} | {full / 1e9:.2f} | {fused / 1e9:.2f} |")
     return "\n".join(lines)
+
+
+def _bytes(model, config: MoKConfig, num_ranks: int, tokens: int, fused: bool) -> int:
+    shapes = Shapes(tokens, model.hidden, model.num_topk, model.num_experts, torch.bfloat16)
+    p = plan(shapes, config, num_ranks, fused)
+    return p.sym_bytes + p.sched_bytes + p.dedup_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,16 +216,28 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(
         prog="python -m mok.sizing",
-        description="What a default-sized workspace (MoKConfig.max_tokens=0) holds and costs "
-        "per rank, per model shape and EP size.",
+        description="What a default-sized workspace (MoKConfig.max_tokens=0), or one of "
+        "--max-tokens tokens, costs per rank, per model shape and EP size.",
     )
     ap.add_argument("--models", default="deepseek-v3,kimi-k2,qwen3-30b-a3b,gpt-oss-120b")
     ap.add_argument("--ep", default="1,2,8", help="EP sizes (comma list)")
     ap.add_argument("--memory-gib", type=float, default=80.0, help="the GPU's memory")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="the cost of a workspace of exactly this many tokens per rank "
+        "(MoKConfig.max_tokens) instead of the default size",
+    )
     args = ap.parse_args(argv)
-    models = [get_shape(name) for name in args.models.split(",")]
+    try:
+        models = [get_shape(name) for name in args.models.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
     eps = [int(r) for r in args.ep.split(",")]
-    print(default_table(models, eps, args.memory_gib))
+    if args.max_tokens < 0 or args.memory_gib <= 0 or min(eps) < 1:
+        ap.error("--max-tokens must be >= 0, --memory-gib > 0 and every --ep >= 1")
+    print(default_table(models, eps, args.memory_gib, args.max_tokens))
     return 0
 
 
