@@ -13,19 +13,19 @@ def _torchrun(nproc: int, *args: str) -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.sm90
+@pytest.mark.kernels  # mok_worker.py skips the fused layer's cases off sm_90
 def test_ep1_against_reference():
     _torchrun(1)
 
 
 @pytest.mark.multigpu
-@pytest.mark.sm90
+@pytest.mark.kernels
 def test_ep2_against_reference():
     _torchrun(2)
 
 
 @pytest.mark.multigpu
-@pytest.mark.sm90
+@pytest.mark.kernels
 @pytest.mark.parametrize("nproc", [4, 8])
 def test_ep4_ep8_against_reference(nproc):
     # One NVLink domain of Hopper GPUs holds up to 8 ranks (kMaxRanks in csrc/params.h).
@@ -34,7 +34,7 @@ def test_ep4_ep8_against_reference(nproc):
 
 
 @pytest.mark.multigpu
-@pytest.mark.sm90
+@pytest.mark.kernels
 def test_missing_peer_raises_timeout():
     out = _torchrun(2, "--timeout")
     assert "rank 0 raised after" in out, out[-3000:]

@@ -52,7 +52,7 @@ def test_training_missing_peer_raises_timeout_on_shared_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.sm90
+@pytest.mark.kernels  # mok_worker.py skips the fused layer's cases off sm_90
 @pytest.mark.parametrize("nproc", EP_SIZES)
 def test_comm_kernels_and_layer_on_shared_gpu_ranks(nproc):
     torchrun("mok_worker.py", nproc, "MOK-WORKER-OK", "--quick", timeout=1500, shared_gpu=True)
