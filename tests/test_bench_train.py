@@ -257,12 +257,27 @@ def no_gpu(monkeypatch):
     it records the weights and config it got)."""
     import mok.functional as mf
 
-    gib = 2**30
     calls = {"moe": [], "timed": 0}
 
     def draw(n, e, k, skew, seed=None):
         t = make_routing(n, e, k, 1, skew, seed=seed)
         return torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights), t
+
+    def moe(x, idx, tw, w, num_experts, config=None, group=None, fused=False, recompute=True):
+        calls["moe"].append((w, config, fused, num_experts, recompute))
+        return moe_forward(x, idx, tw, w, torch.float32).to(x.dtype)
+
+    monkeypatch.setattr(train, "draw_routing", draw)
+    monkeypatch.setattr(train, "compiled", lambda fn: fn)  # compile mode runs eager here
+    monkeypatch.setattr(mf, "moe", moe)
+    stub_timer_and_memory(monkeypatch, calls)
+    return calls
+
+
+def stub_timer_and_memory(monkeypatch, calls: dict) -> None:
+    """train's timer (one call: forward 1000 us, step 3000 us, counted in ``calls["timed"]``),
+    the memory counters (1 GiB before a step, 3 GiB peak) and the SM count (132), no GPU."""
+    gib = 2**30
 
     def time_cuda(fn, iters, warmup, then=None, warm_s=0.0, clocks=False):
         fn()
@@ -270,14 +285,7 @@ def no_gpu(monkeypatch):
         step = calls["timed"] % 2 == 0  # each row times its forward, then its step
         return Timing(3000.0, 2900.0, 3300.0) if step else Timing(1000.0, 900.0, 1100.0)
 
-    def moe(x, idx, tw, w, num_experts, config=None, group=None, fused=False, recompute=True):
-        calls["moe"].append((w, config, fused, num_experts, recompute))
-        return moe_forward(x, idx, tw, w, torch.float32).to(x.dtype)
-
-    monkeypatch.setattr(train, "draw_routing", draw)
     monkeypatch.setattr(train, "time_cuda", time_cuda)
-    monkeypatch.setattr(train, "compiled", lambda fn: fn)  # compile mode runs eager here
-    monkeypatch.setattr(mf, "moe", moe)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: gib)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
@@ -285,7 +293,6 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132)
     )
-    return calls
 
 
 def test_one_case_gives_a_row_per_implementation(no_gpu, tmp_path, capsys):

@@ -18,12 +18,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from mok.bench import train, train_ep
-from mok.bench.common import Timing
 from mok.spec import limits
 from mok.spec.workload import ModelShape, make_routing
 from reference.moe import moe_backward, moe_forward
 from reference.weights import MoEWeights
 from tests import tolerances as tol
+from tests.test_bench_train import stub_timer_and_memory
 
 META = {"gpu": "NVIDIA H100", "num_ranks": 4, "torch": "2.11", "cuda": "13.0", "git_sha": "abc"}
 SHAPE = ModelShape("ep-train", 8, 16, 8, 3, shared_intermediate=8)
@@ -306,12 +306,6 @@ def fake_ep(monkeypatch):
         idx, w = t.rank_slice(RANK_FAKE)
         return torch.from_numpy(idx), torch.from_numpy(w), t
 
-    def time_cuda(fn, iters, warmup, then=None, warm_s=0.0, clocks=False):
-        fn()
-        calls["timed"] += 1
-        step = calls["timed"] % 2 == 0  # each row times its forward, then its step
-        return Timing(3000.0, 2900.0, 3300.0) if step else Timing(1000.0, 900.0, 1100.0)
-
     def moe(x, idx, tw, w, num_experts, config=None, group=None, fused=False, recompute=True):
         calls["moe"].append(SimpleNamespace(w=w, config=config, group=group, fused=fused,
                                             num_experts=num_experts))  # fmt: skip
@@ -325,17 +319,9 @@ def fake_ep(monkeypatch):
         return train.torch_best_train_layer(x, idx % gate_up.shape[0], tw, gate_up, down, sgu, sd)
 
     monkeypatch.setattr(train, "draw_routing", draw)
-    monkeypatch.setattr(train, "time_cuda", time_cuda)
     monkeypatch.setattr(mf, "moe", moe)
     monkeypatch.setattr(train, "nccl_train_layer", nccl)
-    gib = 2**30
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: gib)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * gib)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132)
-    )
+    stub_timer_and_memory(monkeypatch, calls)
     return calls
 
 

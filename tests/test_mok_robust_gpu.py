@@ -20,7 +20,7 @@ from mok.spec.workload import ModelShape  # noqa: E402
 from reference.moe import moe_forward as ref_moe_forward  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
 from tests.layer_problem import layer_problem  # noqa: E402
-from tests.marks import hopper  # noqa: E402
+from tests.marks import LAYER_PATHS, hopper  # noqa: E402
 
 # Every test runs where mok's kernels build; the fused layer's cases need sm_90 (hopper()).
 pytestmark = [pytest.mark.gpu, pytest.mark.kernels, pytest.mark.usefixtures("fresh_workspaces")]
@@ -28,14 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.kernels, pytest.mark.usefixtures("fre
 SEED = 1234
 SHAPE = ModelShape("robust", 16, 512, 256, 4, shared_intermediate=256)
 # (dispatch, combine, fused) paths of the layer.
-PATHS = [
-    hopper("pull", "push", True),
-    hopper("dedup_pull", "push", True),
-    ("pull", "push", False),
-    ("push", "push", False),
-    ("pull", "pull", False),
-    ("dedup_pull", "push", False),
-]
+PATHS = LAYER_PATHS
 
 
 @pytest.fixture(scope="module")

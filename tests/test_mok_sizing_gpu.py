@@ -22,7 +22,7 @@ from mok.spec.workload import ModelShape  # noqa: E402
 from reference.moe import moe_forward as ref_moe_forward  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
 from tests.layer_problem import layer_problem  # noqa: E402
-from tests.marks import hopper  # noqa: E402
+from tests.marks import LAYER_PATHS, hopper  # noqa: E402
 
 # Every test runs where mok's kernels build; the fused layer's and recompute=False's cases need
 # sm_90 (hopper()).
@@ -32,14 +32,7 @@ SEED = 4321
 SHAPE = ModelShape("sizing", 16, 512, 256, 4, shared_intermediate=256)
 COUNTS = [0, 1, 777, 1024, 4096]
 ORDERS = [COUNTS, COUNTS[::-1]]
-FORWARD_PATHS = [
-    hopper("pull", "push", True),
-    hopper("dedup_pull", "push", True),
-    ("pull", "push", False),
-    ("push", "push", False),
-    ("pull", "pull", False),
-    ("dedup_pull", "push", False),
-]
+FORWARD_PATHS = LAYER_PATHS
 # fused, recompute
 TRAIN_PATHS = [hopper(True, False), hopper(True, True), hopper(False, False), (False, True)]
 
