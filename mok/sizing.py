@@ -22,6 +22,7 @@ __all__ = [
     "Shapes",
     "Plan",
     "plan",
+    "layout",
     "default_max_tokens",
     "DEFAULT_MAX_TOKENS",
     "MIN_DEFAULT_TOKENS",
@@ -60,14 +61,39 @@ class Plan:
     dedup_bytes: int  # the local dedup-dispatch buffer (allocated on first use)
 
     @property
+    def sym_layout(self) -> tuple[dict[str, int], int]:
+        """({region: byte offset}, bytes) of the symmetric allocation: every region starting
+        at a multiple of ALIGN."""
+        return layout(list(self.sym_sizes.items()), ALIGN)
+
+    @property
+    def sched_layout(self) -> tuple[dict[str, int], int]:
+        """({array: int32 offset}, int32 words) of the schedule table (ALIGN-byte aligned)."""
+        return layout(self.sched_sizes, ALIGN // 4)
+
+    @property
     def sym_bytes(self) -> int:
-        """The symmetric allocation: every region, each starting at a multiple of ALIGN."""
-        return sum(-(-n // ALIGN) * ALIGN for n in self.sym_sizes.values())
+        return self.sym_layout[1]
 
     @property
     def sched_bytes(self) -> int:
-        words = ALIGN // 4
-        return 4 * sum(-(-n // words) * words for _, n in self.sched_sizes)
+        return 4 * self.sched_layout[1]
+
+    @property
+    def total_bytes(self) -> int:
+        """Symmetric, schedule and dedup bytes: what a workspace of this plan allocates before
+        the fused layer's per-FFN buffers."""
+        return self.sym_bytes + self.sched_bytes + self.dedup_bytes
+
+
+def layout(names_sizes: list[tuple[str, int]], align: int) -> tuple[dict[str, int], int]:
+    """Consecutive regions of these sizes, each starting at a multiple of ``align``: ({name:
+    offset}, the total)."""
+    off, out = 0, {}
+    for name, size in names_sizes:
+        out[name] = off
+        off += -(-size // align) * align
+    return out, off
 
 
 def plan(shapes: Shapes, config: MoKConfig, num_ranks: int, fused: bool = False) -> Plan:
@@ -150,7 +176,7 @@ def default_max_tokens(
             fused,
         )
         extra = n * shapes.hidden * 2 if fused else 0  # the shared expert's output rows
-        if p.sym_bytes + p.sched_bytes + p.dedup_bytes + extra <= budget:
+        if p.total_bytes + extra <= budget:
             break
         n //= 2
     return n
@@ -171,8 +197,7 @@ def default_cost(
     and dedup bytes (the fused layer's local buffers, which depend on the FFN sizes, aside)."""
     s = Shapes(0, hidden, num_topk, num_experts, torch.bfloat16)
     n = default_max_tokens(s, config, num_ranks, fused, memory_bytes, ranks_per_gpu)
-    p = plan(Shapes(n, hidden, num_topk, num_experts, torch.bfloat16), config, num_ranks, fused)
-    return n, p.sym_bytes + p.sched_bytes + p.dedup_bytes
+    return n, _bytes(hidden, num_topk, num_experts, config, num_ranks, n, fused)
 
 
 def default_table(models: list, eps: list[int], memory_gib: float, max_tokens: int = 0) -> str:
@@ -194,7 +219,7 @@ def default_table(models: list, eps: list[int], memory_gib: float, max_tokens: i
             args = (m.hidden, m.num_topk, m.num_experts, cfg, r)
             if max_tokens:
                 n = nf = max_tokens
-                full, fused = (_bytes(m, cfg, r, max_tokens, f) for f in (False, True))
+                full, fused = (_bytes(*args, max_tokens, f) for f in (False, True))
             else:
                 n, full = default_cost(*args, False, memory)
                 nf, fused = default_cost(*args, True, memory)
@@ -203,10 +228,9 @@ def default_table(models: list, eps: list[int], memory_gib: float, max_tokens: i
     return "\n".join(lines)
 
 
-def _bytes(model, config: MoKConfig, num_ranks: int, tokens: int, fused: bool) -> int:
-    shapes = Shapes(tokens, model.hidden, model.num_topk, model.num_experts, torch.bfloat16)
-    p = plan(shapes, config, num_ranks, fused)
-    return p.sym_bytes + p.sched_bytes + p.dedup_bytes
+def _bytes(hidden, num_topk, num_experts, config, num_ranks, tokens, fused) -> int:
+    shapes = Shapes(tokens, hidden, num_topk, num_experts, torch.bfloat16)
+    return plan(shapes, config, num_ranks, fused).total_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ import torch
 
 from mok import _ext
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError, MoKUnsupportedError
+from mok.ranks import shared_gpu
 from mok.sizing import ALIGN, CHUNK_TOKENS, Shapes, default_max_tokens, plan
 from mok.sms import budget_sms, device_sms
 from mok.spec.config import MoKConfig
@@ -39,7 +40,6 @@ from mok.spec.limits import expert_split_problem
 
 __all__ = ["Workspace", "get_workspace", "cached_workspaces", "clear_workspaces", "check"]
 
-_ALIGN = ALIGN
 _SCHEDULE_BLOCKS = 64
 # Distinct layer shapes / configs held at once (each holds its buffers until cleared).
 MAX_WORKSPACES = 16
@@ -54,18 +54,6 @@ _cache: dict[tuple, Workspace] = {}
 # freed after.
 _by_handle: weakref.WeakValueDictionary[int, Workspace] = weakref.WeakValueDictionary()
 _next_id = 1
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _layout(names_sizes: list[tuple[str, int]], align: int) -> tuple[dict[str, int], int]:
-    off, out = 0, {}
-    for name, size in names_sizes:
-        out[name] = off
-        off += -(-size // align) * align
-    return out, off
 
 
 class Workspace:
@@ -114,8 +102,8 @@ class Workspace:
         self.num_minibatches = self.plan.num_minibatches
         # Symmetric layout (bytes) and local schedule layout (int32 elements).
         self.sym_sizes = dict(self.plan.sym_sizes)
-        self.sym_off, sym_bytes = _layout(list(self.sym_sizes.items()), _ALIGN)
-        self.sched_off, sched_len = _layout(self.plan.sched_sizes, _ALIGN // 4)
+        self.sym_off, sym_bytes = self.plan.sym_layout
+        self.sched_off, sched_len = self.plan.sched_layout
         self.sched = torch.zeros(sched_len, dtype=torch.int32, device=device)
         self.sched[self.sched_off["meta"] + _ext.META["bad_detail"]] = 2**31 - 1
 
@@ -328,7 +316,7 @@ class Workspace:
         for (inter, shared), bufs in self._layer_buffers.items():
             for name, t in bufs.items():
                 local[f"layer_{name}(I={inter},Is={shared})"] = t.numel() * t.element_size()
-        sym = {name: -(-size // _ALIGN) * _ALIGN for name, size in self.sym_sizes.items()}
+        sym = {name: -(-size // ALIGN) * ALIGN for name, size in self.sym_sizes.items()}
         return {
             "symmetric": sym,
             "local": local,
@@ -698,8 +686,6 @@ def get_workspace(
 def _default_tokens(shapes: Shapes, config: MoKConfig, ranks: int, fused: bool, device) -> int:
     """This rank's proposal for a default-sized workspace (:func:`mok.sizing.default_max_tokens`;
     ranks sharing the GPU split its memory)."""
-    from mok.ranks import shared_gpu
-
     memory = _device_memory(device)
     return default_max_tokens(shapes, config, ranks, fused, memory, ranks if shared_gpu() else 1)
 

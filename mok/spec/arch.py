@@ -15,6 +15,7 @@ check ``fused_forward`` / ``expert_kernels``, and their errors use :func:`refusa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["ArchPaths", "arch_paths", "BUILD_TARGETS", "refusal", "supported_text"]
@@ -40,18 +41,24 @@ class ArchPaths:
     def name(self) -> str:
         return f"sm_{self.capability[0]}{self.capability[1]}"
 
-    def describe(self) -> str:
-        """One line: what runs and what does not."""
+    def runs(self) -> str:
+        """What of mok runs on this GPU, as one phrase."""
         if self.build is None:
-            return f"{self.name}: no mok kernels (the reference layer runs on the CPU)"
+            return "no mok kernels (the reference layer runs on the CPU)"
         runs = ["mok's dispatch / combine with torch's grouped GEMMs (fused=False)"]
         if self.fused_forward:
             runs.append("the fused layer")
         if self.expert_kernels:
             runs.append("mok's expert kernels (the backward, recompute=False)")
-        return f"{self.name} (built as sm_{self.build}): " + ", ".join(runs)
+        return ", ".join(runs)
+
+    def describe(self) -> str:
+        """One line: the GPU, its build target and what runs."""
+        built = "" if self.build is None else f" (built as sm_{self.build})"
+        return f"{self.name}{built}: {self.runs()}"
 
 
+@functools.lru_cache(maxsize=16)
 def arch_paths(capability: tuple[int, int]) -> ArchPaths:
     """The paths mok takes on a GPU of ``capability`` (major, minor)."""
     cap = (int(capability[0]), int(capability[1]))
@@ -64,7 +71,7 @@ def refusal(paths: ArchPaths, what: str, instead: str) -> str:
     """The message of an error raised because ``what`` has no path on ``paths``' GPU."""
     return (
         f"{what} has a Hopper (sm_90a) path only; this GPU is {paths.name}, where mok runs "
-        f"{paths.describe().split(': ', 1)[1]}. {instead}"
+        f"{paths.runs()}. {instead}"
     )
 
 
