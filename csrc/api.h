@@ -90,6 +90,14 @@ struct FusedBwdLaunch {
   const float* dx_shared;
   void* dx;
   int64_t num_tokens, num_topk, dedup, copy_ahead;
+  // With peers (a workspace of several ranks in Params; dedup 0): the rows come from their
+  // source ranks (Params' schedule src_rank, row_src the token * num_topk + k there) through
+  // symmetric staging regions (x at Params::off_x, grad_out at off_dy, [max_tokens, H] each),
+  // d_a goes into the source rank's slots (Params::off_slots; `slots` unused), and each
+  // receive row's router-weight gradient (the partials summed in column order) into this
+  // rank's symmetric [capacity] fp32 region at off_row_grads; Params::epoch is the call's
+  // epoch of the backward's signals. num_tokens may be 0.
+  int64_t peers, off_dy, off_row_grads;
   void* d_a;
   void* d_w_gate_up;
   void* d_w_down;
@@ -101,7 +109,8 @@ struct FusedBwdLaunch {
 };
 
 // The counter words a launch of `rows` rows in `num_experts` groups needs: the next task, one
-// per row tile and one per expert (dh tiles done), one per row tile (copied) and one (d_a done).
+// per row tile and one per expert (dh tiles done), one per row tile (copied), one (d_a done) and
+// one (staging tasks done).
 int64_t bwd_fused_counters(int64_t rows, int64_t num_experts);
 
 // Launches it with at most `grid` blocks on `stream`. Returns a cudaError_t value.

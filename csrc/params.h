@@ -10,7 +10,7 @@ namespace mok {
 
 constexpr int kMaxRanks = 8;    // one NVLink domain of Hopper GPUs
 constexpr int kMaxTopk = 32;    // one warp lane per (token, k) in the schedule walk
-constexpr int kNumSignals = 16;
+constexpr int kNumSignals = 20;
 
 // Symmetric signal pad: sig[kind][peer] on rank d counts events that `peer` caused on d.
 enum Signal : int {
@@ -30,6 +30,11 @@ enum Signal : int {
   kSigLayerXConsumed = 12,   // peer finished reading my x buffer (per communication block)
   kSigLayerSlotsFree = 13,   // peer's combine slots may be pushed into (once per call)
   kSigLayerSlotsFilled = 14, // peer finished pushing into my combine slots (per block)
+  // The fused backward with peers (layer/sm90_bwd_fused.cuh): stored epochs of its own family.
+  kSigBwdStaged = 15,       // peer's x / dy staging regions hold this call's rows
+  kSigBwdSlotsFree = 16,    // peer's slots may be pushed into (raised at its launch's start)
+  kSigBwdSlotsFilled = 17,  // peer pushed every d_a row into its home slots (and finished
+                            // reading my staged rows, and staged its router-weight gradients)
 };
 
 // Waits on local counters (signal waits use the Signal value as their id).
@@ -45,6 +50,7 @@ enum WaitId : int {
   kWaitBwdDgrad = 108,       // a fused-backward task waits for the dh tiles it reads
   kWaitBwdCopy = 109,        // a fused-backward dh tile waits for its rows' copy
   kWaitBwdDa = 110,          // a fused-backward sum waits for every d_a tile
+  kWaitBwdStaged = 111,      // the fused backward's publish waits for its staging tasks
 };
 
 enum ErrorCode : int {

@@ -43,7 +43,7 @@ SOURCES = (
 
 MAX_RANKS = 8
 MAX_TOPK = 32
-NUM_SIGNALS = 16
+NUM_SIGNALS = 20
 META_WORDS = 16
 # mirrors csrc/params.h
 KERNELS = {
@@ -93,6 +93,9 @@ SIGNALS = [
     "layer_x_consumed",
     "layer_slots_free",
     "layer_slots_filled",
+    "bwd_staged",
+    "bwd_slots_free",
+    "bwd_slots_filled",
 ]
 WAIT_GRID_BARRIER = 100
 # Waits on local counters of the fused layer (csrc/params.h WaitId).
@@ -108,6 +111,7 @@ LOCAL_WAITS = {
     108: "backward dh tiles done",
     109: "backward rows copied",
     110: "backward d_a tiles done",
+    111: "backward x / dy staged",
 }
 ERR_TIMEOUT, ERR_CAPACITY, ERR_BAD_EXPERT, ERR_DUP_EXPERT, ERR_UNSUPPORTED = 1, 2, 3, 4, 5
 ERR_TOO_MANY_TOKENS = 6

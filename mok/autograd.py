@@ -23,10 +23,14 @@ GEMMs, recomputing the forward activations (MoK's design: the expert's owner pul
   goes home beside it (:func:`mok.comm.stage_row_grads` before the combine,
   :func:`mok.comm.pull_row_grads` after it).
 
-With :data:`TRANSFERS_IN_LAUNCH` (off by default), saved activations and one rank, the two
-dispatches and the reverse dispatch run as tasks of the routed experts' one launch instead
-(:func:`mok.experts.swiglu_backward_tokens`), with the same bits; at more ranks the transfers
-stay in the communication kernels.
+With :data:`TRANSFERS_IN_LAUNCH` (off by default) and saved activations, the two dispatches
+and the reverse dispatch run as tasks of the routed experts' one launch instead
+(:func:`mok.experts.swiglu_backward_tokens`), with the same bits: at one rank as local copies,
+at more ranks over the workspace's symmetric memory (the rows staged by their home ranks and
+pulled by the experts' owners, the input gradients pushed into the home ranks' slots, each
+row's router-weight gradient staged in the launch and pulled after it), except with
+``dispatch_mode="dedup_pull"`` at more ranks, whose transfers stay in the communication
+kernels.
 
 Off CUDA the layer is the reference (:func:`reference.moe.moe_forward`, its gradients from
 :func:`reference.moe.moe_backward`). Under torch.compile the layer is two custom ops,
@@ -73,10 +77,11 @@ __all__ = ["moe", "moe_backward"]
 
 # True: the backward from saved g / u moves its tokens inside the routed experts' launch where
 # that launch takes the operands (mok.experts.swiglu_backward_tokens) instead of running the
-# communication kernels around it. The same bits either way (tests compare them). Off by
-# default: at one rank it measured 0.2-0.6 ms slower per step at DeepSeek-V3 and up to 0.5 ms
-# at Kimi-K2, 0.07 ms faster at Qwen3-30B (docs/perf-notes.md, "The backward's transfers in
-# its launch").
+# communication kernels around it, at one rank and at more (not dedup_pull there). The same
+# bits either way (tests compare them). Off by default: at one rank it measured 0.2-0.6 ms
+# slower per step at DeepSeek-V3 and up to 0.5 ms at Kimi-K2, 0.07 ms faster at Qwen3-30B
+# (docs/perf-notes.md, "The backward's transfers in its launch"); at more ranks not measured
+# on NVLink yet.
 TRANSFERS_IN_LAUNCH = False
 
 
@@ -471,9 +476,10 @@ def _backward_on(
     recv = torch.empty_like(empty)
     gu = _gate_up(routed[0], routed[1])
     dedup = cfg.dispatch_mode == "dedup_pull"
+    peers = ws.num_ranks > 1
     in_launch = (
         TRANSFERS_IN_LAUNCH
-        and ws.num_ranks == 1  # the in-launch transfers reach no peer (yet)
+        and not (peers and dedup)  # the dedup combine's partials are the kernels' at EP > 1
         and saved_gu is not None
         and not tokens_backward_misfit(
             empty, gu, wd, sched.group_ends, saved_gu, cfg.row_tile, into
@@ -486,9 +492,11 @@ def _backward_on(
         row_src = torch.where(sched.real_rows(), sched.src_index, -1).to(torch.int32)
         dx, d_row_w, d_wgu, d_wd = swiglu_backward_tokens(
             g_out, x.contiguous(), row_src, topk_idx.shape[1], (empty, recv), gu, wd, row_w,
-            sched.group_ends, saved_gu, dx_shared, into, dedup,
+            sched.group_ends, saved_gu, dx_shared, into, dedup, ws.id if peers else 0,
         )  # fmt: skip
-        d_topk = d_row_w[sched.dst_index.long()]  # one rank: every row is local
+        # with peers staged by the launch (every rank's before it ended); at one rank every
+        # row is local
+        d_topk = pull_row_grads(sched) if peers else d_row_w[sched.dst_index.long()]
     else:
         dy = dispatch(g_out, sched, mode, out=empty, zero_padding=True)
         # the experts, recomputed from x dispatched again

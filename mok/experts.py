@@ -354,7 +354,7 @@ def _swiglu_backward_fused(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu,
         a, dy, w_gate_up, w_down, offs, row_weight, saved_gu, hw, dgu, part, d_a, d_wgu, d_wd,
         into is not None, ops.BWD_RUN_ALL, -1,
     )  # fmt: skip
-    return d_a, None if part is None else part.sum(0), d_wgu, d_wd
+    return d_a, None if part is None else sum_partials(part), d_wgu, d_wd
 
 
 def _fused_outputs(a, w_gate_up, w_down, row_weight, into):
@@ -397,33 +397,51 @@ def swiglu_backward_tokens(
     dx_shared: torch.Tensor | None = None,
     wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
     dedup: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The routed experts' backward at one rank from saved g / u with the token transfers in
-    the same launch (:func:`mok.ops.bwd_layer_sm90`; :func:`tokens_backward_misfit` says
-    where it runs): the reverse combine fills ``recv`` = (dy, x by receive row, [R, H] bf16)
-    from ``grad_out`` / ``x`` ([T, H] bf16, contiguous) by ``row_src`` ([R] int32, token *
+    handle: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The routed experts' backward from saved g / u with the token transfers in the same
+    launch (:func:`mok.ops.bwd_layer_sm90`; :func:`tokens_backward_misfit` says where it
+    runs): the reverse combine fills ``recv`` = (dy, x by receive row, [R, H] bf16) from
+    ``grad_out`` / ``x`` ([T, H] bf16, contiguous) by ``row_src`` ([R] int32, token *
     ``num_topk`` + k, -1 for a row without a token), then :func:`swiglu_backward`'s fused
     tasks, then the reverse dispatch sums each token's row gradients in k order onto
     ``dx_shared`` (fp32 [T, H], or None; as the dedup combine does with ``dedup``).
 
+    ``handle``: the workspace (several ranks) whose last schedule build made ``row_src``; the
+    rows then come from and return to their source ranks inside the launch, and the router-weight
+    gradients are staged for :func:`mok.comm.pull_row_grads` instead of returned.
+
     Returns:
-        (dx [T, H] bf16, d_row_weight [R] fp32, d_w_gate_up, d_w_down): the bits of
-        :func:`mok.comm.dispatch`, :func:`swiglu_backward` and :func:`mok.comm.combine` run
-        one after another.
+        (dx [T, H] bf16, d_row_weight [R] fp32 or None with ``handle``, d_w_gate_up,
+        d_w_down): the bits of :func:`mok.comm.dispatch`, :func:`swiglu_backward` and
+        :func:`mok.comm.combine` run one after another.
     """
     recv_dy, recv_x = recv
     (num_tokens, hidden), dev = x.shape, x.device
     wgrad_into = _checked_into(wgrad_into, w_gate_up, w_down)
     hw, dgu, part, (d_wgu, d_wd) = _fused_outputs(recv_x, w_gate_up, w_down, row_weight,
                                                   wgrad_into)  # fmt: skip
-    slots = torch.empty(num_tokens * num_topk, hidden, dtype=x.dtype, device=dev)
+    slots = None
+    if not handle:
+        slots = torch.empty(num_tokens * num_topk, hidden, dtype=x.dtype, device=dev)
     dx = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
     ops.bwd_layer_sm90(
         grad_out, x, row_src, w_gate_up, w_down, offs, row_weight.float().contiguous(), saved_gu,
         recv_dy, recv_x, hw, dgu, part, slots, d_wgu, d_wd, dx_shared, dx,
-        wgrad_into is not None, dedup, COPY_AHEAD,
+        wgrad_into is not None, dedup, COPY_AHEAD, num_topk, handle,
     )  # fmt: skip
-    return dx, part.sum(0), d_wgu, d_wd
+    return dx, None if handle else sum_partials(part), d_wgu, d_wd
+
+
+def sum_partials(part: torch.Tensor) -> torch.Tensor:
+    """The router-weight gradient of each row from the backward kernels' partials ([C, R]
+    fp32, one per 128 intermediate columns): fp32, summed in column order from the first, the
+    order the fused backward sums them in when it stages them for other ranks (so every path
+    and every EP size gives the same bits)."""
+    out = part[0].clone()
+    for col in range(1, part.shape[0]):
+        out += part[col]
+    return out
 
 
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: int, into=None):
@@ -496,7 +514,7 @@ def _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu=N
     ends, wgu, wd = _groups(offs, rows, w_gate_up, w_down, a.device)
     mode = _RECOMPUTE if saved_gu is None else _SAVED
     ops.swiglu_backward_sm90(a, dy, wgu, wd, ends, row_weight, hw, dgu, part, saved_gu, mode)
-    return hw, dgu, None if part is None else part.sum(0)
+    return hw, dgu, None if part is None else sum_partials(part)
 
 
 def grouped_swiglu_saving(

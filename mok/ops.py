@@ -533,11 +533,15 @@ def bwd_fused_sm90(
 
 def _launch_bwd_fused(
     a, dy, w_gate_up, w_down, group_ends, row_w, gu32, hw, dgu, part, d_a, d_w_gate_up,
-    d_w_down, accumulate, run, fault, xfer,
+    d_w_down, accumulate, run, fault, xfer, handle=0,
 ) -> None:  # fmt: skip
     """One launch of the fused backward; ``xfer``: (grad_out, x, row_src, slots, dx_shared,
-    dx, num_topk, dedup, copy_ahead) of :func:`bwd_layer_sm90`, or None."""
+    dx, num_topk, dedup, copy_ahead) of :func:`bwd_layer_sm90`, or None; ``handle``: the
+    workspace whose ranks the transfers reach (0: none, one rank)."""
     rows = dgu.shape[0]
+    ws = workspace_by_id(handle) if handle else None
+    if ws is not None:
+        ws.raise_if_failed()
     if rows == 0:
         return
     L, two_i, hidden = w_gate_up.shape
@@ -551,7 +555,13 @@ def _launch_bwd_fused(
             )
         if d_w_gate_up.dtype == torch.float32:
             out = 2 if accumulate else 1
-    params = record.record_for(dev).params()
+    if ws is None:
+        params = record.record_for(dev).params()
+        peers = (0, 0, 0)
+    else:
+        # the transfers' signals count the backward's own epochs; its rank's tokens are x's
+        params = ws.params("bwd", xfer[1].shape[0], advance=True)
+        peers = (1, ws.sym_off["dy"], ws.sym_off["row_grads"])
     ext = _ext.load()
     n_counters = ext.bwd_fused_counters(rows, L)
     counters = torch.empty(n_counters, dtype=torch.int32, device=dev)
@@ -596,9 +606,12 @@ def _launch_bwd_fused(
         topk,
         int(dedup),
         ahead,
+        *peers,
         budget_sms(dev),
-        torch.cuda.current_stream(dev).cuda_stream,
+        torch.cuda.current_stream(dev).cuda_stream if ws is None else ws.stream(),
     )
+    if ws is not None:
+        ws.advance("bwd")
 
 
 @bwd_fused_sm90.register_fake
@@ -627,7 +640,7 @@ def bwd_layer_sm90(
     hw: torch.Tensor,  # [R, I] bf16 scratch out
     dgu: torch.Tensor,  # [R, 2I] bf16 scratch out
     part: torch.Tensor,  # [I / 128, R] fp32 out (router-weight partials)
-    slots: torch.Tensor,  # [T * K, H] bf16 scratch out: d_a by (token, k)
+    slots: torch.Tensor | None,  # [T * K, H] bf16 scratch out: d_a by (token, k) (one rank)
     d_w_gate_up: torch.Tensor,  # [L, 2I, H] bf16 out, or fp32 (added onto with accumulate)
     d_w_down: torch.Tensor,  # [L, H, I], as d_w_gate_up
     dx_shared: torch.Tensor | None,  # [T, H] fp32: the shared expert's input gradient
@@ -635,24 +648,32 @@ def bwd_layer_sm90(
     accumulate: bool,
     dedup: bool,  # sum as the dedup combine does (a bf16 partial of the k rows, then dx_shared)
     copy_ahead: int,  # experts whose row copies are handed out ahead of their dh tiles (>= 1)
+    num_topk: int,
+    handle: int,  # the workspace of the schedule whose ranks the rows come from (0: one rank)
 ) -> None:
-    """The routed experts' backward at one rank with its token transfers, one launch
+    """The routed experts' backward with its token transfers, one launch
     (csrc/layer/sm90_bwd_fused.cuh with BwdTransfers): :func:`bwd_fused_sm90`'s tasks, the
     reverse combine (each receive row gets its token's grad_out and x rows, zeros where it
     holds none) and the reverse dispatch (``dx = bf16(dx_shared + sum_k d_a[t, k])``, fixed k
     order; with ``dedup`` ``bf16(dx_shared + bf16(sum_k d_a[t, k]))``, the combine kernels'
-    sums), so that ``dx`` is bitwise what dispatch + the fused backward + combine give."""
-    topk = slots.shape[0] // max(1, x.shape[0])
+    sums), so that ``dx`` is bitwise what dispatch + the fused backward + combine give.
+
+    With ``handle`` (several ranks; ``dedup`` False) the rows come from and go to the ranks of
+    that workspace's last schedule build (``row_src`` is the token * num_topk + k on the row's
+    source rank), ``slots`` is unused (None: the symmetric slots take its place), and each
+    receive row's router-weight gradient (``part`` summed in column order) is staged for
+    :func:`mok.comm.pull_row_grads`, to be called after this launch on every rank."""
     _launch_bwd_fused(
         recv_x, recv_dy, w_gate_up, w_down, group_ends, row_w, gu32, hw, dgu, part, None,
         d_w_gate_up, d_w_down, accumulate, BWD_RUN_ALL, -1,
-        (grad_out, x, row_src, slots, dx_shared, dx, topk, dedup, copy_ahead),
+        (grad_out, x, row_src, slots, dx_shared, dx, num_topk, dedup, copy_ahead), handle,
     )  # fmt: skip
 
 
 @bwd_layer_sm90.register_fake
 def _(
     grad_out, x, row_src, w_gate_up, w_down, group_ends, row_w, gu32, recv_dy, recv_x, hw, dgu,
-    part, slots, d_w_gate_up, d_w_down, dx_shared, dx, accumulate, dedup, copy_ahead,
+    part, slots, d_w_gate_up, d_w_down, dx_shared, dx, accumulate, dedup, copy_ahead, num_topk,
+    handle,
 ) -> None:  # fmt: skip
     return None

@@ -122,6 +122,9 @@ def plan(shapes: Shapes, config: MoKConfig, num_ranks: int, fused: bool = False)
         "route_idx": 2 * R * N * K * 4,
         "route_w": 2 * R * N * K * 4,
         "x": N * row_bytes,
+        # the output gradient's rows, staged like x for the owners of their experts (the fused
+        # backward's transfers at several ranks)
+        "dy": 0 if fused else N * H * 2,
         "recv": recv_rows * row_bytes,
         "slots": N * K * H * 2,
         "y": 0 if fused else cap * H * 2,

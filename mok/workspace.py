@@ -46,8 +46,9 @@ MAX_WORKSPACES = 16
 # Schedule builds whose host state is kept for the recovery after an input error (the host may
 # run this many schedule builds ahead of the device before it sees the error).
 _SNAPSHOTS = 64
-# Symmetric regions that only host-side torch ops read and write (no kernel parameter).
-HOST_REGIONS = frozenset({"row_grads"})
+# Symmetric regions without a field of their own in the kernels' Params (host-side torch ops
+# read them, and the fused backward gets their offsets as launch arguments).
+HOST_REGIONS = frozenset({"row_grads", "dy"})
 _cache: dict[tuple, Workspace] = {}
 # Every live workspace by id (the custom ops pass ids): weak, so that a workspace dropped from
 # the cache (cleared, or outgrown at one rank) stays usable while its holder keeps it and is
@@ -143,6 +144,7 @@ class Workspace:
             "y": 0,
             "partials": 0,
             "layer": 0,
+            "bwd": 0,
         }
         self._layer_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._peer_views: dict[tuple, torch.Tensor] = {}
@@ -403,14 +405,16 @@ class Workspace:
         return p
 
     def launch(self, kernel: str, p: _ext.Params, grid: int) -> None:
-        stream = self._stream()
+        stream = self.stream()
         self._ext.launch(_ext.KERNELS[kernel], bytes(p), grid, stream)
 
     def launch_layer(self, p: _ext.Params, args: _ext.LayerArgs) -> None:
-        stream = self._stream()
+        stream = self.stream()
         self._ext.launch_layer(bytes(p), bytes(args), self.num_sms, stream)
 
-    def _stream(self) -> int:
+    def stream(self) -> int:
+        """The current CUDA stream of the workspace's device, for a launch (refused while a
+        CUDA graph captures)."""
         if torch.cuda.is_current_stream_capturing():
             raise MoKUnsupportedError(
                 "mok's kernels cannot be captured in a CUDA graph (yet): each call's epochs, "

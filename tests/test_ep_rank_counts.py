@@ -58,6 +58,9 @@ _SIGNALS_CPP = [
     "kSigLayerXConsumed",
     "kSigLayerSlotsFree",
     "kSigLayerSlotsFilled",
+    "kSigBwdStaged",
+    "kSigBwdSlotsFree",
+    "kSigBwdSlotsFilled",
 ]
 _WAITS_CPP = {
     100: "kWaitGridBarrier",
@@ -71,6 +74,7 @@ _WAITS_CPP = {
     108: "kWaitBwdDgrad",
     109: "kWaitBwdCopy",
     110: "kWaitBwdDa",
+    111: "kWaitBwdStaged",
 }
 _ERROR_FIELDS_CPP = ["Code", "Wait", "Peer", "Observed", "Expected", "Rank", "Epoch", "Extra"]
 
@@ -251,6 +255,8 @@ def _sym_extents(ws) -> dict[str, int]:
         "route_w": ((par * R + R - 1) * NK + NK - 1 + 1) * 4,
         # dispatch.cuh PullMeta / DedupMeta: token * row_bytes, token < N
         "x": N * ws.row_bytes,
+        # sm90_bwd_fused.cuh fused_stage_tokens / fused_copy_rows: token * H, token < N
+        "dy": N * H * 2,
         # dispatch_push_kernel: pos * row_bytes, pos < capacity
         "recv": cap * ws.row_bytes,
         # combine_push_kernel: src_index (token * K + k) * hidden * 2
@@ -258,7 +264,8 @@ def _sym_extents(ws) -> dict[str, int]:
         "y": cap * H * 2,
         # combine.cuh PartialsMeta / DedupSumMeta: row src_rank * N + token
         "partials": ((R - 1) * N + N - 1 + 1) * H * 2,
-        # mok.comm.stage_row_grads / pull_row_grads: one fp32 per receive row (host-side ops)
+        # mok.comm.stage_row_grads / pull_row_grads, sm90_bwd_fused.cuh fused_stage_row_grads:
+        # one fp32 per receive row
         "row_grads": cap * 4,
     }
 

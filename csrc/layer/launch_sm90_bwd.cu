@@ -124,7 +124,7 @@ int64_t max_row_tiles(int64_t rows, int64_t num_experts) {
 }  // namespace
 
 int64_t bwd_fused_counters(int64_t rows, int64_t num_experts) {
-  return 1 + 2 * max_row_tiles(rows, num_experts) + num_experts + 1;
+  return 1 + 2 * max_row_tiles(rows, num_experts) + num_experts + 2;
 }
 
 int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* stream_ptr) {
@@ -138,10 +138,18 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
       l.wgrad_out < kWgradBf16 || l.wgrad_out > kWgradF32Add || l.run < 1 || l.run > kBwdRunAll)
     return static_cast<int>(cudaErrorInvalidValue);
   const bool xfer = l.row_src != nullptr;
-  if (xfer && (l.run != kBwdRunAll || l.grad_out == nullptr || l.x == nullptr ||
-               l.slots == nullptr || l.dx == nullptr || d.dy == nullptr || d.a == nullptr ||
-               l.num_tokens < 1 || l.num_tokens > INT32_MAX / 32 || l.num_topk < 1 ||
-               l.num_topk > kMaxTopk || l.copy_ahead < 1))
+  // With peers a rank without tokens takes part (its experts get the peers' rows).
+  const bool tokens = l.num_tokens > 0;
+  if (xfer && (l.run != kBwdRunAll || (tokens && (l.grad_out == nullptr || l.x == nullptr ||
+                                                  l.dx == nullptr)) ||
+               (!l.peers && (l.slots == nullptr || !tokens)) || d.dy == nullptr ||
+               d.a == nullptr || l.num_tokens < 0 || l.num_tokens > INT32_MAX / 32 ||
+               l.num_topk < 1 || l.num_topk > kMaxTopk || l.copy_ahead < 1))
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (l.peers && (!xfer || l.dedup != 0 || p.num_ranks < 1 || p.num_ranks > kMaxRanks ||
+                  p.rank < 0 || p.rank >= p.num_ranks || p.sched == nullptr ||
+                  l.num_tokens > p.max_tokens || p.hidden != H || p.row_bytes != 2 * H ||
+                  l.off_dy <= 0 || l.off_row_grads <= 0 || p.epoch < 1))
     return static_cast<int>(cudaErrorInvalidValue);
   FusedBwdKernelArgs k{};
   k.p = p;
@@ -203,6 +211,12 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
     x.num_topk = static_cast<int>(l.num_topk);
     x.dedup = l.dedup != 0;
     x.copy_ahead = static_cast<int>(l.copy_ahead);
+    if (l.peers) {
+      x.row_rank = p.sched + p.o_src_rank;
+      x.off_dy = l.off_dy;
+      x.off_row_grads = l.off_row_grads;
+      x.slots = reinterpret_cast<uint16_t*>(p.sym_base[p.rank] + p.off_slots);
+    }
   }
   k.wgrad[0].ends = k.wgrad[1].ends = d.ends;
   k.wgrad[0].m = static_cast<int>(2 * I), k.wgrad[0].n = static_cast<int>(H);

@@ -25,6 +25,27 @@
 //                 slot[t, 0] + slot[t, 1] + ...) in fixed k order (comm/combine.cuh's sum, so
 //                 the bits of the combine kernel), numbered after the d_a tiles.
 // A dh tile then also waits for the copy of its row tile, a sum task for every d_a tile.
+//
+// With peers (BwdTransfers::row_rank set: several ranks, a workspace in Params) the rows travel
+// between ranks inside the launch, in the forward's manner (layer/sm90_fwd.cuh), through
+// signals of the backward's own epochs (Params::epoch):
+//   block 0      raises every rank's "slots free" at its start (this rank's stream finished
+//                every earlier read of its slots, whichever kernel made them);
+//   stage tasks  numbered first: copy 32 of this rank's tokens' x and grad_out rows into its
+//                symmetric staging regions, once every peer's "slots filled" of the previous
+//                call says it finished reading them;
+//   publish      one task after them: waits for them, raises every rank's "staged";
+//   copy tiles   read their rows from the source ranks' staging regions (after every rank's
+//                "staged", waited once per block);
+//   d_a tiles    store each row into its home rank's (token, k) slot over NVLink (after every
+//                rank's "slots free", once per block); a row tile's first d_a tile also stages
+//                its rows' router-weight gradients (the dh tiles' partials summed in column
+//                order) in the symmetric row_grads region, for the home ranks to read after
+//                the launch;
+//   fill         one task after every d_a tile: raises every rank's "slots filled";
+//   sum tasks    after every rank's "slots filled" (once per block), as at one rank.
+// Every wait is bounded and recorded; every cross-rank wait is on a task every rank numbers
+// before the waiting one (or on a launch's start), so the launch cannot deadlock.
 // Each block's producer thread claims the next task from one counter, so a task is claimed
 // only after every task before it, and it waits only on tasks before it: a d_a tile on the dh
 // tiles of its row block, a weight-gradient tile on every dh tile of its expert (counters
@@ -59,7 +80,7 @@ namespace mok {
 
 // The task kinds a launch runs (a mask): a launch without kBwdRunDh takes hw / dgu as inputs.
 enum BwdRun : int { kBwdRunDh = 1, kBwdRunDa = 2, kBwdRunWgrad = 4, kBwdRunAll = 7 };
-enum BwdTask : int { kTaskDh = 0, kTaskDa = 1, kTaskCopy = 2, kTaskSum = 3 };
+enum BwdTask : int { kTaskDh = 0, kTaskDa = 1, kTaskCopy = 2, kTaskSum = 3, kTaskStage = 4 };
 
 // Tokens per sum task (transfers).
 constexpr int kSumTokens = 32;
@@ -98,6 +119,10 @@ struct BwdTransfers {
   int num_tokens, num_topk;
   int dedup;  // sum as the dedup combine does (a bf16 partial of the k rows, then dx_shared)
   int copy_ahead;  // experts whose row copies are numbered ahead of their dh tiles (>= 1)
+  // With peers (else null / 0): each receive row's source rank (Params' schedule), and the
+  // symmetric regions of grad_out's staged rows and of the rows' router-weight gradients.
+  const int32_t* row_rank;
+  int64_t off_dy, off_row_grads;
 };
 
 struct FusedBwdKernelArgs {
@@ -112,7 +137,7 @@ struct FusedBwdKernelArgs {
   WgradKernelArgs wgrad[2];  // 0: dW_gate_up = dgu^T a (M 2I, N H); 1: dW_down = dy^T hw (H, I)
   BwdTransfers xfer;
   // [0] the next task; then per row tile (tiles_before order) and per expert the dh tiles done;
-  // then per row tile its copy done, and the d_a tiles done (transfers).
+  // then per row tile its copy done, the d_a tiles done and the stage tasks done (transfers).
   uint32_t* counters;
   int max_row_tiles;  // the row-tile counters' length
   int run;            // BwdRun mask
@@ -126,12 +151,14 @@ struct FusedCounters {
   uint32_t* dh_e;     // per expert: its dh tiles done
   uint32_t* copied;   // per row tile: its rows copied (transfers)
   uint32_t* da_done;  // the d_a tiles done (transfers)
+  uint32_t* staged;   // the stage tasks done (peers)
   __device__ explicit FusedCounters(const FusedBwdKernelArgs& f)
       : next(f.counters),
         dh_rt(next + 1),
         dh_e(dh_rt + f.max_row_tiles),
         copied(dh_e + f.dh.num_experts),
-        da_done(copied + f.max_row_tiles) {}
+        da_done(copied + f.max_row_tiles),
+        staged(da_done + 1) {}
 };
 
 // The tile a dgrad stage's first k-block belongs to: kind (-1: the end of the dgrad tasks),
@@ -145,11 +172,13 @@ static __shared__ __align__(8) FusedShared fsh;
 
 // How a launch's tasks are numbered (every block computes the same): dh tasks [0, da0), d_a
 // tasks [da0, n_dgrad), weight-gradient tasks [n_dgrad, n_tasks).
-// With transfers: copy and dh tasks interleaved in [0, da0), sum tasks [sum0, n_dgrad).
+// With transfers: copy and dh tasks interleaved in [pre, da0), d_a tasks [da0, da_end), sum
+// tasks [sum0, n_dgrad). With peers also stage tasks [0, n_stage), the publish task n_stage
+// (pre = n_stage + 1), and the fill task da_end (sum0 = da_end + 1).
 struct FusedTasks {
   int row_tiles, dh_blocks, da_blocks, wgu_tiles, wd_tiles;
-  int da0, sum0, n_dgrad, n_tasks;
-  bool xfer;
+  int n_stage, pre, da0, da_end, sum0, n_dgrad, n_tasks;
+  bool xfer, peers;
   __device__ FusedTasks(const FusedBwdKernelArgs& f) {
     const SwigluBwdKernelArgs& k = f.dh;
     row_tiles = bsh.tiles_before[k.num_experts];
@@ -161,10 +190,14 @@ struct FusedTasks {
     const int n_da = (f.run & kBwdRunDa) ? row_tiles * da_blocks : 0;
     const int n_wg = (f.run & kBwdRunWgrad) ? k.num_experts * (wgu_tiles + wd_tiles) : 0;
     xfer = f.xfer.row_src != nullptr;
+    peers = f.xfer.row_rank != nullptr;
     const int n_copy = xfer ? row_tiles : 0;
     const int n_sum = xfer ? (f.xfer.num_tokens + kSumTokens - 1) / kSumTokens : 0;
-    da0 = n_copy + n_dh;
-    sum0 = da0 + n_da;
+    n_stage = peers ? n_sum : 0;
+    pre = peers ? n_stage + 1 : 0;
+    da0 = pre + n_copy + n_dh;
+    da_end = da0 + n_da;
+    sum0 = da_end + (peers ? 1 : 0);
     n_dgrad = sum0 + n_sum;
     n_tasks = n_dgrad + n_wg;
   }
@@ -186,6 +219,7 @@ __device__ __forceinline__ void find_dh_or_copy(const SwigluBwdKernelArgs& k, co
     rt = tb[e] + (row0 - group_start(k, e)) / kTileM;
     return;
   }
+  i -= t.pre;  // the stage and publish tasks come first
   int copy = i;  // the row tile of a copy task
   if (i >= tb[min(kCopyAhead, L)]) {
     int lo = 0, hi = L - 1;
@@ -277,14 +311,43 @@ __device__ __forceinline__ void fused_dgrad_end(int stage, uint32_t phase) {
   }
 }
 
+// Peers: waits (one thread) until signal `kind` from every rank reached `target`.
+__device__ __forceinline__ bool peers_reached(const Ctx& c, int kind, uint64_t target) {
+  for (int r = 0; r < c.p.num_ranks; ++r)
+    if (!wait_ge(c, c.my_signal(kind, r), target, kind, r)) return false;
+  return true;
+}
+
+// Peers: stores `value` into signal `kind` on every rank (one thread), after a system fence.
+__device__ __forceinline__ void peers_store(const Ctx& c, int kind, uint64_t value) {
+  __threadfence_system();
+  for (int r = 0; r < c.p.num_ranks; ++r) st_release_sys(c.peer_signal(r, kind), value);
+}
+
+// Peers: every calling thread acquires signal `kind` of every rank (the producer waited for
+// them; this orders the thread's own reads of what they publish).
+__device__ __forceinline__ void peers_acquire(const Ctx& c, int kind) {
+  for (int r = 0; r < c.p.num_ranks; ++r) (void)ld_acquire_sys(c.my_signal(kind, r));
+}
+
 __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, const Ctx& c) {
   const FusedTasks t(f);
   const SwigluBwdKernelArgs& k = f.dh;
   const FusedCounters cnt(f);
   const bool deps = (f.run & kBwdRunDh) != 0;
+  const uint64_t epoch = static_cast<uint64_t>(c.p.epoch);
   int stage = 0, gstage = 0;
   uint32_t phase = 0, gphase = 0;
   bool dgrad = true, ok = true;
+  // Peers: the cross-rank waits this block passed (each once per launch), a bit each.
+  uint32_t seen = 0;
+  const auto reached = [&](int bit, int kind, uint64_t target) {
+    if (seen & (1u << bit)) return true;
+    if (!peers_reached(c, kind, target)) return false;
+    seen |= 1u << bit;
+    return true;
+  };
+  if (t.peers && blockIdx.x == 0) peers_store(c, kSigBwdSlotsFree, epoch);
   for (;;) {
     const int i = ok ? static_cast<int>(atomicAdd(cnt.next, 1u)) : t.n_tasks;
     if (dgrad && i >= t.n_dgrad) {
@@ -292,9 +355,30 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
       dgrad = false;
     }
     if (i >= t.n_tasks) break;
+    if (i < t.pre) {
+      if (i < t.n_stage) {  // a stage task: the peers finished reading the previous call's rows
+        ok = reached(0, kSigBwdSlotsFilled, epoch - 1);
+        if (!ok) continue;
+        const int fields[7] = {kTaskStage, i * kSumTokens, 0, 0, 0, 0, i};
+        fused_hand(fields, stage, phase);
+      } else {  // publish: every stage task done
+        ok = wait_count(c, cnt.staged, static_cast<uint32_t>(t.n_stage), kWaitBwdStaged, 0);
+        if (ok) peers_store(c, kSigBwdStaged, epoch);
+      }
+      continue;
+    }
+    if (t.peers && i == t.da_end) {  // fill: every d_a row pushed (fenced by its tile)
+      ok = wait_count(c, cnt.da_done, static_cast<uint32_t>(t.da_end - t.da0), kWaitBwdDa, -1);
+      if (ok) peers_store(c, kSigBwdSlotsFilled, epoch);
+      continue;
+    }
     if (i >= t.sum0 && i < t.n_dgrad) {  // a sum task: every d_a tile stored
-      const int n_da = t.sum0 - t.da0;
-      ok = wait_count(c, cnt.da_done, static_cast<uint32_t>(n_da), kWaitBwdDa, i - t.sum0);
+      if (t.peers) {
+        ok = reached(3, kSigBwdSlotsFilled, epoch);
+      } else {
+        const int n_da = t.da_end - t.da0;
+        ok = wait_count(c, cnt.da_done, static_cast<uint32_t>(n_da), kWaitBwdDa, i - t.sum0);
+      }
       if (!ok) continue;
       const int fields[7] = {kTaskSum, (i - t.sum0) * kSumTokens, 0, 0, 0, 0, i};
       fused_hand(fields, stage, phase);
@@ -311,6 +395,8 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
       }
       const int fields[7] = {kind, row0, k.ends[e], nb, rt, e, i};
       if (kind == kTaskCopy) {
+        if (t.peers) ok = reached(1, kSigBwdStaged, epoch);
+        if (!ok) continue;
         fused_hand(fields, stage, phase);
         continue;
       }
@@ -325,6 +411,8 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
         fused_load_dh_epi(f, row0, nb * 256, stage, phase);
         continue;
       }
+      if (t.peers) ok = reached(2, kSigBwdSlotsFree, epoch);
+      if (!ok) continue;
       if (deps) {
         ok = wait_count(c, cnt.dh_rt + rt, t.dh_blocks, kWaitBwdDgrad, rt);
         if (!ok) continue;
@@ -353,10 +441,34 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
   wgrad_load_end(gstage, gphase);
 }
 
+// Peers: the symmetric region at `off` of `rank`, as bf16 rows.
+__device__ __forceinline__ uint16_t* sym_rows(const Ctx& c, int rank, int64_t off) {
+  return reinterpret_cast<uint16_t*>(c.sym(rank, off));
+}
+
+// A stage task (peers): this rank's tokens [t0, t0 + kSumTokens) of x and grad_out into its
+// symmetric staging regions; consumer warp cw of 8.
+__device__ __forceinline__ void fused_stage_tokens(const FusedBwdKernelArgs& f, const Ctx& c,
+                                                   int t0, int cw, int lane) {
+  const BwdTransfers& x = f.xfer;
+  const int64_t H = f.dh.hidden;
+  const int n16 = static_cast<int>(H / 8);
+  uint16_t* xs = sym_rows(c, c.p.rank, c.p.off_x);
+  uint16_t* dys = sym_rows(c, c.p.rank, x.off_dy);
+  const int last = min(t0 + kSumTokens, x.num_tokens);
+  for (int64_t t = t0 + cw; t < last; t += kConsumerWarps) {
+    warp_copy_row(reinterpret_cast<int4*>(xs + t * H),
+                  reinterpret_cast<const int4*>(x.x + t * H), n16, lane);
+    warp_copy_row(reinterpret_cast<int4*>(dys + t * H),
+                  reinterpret_cast<const int4*>(x.grad_out + t * H), n16, lane);
+  }
+}
+
 // A copy task: the rows [row0, min(row0 + 128, end)) of the dy and a buffers from their
-// tokens' grad_out and x rows (zeros for a row without a token); consumer warp cw of 8.
-__device__ __forceinline__ void fused_copy_rows(const FusedBwdKernelArgs& f, int row0, int end,
-                                                int cw, int lane) {
+// tokens' grad_out and x rows (zeros for a row without a token); consumer warp cw of 8. With
+// peers the token rows are read from their source rank's staging regions.
+__device__ __forceinline__ void fused_copy_rows(const FusedBwdKernelArgs& f, const Ctx& c,
+                                                int row0, int end, int cw, int lane) {
   const BwdTransfers& x = f.xfer;
   const int64_t H = f.dh.hidden;
   const int n16 = static_cast<int>(H / 8);
@@ -367,8 +479,15 @@ __device__ __forceinline__ void fused_copy_rows(const FusedBwdKernelArgs& f, int
     int4* a = reinterpret_cast<int4*>(x.a_rows + row * H);
     if (s >= 0) {
       const int64_t token = s / x.num_topk;
-      warp_copy_row(dy, reinterpret_cast<const int4*>(x.grad_out + token * H), n16, lane);
-      warp_copy_row(a, reinterpret_cast<const int4*>(x.x + token * H), n16, lane);
+      const uint16_t* go = x.grad_out;
+      const uint16_t* xr = x.x;
+      if (x.row_rank != nullptr) {
+        const int src = x.row_rank[row];
+        go = sym_rows(c, src, x.off_dy);
+        xr = sym_rows(c, src, c.p.off_x);
+      }
+      warp_copy_row(dy, reinterpret_cast<const int4*>(go + token * H), n16, lane);
+      warp_copy_row(a, reinterpret_cast<const int4*>(xr + token * H), n16, lane);
     } else {
       for (int q = lane; q < n16; q += 32) dy[q] = a[q] = make_int4(0, 0, 0, 0);
     }
@@ -408,7 +527,8 @@ __device__ __forceinline__ void fused_sum_tokens(const FusedBwdKernelArgs& f, in
 
 // d_a's epilogue: warpgroup wg's 64 rows of the tile's 256 columns (acc0: 0..127, acc1:
 // 128..255, the m64n128 layout of swiglu_bwd_epilogue) as bf16, rows before the group's end.
-__device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f,
+// With peers the slot lies on the row's home rank (a store over NVLink).
+__device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f, const Ctx& c,
                                                   const float (&acc0)[64],
                                                   const float (&acc1)[64], int row0, int end,
                                                   int nb, int wg, int warp, int lane) {
@@ -421,7 +541,9 @@ __device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f,
     if (row >= end) continue;
     const int dst = slot_of == nullptr ? row : slot_of[row];
     if (dst < 0) continue;  // a row without a token
-    uint16_t* at = out + static_cast<int64_t>(dst) * H + nb * 256 + 2 * (lane % 4);
+    uint16_t* base = out;
+    if (f.xfer.row_rank != nullptr) base = sym_rows(c, f.xfer.row_rank[row], c.p.off_slots);
+    uint16_t* at = base + static_cast<int64_t>(dst) * H + nb * 256 + 2 * (lane % 4);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       *reinterpret_cast<uint32_t*>(at + 8 * j) =
@@ -430,6 +552,20 @@ __device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f,
           pack_bf16x2(acc1[4 * j + 2 * hr], acc1[4 * j + 2 * hr + 1]);
     }
   }
+}
+
+// Peers: the router-weight gradients of rows [row0, min(row0 + 128, end)) into this rank's
+// symmetric row_grads region: each row's partials (one per 128 intermediate columns) summed in
+// column order from the first (mok.experts' sum of the partials, the same bits); thread i of
+// the two consumer warpgroups takes row row0 + i.
+__device__ __forceinline__ void fused_stage_row_grads(const FusedBwdKernelArgs& f, const Ctx& c,
+                                                      int row0, int end, int i) {
+  const SwigluBwdKernelArgs& k = f.dh;
+  const int row = row0 + i;
+  if (i >= kTileM || row >= end || k.part == nullptr) return;
+  float acc = k.part[row];
+  for (int col = 1; col < k.inter / 128; ++col) acc += k.part[static_cast<int64_t>(col) * k.rows + row];
+  reinterpret_cast<float*>(c.sym(c.p.rank, f.xfer.off_row_grads))[row] = acc;
 }
 
 // A dh tile's epilogue (the SwiGLU backward of swiglu_bwd_epilogue, the same bits) over its
@@ -524,9 +660,11 @@ __device__ __forceinline__ void fused_dh_epilogue(const FusedBwdKernelArgs& f,
 }
 
 template <int kOut>
-__device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int wg) {
+__device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, const Ctx& c,
+                                               int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const FusedCounters cnt(f);
+  const bool peers = f.xfer.row_rank != nullptr;
   int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
   float acc0[64], acc1[64];
@@ -537,21 +675,31 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int 
     const int row0 = vol(fsh.task[stage][1]), end = vol(fsh.task[stage][2]);
     const int nb = vol(fsh.task[stage][3]), rt = vol(fsh.task[stage][4]);
     const int e = vol(fsh.task[stage][5]), task = vol(fsh.task[stage][6]);
-    if (kind == kTaskCopy || kind == kTaskSum) {
+    if (kind == kTaskCopy || kind == kTaskSum || kind == kTaskStage) {
       const int cw = wg * 4 + warp;
-      if (kind == kTaskCopy) {
-        fused_copy_rows(f, row0, end, cw, lane);
+      if (kind == kTaskStage) {
+        fused_stage_tokens(f, c, row0, cw, lane);
+        __threadfence();  // before the publish task's release (it fences at system scope)
+      } else if (kind == kTaskCopy) {
+        if (peers) peers_acquire(c, kSigBwdStaged);  // the peers' staged rows
+        fused_copy_rows(f, c, row0, end, cw, lane);
         // NOTE: the rows are read by other blocks' TMA (async proxy): fence the generic stores
         // against it before the release
         fence_proxy_async_global();
         __threadfence();
       } else {
-        // the slots, stored by other blocks (the producer waited for them)
-        (void)ld_acquire_gpu(cnt.da_done);
+        // the slots, stored by other blocks (the producer waited for them), with peers by
+        // every rank's blocks
+        if (peers) {
+          peers_acquire(c, kSigBwdSlotsFilled);
+        } else {
+          (void)ld_acquire_gpu(cnt.da_done);
+        }
         fused_sum_tokens(f, row0, cw, lane);
       }
       named_sync(3, 256);
       if (kind == kTaskCopy && threadIdx.x == 128) red_add_release_gpu(cnt.copied + rt, 1u);
+      if (kind == kTaskStage && threadIdx.x == 128) red_add_release_gpu(cnt.staged, 1u);
       mbar_arrive(&bsh.empty[stage]);
       if (++stage == kFusedDgradStages) stage = 0, phase ^= 1;
       continue;
@@ -570,9 +718,19 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, int 
         red_add_release_gpu(cnt.dh_e + e, 1u);
       }
     } else {
-      fused_da_epilogue(f, acc0, acc1, row0, end, nb, wg, warp, lane);
+      fused_da_epilogue(f, c, acc0, acc1, row0, end, nb, wg, warp, lane);
+      if (peers && nb == 0) {  // the row tile's router-weight gradients (its dh tiles are done)
+        (void)ld_acquire_gpu(cnt.dh_rt + rt);
+        fused_stage_row_grads(f, c, row0, end, wg * 128 + tid);
+      }
       if (f.xfer.row_src != nullptr) {  // the sums read these slots (generic loads)
-        __threadfence();
+        // NOTE: with peers some stores went over NVLink: each thread fences its own at system
+        // scope before the release (the fill task's signal follows it)
+        if (peers) {
+          __threadfence_system();
+        } else {
+          __threadfence();
+        }
         named_sync(3, 256);
         if (threadIdx.x == 128) red_add_release_gpu(cnt.da_done, 1u);
       }
@@ -610,7 +768,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
     }
   } else {
     setmaxnreg_inc<224>();
-    fused_consumer<kOut>(f, wg - 1);
+    fused_consumer<kOut>(f, c, wg - 1);
   }
 #endif
 }

@@ -122,8 +122,8 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
                       int64_t run, int64_t fault, int64_t rows, int64_t hidden, int64_t inter,
                       int64_t num_experts, int64_t grad_out, int64_t x, int64_t row_src,
                       int64_t slots, int64_t dx_shared, int64_t dx, int64_t num_tokens,
-                      int64_t num_topk, int64_t dedup, int64_t copy_ahead, int64_t grid,
-                      int64_t stream) {
+                      int64_t num_topk, int64_t dedup, int64_t copy_ahead, int64_t peers,
+                      int64_t off_dy, int64_t off_row_grads, int64_t grid, int64_t stream) {
   const auto params = unpack<mok::Params>(params_bytes, "Params");
   mok::FusedBwdLaunch l{};
   l.grad_out = reinterpret_cast<const void*>(grad_out);
@@ -134,6 +134,7 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
   l.dx = reinterpret_cast<void*>(dx);
   l.num_tokens = num_tokens, l.num_topk = num_topk, l.dedup = dedup;
   l.copy_ahead = copy_ahead;
+  l.peers = peers, l.off_dy = off_dy, l.off_row_grads = off_row_grads;
   l.dh.a = reinterpret_cast<const void*>(a);
   l.dh.dy = reinterpret_cast<const void*>(dy);
   l.dh.w_gate_up = reinterpret_cast<const void*>(w_gate_up);

@@ -21,6 +21,7 @@ Prints ``MOK-TRAIN-OK rank=R``; invariance differences are printed per tensor be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
 import sys
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import mok
+import mok.autograd as ma
 from mok import functional as mf
 from mok.ranks import init_ranks
 from mok.spec.workload import ModelShape, make_routing
@@ -59,8 +61,19 @@ MODES = [
     ("fused", dict(dispatch_mode="pull", combine_mode="push", **SRC), True, True),
     ("fused saved", dict(dispatch_mode="pull", combine_mode="push", **SRC), True, False),
     ("fused dedup saved", dict(dispatch_mode="dedup_pull", combine_mode="push"), True, False),
-]
-QUICK_MODES = ("pull/push", "pull/push interleaved", "dedup/push", "pull/push saved", "fused saved")
+    # the backward's transfers inside the routed experts' launch (mok.autograd.TRANSFERS_IN_LAUNCH)
+    ("pull/push saved in-launch", dict(dispatch_mode="pull", combine_mode="push", **SRC), False,
+     False),
+    ("fused saved in-launch", dict(dispatch_mode="pull", combine_mode="push", **SRC), True, False),
+]  # fmt: skip
+QUICK_MODES = (
+    "pull/push",
+    "pull/push interleaved",
+    "dedup/push",
+    "pull/push saved",
+    "fused saved",
+    "fused saved in-launch",
+)
 ROUTED = ("out", "dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down")
 SHARED = ("d_shared_w_gate", "d_shared_w_up", "d_shared_w_down")
 LEAF = {"dw_gate": "w_gate", "dw_up": "w_up", "dw_down": "w_down"}
@@ -113,14 +126,38 @@ def leaves(w: MoEWeights) -> MoEWeights:
     )
 
 
+@contextlib.contextmanager
+def transfers_in_launch(on: bool):
+    """With ``on``, the backward moves its tokens inside the routed experts' launch; checks on
+    exit that it did (the launch takes the operands of every case here)."""
+    if not on:
+        yield
+        return
+    calls = []
+    inner = ma.swiglu_backward_tokens
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    ma.TRANSFERS_IN_LAUNCH, ma.swiglu_backward_tokens = True, counted
+    try:
+        yield
+    finally:
+        ma.TRANSFERS_IN_LAUNCH, ma.swiglu_backward_tokens = False, inner
+    check(bool(calls), "the backward did not run its transfers in the launch")
+
+
 def run(p: Problem, sl: slice, w: MoEWeights, cfg: mok.MoKConfig, fused: bool, recompute: bool,
-        group=None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """The layer and its backward under autograd on tokens ``sl`` with experts ``w``."""
+        group=None, inside: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The layer and its backward under autograd on tokens ``sl`` with experts ``w``
+    (``inside``: the backward's transfers inside its launch)."""
     w = leaves(w)
     x = p.x[sl].clone().requires_grad_(True)
     tw = p.tw[sl].clone().requires_grad_(True)
     out = mf.moe(x, p.idx[sl], tw, w, p.shape.num_experts, cfg, group, fused, recompute)
-    out.backward(p.grad_out[sl])
+    with transfers_in_launch(inside):
+        out.backward(p.grad_out[sl])
     got = {"out": out.detach(), "dx": x.grad, "d_topk_weights": tw.grad}
     for g, n in LEAF.items():
         if getattr(w, n) is not None:
@@ -194,18 +231,26 @@ def case_checks(shape, counts, skew, modes, solo, dev, repeats: int) -> list[str
         if name not in modes:
             continue
         cfg = mok.MoKConfig(num_comm_sms=8, wait_timeout_ms=60_000.0, **fields)
-        got = run(p, sl, local, cfg, fused, recompute)
+        inside = name.endswith("in-launch")
+        got = run(p, sl, local, cfg, fused, recompute, inside=inside)
         check_reference(got, refs, f"{tag} {name}")
-        ep1 = run(p, full, p.w, cfg, fused, recompute, group=solo)
+        ep1 = run(p, full, p.w, cfg, fused, recompute, group=solo, inside=inside)
         diffs = invariance(got, ep1, sl, ex)
         bad = [n for n in diffs if n in invariant(fields)]
         text = ", ".join(f"{n} {d:.3e}" for n, d in diffs.items()) or "none"
         print(f"rank {rank}: {tag} {name}: EP{R} vs EP1 max |diff|: {text}", flush=True)
         if bad:
             failures.append(f"{tag} {name}: EP{R} != EP1 in {', '.join(bad)}")
-        if name in ("pull/push", "fused saved") and counts == [counts[0]] * R:
+        if inside:  # the communication kernels around the launch: the same bits
+            kernels = run(p, sl, local, cfg, fused, recompute)
+            for n, t in got.items():
+                check(torch.equal(t, kernels[n]), f"{tag} {name}: {n} differs from the kernels'")
+        if name in ("pull/push", "fused saved", "fused saved in-launch") and counts == [
+            counts[0]
+        ] * R:
             # an SM budget: every kernel on 40 SMs, the same bits
-            small = run(p, sl, local, dataclasses.replace(cfg, num_sms=40), fused, recompute)
+            small = run(p, sl, local, dataclasses.replace(cfg, num_sms=40), fused, recompute,
+                        inside=inside)  # fmt: skip
             for n, t in got.items():
                 check(torch.equal(t, small[n]), f"{tag} {name}: num_sms=40: {n} differs")
         for rep in range(repeats if name == modes[0] else 0):
@@ -356,9 +401,10 @@ def bad_routing_case(dev, solo) -> None:
     print(f"rank {rank}: bad routing on rank 0 raised everywhere, next call ok", flush=True)
 
 
-def timeout_case(dev) -> None:
+def timeout_case(dev, inside: bool) -> None:
     """Rank 1 runs the forward and never the backward: every other rank's backward raises
-    MoKTimeoutError within its wait_timeout_ms (plus the launch and host time), no hang."""
+    MoKTimeoutError within its wait_timeout_ms (plus the launch and host time), no hang.
+    ``inside``: from kept activations, the transfers inside the launch."""
     rank, R = dist.get_rank(), dist.get_world_size()
     shape = CASES[0][0]
     p = problem(shape, [64] * R, "uniform", dev)
@@ -366,19 +412,21 @@ def timeout_case(dev) -> None:
     timeout_ms = 4000.0
     cfg = mok.MoKConfig(num_comm_sms=8, wait_timeout_ms=timeout_ms)
     x = p.x[sl].clone().requires_grad_(True)
-    out = mf.moe(x, p.idx[sl], p.tw[sl], local, shape.num_experts, cfg)
+    out = mf.moe(x, p.idx[sl], p.tw[sl], local, shape.num_experts, cfg, recompute=not inside)
     mok.check()
     dist.barrier()
     if rank != 1:
         t0 = time.monotonic()
         try:
-            out.backward(p.grad_out[sl])
+            with transfers_in_launch(inside):
+                out.backward(p.grad_out[sl])
             mok.check()
             check(False, "the backward without rank 1 did not time out")
         except mok.MoKTimeoutError as e:
             took = time.monotonic() - t0
             check(took < timeout_ms / 1000 + 30, f"raised after {took:.1f} s")
-            print(f"rank {rank} raised after {took:.1f} s: {str(e)[:120]}", flush=True)
+            how = "in-launch" if inside else "kernels"
+            print(f"rank {rank} ({how}) raised after {took:.1f} s: {str(e)[:120]}", flush=True)
     dist.barrier()
     mok.clear_workspaces()
 
@@ -399,7 +447,8 @@ def main() -> int:
     solo = [dist.new_group([r]) for r in range(R)][rank]
     if args.timeout:
         if R > 1:
-            timeout_case(dev)
+            timeout_case(dev, inside=False)
+            timeout_case(dev, inside=True)
     else:
         modes = QUICK_MODES if args.quick else tuple(m[0] for m in MODES)
         failures = []
@@ -409,7 +458,9 @@ def main() -> int:
             )
         # unequal counts, one rank without tokens
         counts = [0 if r == 1 else 48 + 40 * r for r in range(R)]
-        failures += case_checks(CASES[0][0], counts, "hot:0.5", modes[:2], solo, dev, 0)
+        failures += case_checks(
+            CASES[0][0], counts, "hot:0.5", (*modes[:2], "fused saved in-launch"), solo, dev, 0
+        )
         api_case(dev)
         if R > 1:
             bad_routing_case(dev, solo)
