@@ -60,6 +60,18 @@ def test_comm_kernels_and_layer_on_shared_gpu_ranks(nproc):
 
 
 @pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_preflight_checks_every_pair_on_shared_gpu_ranks(nproc):
+    """Every pair reachable, copies right, flags answered (an odd count: a bye per round)."""
+    out = torchrun("preflight_worker.py", nproc, "MOK-PREFLIGHT-OK", "--mib", "4", timeout=600,
+                   shared_gpu=True)  # fmt: skip
+    pairs = nproc * (nproc - 1) // 2
+    assert f"{pairs} pairs: 0 failed" in out, out[-3000:]
+    assert "not NVLink's" in out, out[-3000:]
+
+
+@pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("nproc", EP_SIZES)
 def test_fused_layer_on_shared_gpu_ranks(nproc):

@@ -1,6 +1,6 @@
-"""``python -m mok.bench comm|layer|sweep|probe|train|experts|lm [...]`` (launch with torchrun,
-one process per GPU, or ``MOK_SHARED_GPU=1`` for every rank on one GPU; ``experts`` runs on one
-GPU).
+"""``python -m mok.bench comm|layer|sweep|probe|train|experts|lm|preflight [...]`` (launch
+with torchrun, one process per GPU, or ``MOK_SHARED_GPU=1`` for every rank on one GPU;
+``experts`` runs on one GPU).
 
 comm: dispatch/combine vs NCCL and DeepEP. layer: the whole layer forward, fused vs unfused vs
 NCCL. sweep: the fused layer over communication SMs x minibatch x mode. probe: the GPU
@@ -11,7 +11,8 @@ behind an NCCL all-to-all pipeline (a labelled smoke test on shared-GPU ranks). 
 routed experts' GEMM pieces of that step, each alone, mok's kernels vs torch's. lm: notebook
 05's small MoE language model trained at EP = the torchrun world size (one CSV row of loss per
 step; ``MOK_SHARED_GPU=1`` puts every rank on one GPU; runs on CPU too, through the reference
-layer).
+layer). preflight: every pair of ranks checked before a run (NVLink-reachable, copy bandwidth,
+flag round trip; exit status 1 when a pair fails).
 """
 
 from __future__ import annotations
@@ -20,18 +21,19 @@ import sys
 
 from mok.ranks import SHARED_GPU_ENV, shared_gpu
 
-COMMANDS = ("comm", "layer", "sweep", "probe", "train", "experts", "lm")
-# What runs on ranks that share a GPU (MOK_SHARED_GPU=1): train (a labelled smoke test) and lm
-# (losses). The others' rows are timings of NVLink or of a whole GPU, which shared ranks are not.
-SHARED_GPU_COMMANDS = ("train", "lm")
+COMMANDS = ("comm", "layer", "sweep", "probe", "train", "experts", "lm", "preflight")
+# What runs on ranks that share a GPU (MOK_SHARED_GPU=1): train (a labelled smoke test), lm
+# (losses) and preflight (its checks; its timings labelled). The others' rows are timings of
+# NVLink or of a whole GPU, which shared ranks are not.
+SHARED_GPU_COMMANDS = ("train", "lm", "preflight")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         print(
-            "usage: torchrun --nproc-per-node=N -m mok.bench {comm,layer,sweep,probe,train,lm} "
-            "[--help]\n"
+            "usage: torchrun --nproc-per-node=N -m mok.bench "
+            "{comm,layer,sweep,probe,train,lm,preflight} [--help]\n"
             "       python -m mok.bench {train,experts,lm} [--help]",
             file=sys.stderr,
         )
@@ -61,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         from mok.bench import lm
 
         return lm.main(argv[1:])
+    if argv[0] == "preflight":
+        from mok.bench import preflight
+
+        return preflight.main(argv[1:])
     if argv[0] == "experts":
         from mok.bench import experts
 
