@@ -8,7 +8,7 @@
 
 namespace mok {
 
-constexpr int kMaxRanks = 8;    // one NVLink domain of Hopper GPUs
+constexpr int kMaxRanks = 72;   // one NVLink domain: an NVL72 rack (8 for Hopper HGX boxes)
 constexpr int kMaxTopk = 32;    // one warp lane per (token, k) in the schedule walk
 constexpr int kNumSignals = 20;
 

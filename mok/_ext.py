@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from mok.errors import MoKUnsupportedError
+from mok.spec import limits
 
 __all__ = [
     "load",
@@ -41,7 +42,7 @@ SOURCES = (
     "probe/probe.cu",
 )
 
-MAX_RANKS = 8
+MAX_RANKS = limits.MAX_RANKS
 MAX_TOPK = 32
 NUM_SIGNALS = 20
 META_WORDS = 16

@@ -36,7 +36,7 @@ from mok.ranks import shared_gpu
 from mok.sizing import ALIGN, CHUNK_TOKENS, Shapes, default_max_tokens, plan
 from mok.sms import budget_sms, device_sms
 from mok.spec.config import MoKConfig
-from mok.spec.limits import expert_split_problem
+from mok.spec.limits import expert_split_problem, rank_count_problem
 
 __all__ = ["Workspace", "get_workspace", "cached_workspaces", "clear_workspaces", "check"]
 
@@ -81,10 +81,9 @@ class Workspace:
             shapes.num_topk,
             shapes.num_experts,
         )
-        if R > _ext.MAX_RANKS:
-            raise MoKUnsupportedError(
-                f"mok's NVLink kernels support up to {_ext.MAX_RANKS} ranks (found {R})"
-            )
+        ranks = rank_count_problem(R)
+        if ranks:
+            raise MoKUnsupportedError(ranks)
         split = expert_split_problem(E, R)
         if split:
             raise MoKInputError(f"mok: {split}")
@@ -651,8 +650,9 @@ def get_workspace(
         MoKInputError: num_tokens not an int >= 0; num_experts not divisible by the number of
             ranks; num_topk out of range; hidden not making 16-byte rows; ranks that disagree on
             the shapes, config or SM count; already ``MAX_WORKSPACES`` workspaces cached.
-        MoKUnsupportedError: more than 8 ranks (``_ext.MAX_RANKS``); ``config.num_comm_sms``
-            above the GPU's SM count; a symmetric allocation that does not start at its tensor.
+        MoKUnsupportedError: more than 72 ranks (``mok.spec.limits.MAX_RANKS``);
+            ``config.num_comm_sms`` above the GPU's SM count; a symmetric allocation that does
+            not start at its tensor.
     """
     config = config or MoKConfig()
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device

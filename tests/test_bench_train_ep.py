@@ -63,9 +63,9 @@ def test_shared_gpu_ranks_default_to_a_small_smoke_run_unless_told_otherwise():
 def test_nearest_ep_sizes():
     assert train.nearest_ep_sizes is limits.nearest_ep_sizes  # one rule (mok.spec.limits)
     assert limits.expert_split_problem(256, 8) is None
-    assert limits.expert_split_problem(256, 72).endswith(
-        "the nearest EP sizes that do: EP64 / EP128"
-    )
+    # only EP sizes the kernels run (at most 72 ranks)
+    assert limits.expert_split_problem(256, 72).endswith("the nearest EP sizes that do: EP64")
+    assert limits.expert_split_problem(384, 60).endswith("sizes that do: EP48 / EP64")
     assert train.nearest_ep_sizes(256, 6) == [4, 8]
     assert train.nearest_ep_sizes(384, 5) == [4, 6]
     assert train.nearest_ep_sizes(16, 32) == [16]
@@ -79,7 +79,8 @@ def test_nearest_ep_sizes():
         (["--impls", "torch-best,mok-fused"], 2, r"torch-best runs at one rank .* at EP2 its rows"),
         (["--impls", "torch-best+deepep"], 1, r"torch-best\+deepep: EP > 1 only, under torchrun"),
         (["--models", "kimi-k2"], 5, r"kimi-k2: 384 experts do not split over EP5; .*: EP4 / EP6$"),
-        (["--models", "qwen3-30b-a3b"], 256, r"128 experts do not split over EP256; .*: EP128$"),
+        (["--models", "qwen3-30b-a3b"], 48, r"128 experts do not split over EP48; .*: EP32 / EP64"),
+        (["--models", "qwen3-30b-a3b"], 256, r"support 1 to 72 ranks .*; found 256$"),
     ],
 )
 def test_ep_refusals_name_what_works(argv, world, why, capsys):

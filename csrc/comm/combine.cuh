@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "comm/dispatch.cuh"
+#include "common/rank_mask.cuh"
 #include "common/rings.cuh"
 #include "common/rows.cuh"
 #include "common/waits.cuh"
@@ -149,14 +150,11 @@ struct DedupSumMeta {
                             uint64_t& out) const {
     const Params& p = c->p;
     const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
-    const int K = p.num_topk;
-    const int32_t* dr = p.sched + p.o_dst_rank + static_cast<int64_t>(t) * K;
-    uint32_t mask = 0;
-    for (int k = 0; k < K; ++k) mask |= 1u << dr[k];
+    const RankMask mask = token_owners(p, t);
     int n = 0;
     const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + t;
     for (int d = 0; d < p.num_ranks; ++d) {
-      if (!((mask >> d) & 1u)) continue;
+      if (!mask.has(d)) continue;
       src[n] = reinterpret_cast<uint64_t>(c->sym(d, p.off_partials) + prow * rb);
       w[n] = 1.0f;
       ++n;
@@ -251,14 +249,15 @@ __device__ __forceinline__ void warp_reduce_rows(const Meta& meta, int total, in
 
 // ---- gather ring of dedup_sum ----------------------------------------------------------------
 // Item = (token, chunk of 32 * U vectors of its row). Per warp a ring of kGatherStages stages;
-// a stage holds, per slot (term 0..num_ranks-1, then 1 or 2 slots of shared_y), U vectors per
+// a stage holds, per slot (term 0..max_owner_terms-1, then 1 or 2 slots of shared_y), U vectors per
 // lane, laid out [slot][u][lane] x 16 B (a warp's accesses are 512 contiguous bytes). Every
 // lane copies and later reads only its own vectors, so cp.async.wait_group alone orders them.
 constexpr int kGatherStages = 4;
 constexpr int kGatherMaxU = 8;
 
-__host__ __device__ constexpr int gather_slots(int num_ranks, bool has_shared, bool fp32) {
-  return num_ranks + (has_shared ? (fp32 ? 2 : 1) : 0);
+// Slots of a gather stage: one per owner term (max_owner_terms), then shared_y's.
+__host__ __device__ constexpr int gather_slots(int terms, bool has_shared, bool fp32) {
+  return terms + (has_shared ? (fp32 ? 2 : 1) : 0);
 }
 // Vectors per lane per item (0: the ring does not fit; the kernel uses the vector path).
 __host__ __device__ constexpr int gather_units(int slots) {
@@ -270,22 +269,15 @@ __host__ __device__ constexpr int64_t gather_smem(int slots) {
   return static_cast<int64_t>(kCommWarps) * kGatherStages * slots * gather_units(slots) * 512;
 }
 
-// Owner ranks (bit mask) of token t: the ranks of its top-k experts.
-__device__ __forceinline__ uint32_t token_owner_mask(const Params& p, int t) {
-  const int32_t* dr = p.sched + p.o_dst_rank + static_cast<int64_t>(t) * p.num_topk;
-  uint32_t mask = 0;
-  for (int k = 0; k < p.num_topk; ++k) mask |= 1u << dr[k];
-  return mask;
-}
-
 __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) {
   const Params& p = c.p;
-  __shared__ uint32_t stage_mask[kCommWarps][kGatherStages];
+  __shared__ int32_t stage_terms[kCommWarps][kGatherStages];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gwarp = blockIdx.x * kCommWarps + warp;
   const int nwarps = gridDim.x * kCommWarps;
   // NOTE: N counts this rank's tokens (the loop); partial rows are laid out by max_tokens.
   const int N = p.num_tokens, R = p.num_ranks;
+  const int T = max_owner_terms(R, p.num_topk);  // term slots of a stage, then shared_y's
   const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
   const int n16 = static_cast<int>(rb / 16);
   const int per = 32 * U;
@@ -300,7 +292,8 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
   uint8_t* ring = dyn_smem + static_cast<int64_t>(warp) * kGatherStages * stage_bytes;
   // Owner masks of the warp's tokens, 32 at a time (lane l: token index batch * 32 + l); the
   // issue side walks the tokens in order, so each batch is loaded once.
-  uint32_t lane_mask = 0;
+  RankMask lane_mask;
+  lane_mask.clear();
   int batch = -1;
   auto issue = [&](int j) {
     if (j < items) {
@@ -308,16 +301,20 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
       if (i / 32 != batch) {
         batch = i / 32;
         const int ti = batch * 32 + lane;
-        lane_mask = ti < ntok ? token_owner_mask(p, gwarp + ti * nwarps) : 0;
+        if (ti < ntok) {
+          lane_mask = token_owners(p, gwarp + ti * nwarps);
+        } else {
+          lane_mask.clear();
+        }
       }
-      const uint32_t mask = __shfl_sync(0xffffffffu, lane_mask, i % 32);
+      const RankMask mask = lane_mask.shfl(i % 32);
       const int t = gwarp + i * nwarps;
-      if (lane == 0) stage_mask[warp][s] = mask;
+      if (lane == 0) stage_terms[warp][s] = mask.count();
       uint8_t* st = ring + s * stage_bytes + lane * 16;
       const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + t;
       int q = 0;
       for (int d = 0; d < R; ++d) {
-        if (!((mask >> d) & 1u)) continue;
+        if (!mask.has(d)) continue;
         const uint8_t* src = c.sym(d, p.off_partials) + prow * rb;
         for (int u = 0; u < U; ++u) {
           const int v = ch * per + u * 32 + lane;
@@ -331,10 +328,10 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
           const int v = ch * per + u * 32 + lane;
           if (v >= n16) continue;
           if (fp32) {
-            cp_async16(st + (R * U + u) * 512, ip + v * 32);
-            cp_async16(st + ((R + 1) * U + u) * 512, ip + v * 32 + 16);
+            cp_async16(st + (T * U + u) * 512, ip + v * 32);
+            cp_async16(st + ((T + 1) * U + u) * 512, ip + v * 32 + 16);
           } else {
-            cp_async16(st + (R * U + u) * 512, ip + v * 16);
+            cp_async16(st + (T * U + u) * 512, ip + v * 16);
           }
         }
       }
@@ -349,7 +346,7 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
     __syncwarp();
     const int i = j / nch, ch = j % nch, s = j % kGatherStages;
     const int t = gwarp + i * nwarps;
-    const int n = __popc(stage_mask[warp][s]);
+    const int n = stage_terms[warp][s];
     const uint8_t* st = ring + s * stage_bytes + lane * 16;
     for (int u = 0; u < U; ++u) {
       const int v = ch * per + u * 32 + lane;
@@ -358,10 +355,10 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
       if (!has_shared)
         acc.zero();
       else if (fp32)
-        acc.start_fp32(*reinterpret_cast<const float4*>(st + (R * U + u) * 512),
-                       *reinterpret_cast<const float4*>(st + ((R + 1) * U + u) * 512));
+        acc.start_fp32(*reinterpret_cast<const float4*>(st + (T * U + u) * 512),
+                       *reinterpret_cast<const float4*>(st + ((T + 1) * U + u) * 512));
       else
-        acc.start_bf16(*reinterpret_cast<const uint4*>(st + (R * U + u) * 512));
+        acc.start_bf16(*reinterpret_cast<const uint4*>(st + (T * U + u) * 512));
       // Weight 1, terms in ascending owner rank.
       for (int q = 0; q < n; ++q)
         acc.add(1.0f, *reinterpret_cast<const uint4*>(st + (q * U + u) * 512));
@@ -380,22 +377,30 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
 // stage reads the local terms with 16-byte loads and adds everything in the fixed order. Whole rows keep ~14 rows
 // of peer data in flight per SM (the chunked tma_reduce_rows kept 4 KiB pieces of them).
 
+// Peer terms of one token at most: one per top-k expert, on every rank but this one.
+__host__ __device__ constexpr int max_peer_terms(int num_ranks, int num_topk) {
+  return max_owner_terms(num_ranks > 1 ? num_ranks - 1 : 1, num_topk);
+}
 // Shared-memory bytes of one stage: a whole row per peer term.
-__host__ __device__ constexpr int64_t sum_stage_bytes(int64_t row_bytes, int num_ranks) {
-  return align128(row_bytes) * (num_ranks > 1 ? num_ranks - 1 : 1);
+__host__ __device__ constexpr int64_t sum_stage_bytes(int64_t row_bytes, int num_ranks,
+                                                      int num_topk) {
+  return align128(row_bytes) * max_peer_terms(num_ranks, num_topk);
 }
 // Stages of the row ring (< kMinStages: it does not fit; the chunked pipeline runs instead).
-__host__ __device__ constexpr int sum_stages(int64_t row_bytes, int num_ranks) {
-  return kStageBudget / sum_stage_bytes(row_bytes, num_ranks) > kCommWarps - 1
+__host__ __device__ constexpr int sum_stages(int64_t row_bytes, int num_ranks, int num_topk) {
+  return kStageBudget / sum_stage_bytes(row_bytes, num_ranks, num_topk) > kCommWarps - 1
              ? kCommWarps - 1
-             : static_cast<int>(kStageBudget / sum_stage_bytes(row_bytes, num_ranks));
+             : static_cast<int>(kStageBudget / sum_stage_bytes(row_bytes, num_ranks, num_topk));
 }
 
 struct SumRing {
   uint64_t full[kMaxStages];
   uint64_t empty[kMaxStages];
-  uint64_t src[kMetaRing][kMaxRanks];  // term rows, ascending owner rank
-  uint32_t peer[kMetaRing];            // bit q: term q is a peer's (it sits in the stage)
+  // Owner rank of each term, ascending (a token's owners, at most num_topk): the term's row is
+  // that rank's partial of the token (8 bits each: 64-bit addresses for kMaxTopk terms would
+  // push the block past its shared memory beside the stages).
+  uint8_t owner[kMetaRing][kMaxTopk];
+  uint32_t peer[kMetaRing];  // bit q: term q is a peer's (it sits in the stage)
   int32_t n[kMetaRing];
   int32_t token[kMetaRing];
 };
@@ -408,10 +413,16 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
   const int64_t slot_bytes = align128(rb);
-  const int64_t stage_bytes = sum_stage_bytes(rb, p.num_ranks);
+  const int64_t stage_bytes = sum_stage_bytes(rb, p.num_ranks, p.num_topk);
   const int items = block_items(p.num_tokens);
   const bool has_shared = (p.flags & kFlagHasShared) != 0;
   const bool fp32 = (p.flags & kFlagSharedFp32) != 0;
+  static_assert(kMaxRanks <= 256, "SumRing::owner holds ranks in 8 bits");
+  // Term k of ring slot `slot`: its owner's partial row of the slot's token.
+  auto term_row = [&](int slot, int k) -> const uint8_t* {
+    const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + ring.token[slot];
+    return c.sym(ring.owner[slot][k], p.off_partials) + prow * rb;
+  };
   ring_barriers_init<true>(ring, stages);
   if (warp == 0) {
     // Ring invariant as in tma_reduce_rows: batch b overwrites batch b - 2, whose items were
@@ -423,13 +434,12 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
       if (lane < kMetaBatch && it < items) {
         const int slot = it % kMetaRing;
         const int t = static_cast<int>(blockIdx.x) + it * static_cast<int>(gridDim.x);
-        const uint32_t mask = token_owner_mask(p, t);
-        const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + t;
+        const RankMask mask = token_owners(p, t);
         int n = 0;
-        uint32_t peer = 0;
+        uint32_t peer = 0;  // n <= num_topk <= 32 terms
         for (int d = 0; d < p.num_ranks; ++d) {
-          if (!((mask >> d) & 1u)) continue;
-          ring.src[slot][n] = reinterpret_cast<uint64_t>(c.sym(d, p.off_partials) + prow * rb);
+          if (!mask.has(d)) continue;
+          ring.owner[slot][n] = static_cast<uint8_t>(d);
           if (d != p.rank) peer |= 1u << n;
           ++n;
         }
@@ -451,8 +461,7 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
         // The local terms go to L2 now, so the consumer's loads of them do not wait on HBM.
         for (int k = 0; k < ring.n[slot]; ++k)
           if (!((peer >> k) & 1u))
-            bulk_prefetch_l2(reinterpret_cast<const void*>(ring.src[slot][k]),
-                             static_cast<uint32_t>(rb));
+            bulk_prefetch_l2(term_row(slot, k), static_cast<uint32_t>(rb));
         if (has_shared)
           bulk_prefetch_l2(static_cast<const uint8_t*>(p.in2) +
                                ring.token[slot] * rb * (fp32 ? 2 : 1),
@@ -464,9 +473,8 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
           int q = 0;
           for (int k = 0; k < ring.n[slot]; ++k) {
             if (!((peer >> k) & 1u)) continue;
-            bulk_load(smem + s * stage_bytes + q * slot_bytes,
-                      reinterpret_cast<const void*>(ring.src[slot][k]), static_cast<uint32_t>(rb),
-                      &ring.full[s]);
+            bulk_load(smem + s * stage_bytes + q * slot_bytes, term_row(slot, k),
+                      static_cast<uint32_t>(rb), &ring.full[s]);
             ++q;
           }
         }
@@ -489,7 +497,7 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
       const uint4* own = nullptr;
       int own_q = -1;
       for (int k = 0; k < n; ++k)
-        if (!((peer >> k) & 1u)) own = reinterpret_cast<const uint4*>(ring.src[slot][k]), own_q = k;
+        if (!((peer >> k) & 1u)) own = reinterpret_cast<const uint4*>(term_row(slot, k)), own_q = k;
       for (int c0 = 0; c0 < n16; c0 += 32 * kSumVecs) {
         OrderedSum8 acc[kSumVecs];
         uint4 ov[kSumVecs];

@@ -13,7 +13,7 @@ namespace mok {
 // in1: topk_weights [num_tokens, num_topk] fp32; in2: shared_y [num_tokens, hidden] or null;
 // in3: topk_idx [num_tokens, num_topk] int32 (dedup); out0: out [num_tokens, hidden] bf16.
 template <bool kDedup>
-__global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const Params p) {
+__global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   if (block_aborted(c)) return;
   // NOTE: my slots are free once this kernel runs: the previous reduce that read them is an
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const Params
 
 // in0: y [capacity, hidden] bf16 (staged into the symmetric y buffer if kFlagStage, else y
 // already lives there); in1, in2, out0 as combine_push_kernel.
-__global__ void __launch_bounds__(kCommThreads) combine_pull_kernel(const Params p) {
+__global__ void __launch_bounds__(kCommThreads) combine_pull_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   if (block_aborted(c)) return;
   if (p.flags & kFlagStage) {
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_pull_kernel(const Params
 
 // in0: y [capacity, hidden] bf16 (local). Fills my partials buffer for this epoch (family
 // "partials"), after every rank finished reading the previous epoch's partials.
-__global__ void __launch_bounds__(kCommThreads) dedup_partials_kernel(const Params p) {
+__global__ void __launch_bounds__(kCommThreads) dedup_partials_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   if (block_aborted(c)) return;
   if (!block_wait_all(c, kSigPartConsumed, static_cast<uint64_t>(p.epoch - 1))) return;
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kCommThreads) dedup_partials_kernel(const Para
 // in2: shared_y [num_tokens, hidden] (bf16 or fp32) or null; out0: out [num_tokens, hidden] bf16.
 // Reads every owner's partials of epoch p.epoch. NOTE: the owners may overwrite them once every
 // rank said "consumed", so only the last sum of an epoch says it (the others carry kFlagKeep).
-__global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p) {
+__global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   stamp(p, 0);
   if (block_aborted(c)) return;
@@ -114,16 +114,17 @@ __global__ void __launch_bounds__(kCommThreads) dedup_sum_kernel(const Params p)
   const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
   const bool has_shared = (p.flags & kFlagHasShared) != 0;
   const bool fp32 = (p.flags & kFlagSharedFp32) != 0;
-  const int slots = reduce_slots(p.num_ranks, has_shared);
-  const int gslots = gather_slots(p.num_ranks, has_shared, fp32);
+  const int terms = max_owner_terms(p.num_ranks, p.num_topk);
+  const int slots = reduce_slots(terms, has_shared);
+  const int gslots = gather_slots(terms, has_shared, fp32);
   if ((p.flags & kFlagGather) && gather_units(gslots) > 0)
     gather_sum_rows(c, gather_units(gslots), gslots);
   else if (p.flags & (kFlagVector | kFlagGather))
     warp_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, fp32);
-  else if (sum_stages(rb, p.num_ranks) >= kMinStages)
-    tma_sum_rows(c, sum_stages(rb, p.num_ranks), dyn_smem);
+  else if (sum_stages(rb, p.num_ranks, p.num_topk) >= kMinStages)
+    tma_sum_rows(c, sum_stages(rb, p.num_ranks, p.num_topk), dyn_smem);
   else
-    tma_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, p.num_ranks, has_shared, fp32,
+    tma_reduce_rows(DedupSumMeta{&c}, p.num_tokens, rb, terms, has_shared, fp32,
                     reduce_stages(rb, slots), dyn_smem);
   stamp(p, 2);
   if (last_block(c) && !(p.flags & kFlagKeep))

@@ -13,7 +13,7 @@ namespace mok {
 // epoch p.epoch (each of its blocks signals once; in0 = that dispatch's grid). Launched before
 // the caller writes the next tokens into the x buffer itself (no staging copy), so the write
 // cannot overtake a peer still pulling the previous ones.
-__global__ void __launch_bounds__(32) wait_x_free_kernel(const Params p) {
+__global__ void __launch_bounds__(32) wait_x_free_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   if (block_aborted(c)) return;
   const uint64_t grid = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p.in0));
@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(32) wait_x_free_kernel(const Params p) {
 // num_rows that hold no token), the rows a dispatch leaves as they were; the other rows are not
 // touched. So a dispatch into an uninitialised buffer plus this gives what a dispatch into a
 // zeroed one gives, for a fraction of the writes (the padding is a few % of the rows).
-__global__ void __launch_bounds__(kCommThreads) zero_padding_kernel(const Params p) {
+__global__ void __launch_bounds__(kCommThreads) zero_padding_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   if (block_aborted(c)) return;
   const int32_t* src_rank = p.sched + p.o_src_rank;
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kCommThreads) zero_padding_kernel(const Params
 
 // out0: receive buffer [capacity, row_bytes]; in0: x [num_tokens, row_bytes] (staged if
 // kFlagStage, else x already lives in the symmetric x buffer).
-__global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const Params p) {
+__global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   if (block_aborted(c)) return;
   if (!publish_x(c)) return;
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const Param
 }
 
 // Same operands as dispatch_pull_kernel.
-__global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const Params p) {
+__global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   stamp(p, 0);
   if (block_aborted(c)) return;
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const
 // in0: dedup buffer [>= num_dedup, row_bytes] (dispatch dedup_pull with kFlagNoFanout);
 // out0: receive buffer. Local only: every receive row gets its dedup row. kFlagSkipLocal: my
 // own dedup rows are read from my x buffer (which holds this epoch's tokens after the dispatch).
-__global__ void __launch_bounds__(kCommThreads) fanout_kernel(const Params p) {
+__global__ void __launch_bounds__(kCommThreads) fanout_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   if (block_aborted(c)) return;
   const int num_dedup = p.sched[p.o_meta + kMetaNumDedup];
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kCommThreads) fanout_kernel(const Params p) {
 
 // in0: x [num_tokens, row_bytes] (local); the receive buffers are the symmetric ones of every
 // rank (off_recv). Source side: each token row is read once and stored to its k receive rows.
-__global__ void __launch_bounds__(kCommThreads) dispatch_push_kernel(const Params p) {
+__global__ void __launch_bounds__(kCommThreads) dispatch_push_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   if (block_aborted(c)) return;
   // NOTE: my receive buffer is free once this kernel runs: its previous readers are earlier

@@ -60,12 +60,13 @@ int launch(int kind, const Params& params, int grid, void* stream_ptr) {
     case kKernelDedupSum: {
       const int64_t rb = static_cast<int64_t>(params.hidden) * 2;
       const bool has = (params.flags & kFlagHasShared) != 0;
-      const int slots = reduce_slots(params.num_ranks, has);
+      const int R = params.num_ranks, K = params.num_topk;
+      const int slots = reduce_slots(max_owner_terms(R, K), has);
       const int gslots =
-          gather_slots(params.num_ranks, has, (params.flags & kFlagSharedFp32) != 0);
+          gather_slots(max_owner_terms(R, K), has, (params.flags & kFlagSharedFp32) != 0);
       size_t smem = reduce_stages(rb, slots) * reduce_stage_bytes(rb, slots);
-      if (sum_stages(rb, params.num_ranks) >= kMinStages)
-        smem = sum_stages(rb, params.num_ranks) * sum_stage_bytes(rb, params.num_ranks);
+      if (sum_stages(rb, R, K) >= kMinStages)
+        smem = sum_stages(rb, R, K) * sum_stage_bytes(rb, R, K);
       if (params.flags & kFlagVector) smem = 0;
       if (params.flags & kFlagGather) smem = gather_units(gslots) > 0 ? gather_smem(gslots) : 0;
       e = launch_cooperative(dedup_sum_kernel, params, grid, kCommThreads, smem, stream);

@@ -12,7 +12,7 @@ namespace mok {
 // in0: topk_idx [num_tokens, num_topk] int32; in1: topk_weights [num_tokens, num_topk] fp32.
 // num_tokens may exceed max_tokens: then nothing is read and every rank reports the count.
 // Dynamic shared memory: kScheduleWarps * num_experts int32.
-__global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params p) {
+__global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid_constant__ Params p) {
   extern __shared__ int32_t smem[];
   const Ctx c(p);
   if (block_aborted(c)) return;
@@ -138,29 +138,36 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Params
   }
   if (!grid_sync(c)) return;
   int32_t* offsets = s + p.o_offsets;
-  if (gtid < R) {
-    const int d = gtid;
+  static_assert(kMaxRanks < kScheduleThreads, "block 0 takes one rank per thread, then one more");
+  if (blockIdx.x == 0) {  // thread d < R: rank d's offsets; thread R: the dedup total
+    __shared__ int lowest_over;
+    if (threadIdx.x == 0) lowest_over = R;
+    __syncthreads();
+    const int d = threadIdx.x;
     int run = 0;
     int overflow_at = -1;
-    offsets[d * (L + 1)] = 0;
-    for (int l = 0; l < L; ++l) {
-      int t = 0;
-      for (int r = 0; r < R; ++r) t += counts[(d * L + l) * R + r];
-      run += (t + p.row_tile - 1) / p.row_tile * p.row_tile;
-      offsets[d * (L + 1) + l + 1] = run;
-      if (run > p.capacity && overflow_at < 0) overflow_at = d * L + l;
+    if (d < R) {
+      offsets[d * (L + 1)] = 0;
+      for (int l = 0; l < L; ++l) {
+        int t = 0;
+        for (int r = 0; r < R; ++r) t += counts[(d * L + l) * R + r];
+        run += (t + p.row_tile - 1) / p.row_tile * p.row_tile;
+        offsets[d * (L + 1) + l + 1] = run;
+        if (run > p.capacity && overflow_at < 0) overflow_at = d * L + l;
+      }
+      if (d == me) meta[kMetaNumRows] = run;
+      if (overflow_at >= 0) atomicMin(&lowest_over, d);
+    } else if (d == R) {
+      int total = 0;
+      for (int r = 0; r < R; ++r) total += dcount[r];
+      meta[kMetaNumDedup] = total;
     }
-    if (d == me) meta[kMetaNumRows] = run;
+    __syncthreads();
     // NOTE: every rank checks every rank's capacity, so all ranks fail the same way instead of
     // one rank stopping and the others timing out; the lowest overflowing rank reports (the
-    // first recorded error wins, and these R threads are lanes 0..R-1 of one warp).
-    const unsigned over = __ballot_sync((1u << R) - 1u, overflow_at >= 0);
-    if (overflow_at >= 0 && d == __ffs(over) - 1)
+    // first recorded error wins).
+    if (d < R && overflow_at >= 0 && d == lowest_over)
       record_error(c, kErrCapacity, 0, d, run, p.capacity, overflow_at);
-  } else if (gtid == R) {
-    int total = 0;
-    for (int r = 0; r < R; ++r) total += dcount[r];
-    meta[kMetaNumDedup] = total;
   }
   if (!grid_sync(c)) return;
 

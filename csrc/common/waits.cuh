@@ -98,46 +98,46 @@ static __device__ __noinline__ bool wait_ge(const Ctx& c, const uint64_t* ptr, u
   }
 }
 
-// Thread 0 of the block waits for signal `kind` from every rank to reach `target`; the result is
-// broadcast to the block. Must be called by all threads of the block.
+// The block waits for signal `kind` from every rank to reach `target`, one thread per rank
+// (thread r waits for rank r, r + blockDim.x, ...: the waits overlap, so the block's wait does
+// not grow with the number of ranks); the result is broadcast to the block. Must be called by
+// all threads of the block.
 __device__ __forceinline__ bool block_wait_all(const Ctx& c, int kind, uint64_t target) {
   __shared__ int ok;
-  if (threadIdx.x == 0) {
-    ok = 1;
-    for (int r = 0; r < c.p.num_ranks && ok; ++r) {
-      if (!wait_ge(c, c.my_signal(kind, r), target, kind, r)) ok = 0;
-    }
-  }
-  // NOTE: thread 0's acquire plus this CTA barrier order every thread's later reads after the
-  // peers' releases (causality is transitive through the barrier).
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  for (int r = threadIdx.x; r < c.p.num_ranks; r += blockDim.x)
+    if (!wait_ge(c, c.my_signal(kind, r), target, kind, r)) ok = 0;
+  // NOTE: each waiting thread's acquire plus this CTA barrier order every thread's later reads
+  // after the peers' releases (causality is transitive through the barrier).
   __syncthreads();
   const bool result = ok != 0;
   __syncthreads();
   return result;
 }
 
-// Thread 0 raises signal `kind` on every rank (mine included) by one, after a system fence so
-// that this block's earlier stores (local and remote) are visible first.
+// The block raises signal `kind` on every rank (mine included) by one, one thread per rank,
+// after a system fence so that this block's earlier stores (local and remote) are visible first.
 __device__ __forceinline__ void block_signal_all(const Ctx& c, int kind) {
   // NOTE: every thread fences its own (possibly remote, still posted) stores at system scope
-  // before the barrier; a fence by thread 0 alone does not cover the other warps' NVLink writes.
+  // before the barrier; a fence by the signalling threads alone does not cover the other warps'
+  // NVLink writes.
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    for (int r = 0; r < c.p.num_ranks; ++r) red_add_release_sys(c.peer_signal(r, kind), 1);
-  }
+  if (threadIdx.x < c.p.num_ranks) __threadfence_system();
+  for (int r = threadIdx.x; r < c.p.num_ranks; r += blockDim.x)
+    red_add_release_sys(c.peer_signal(r, kind), 1);
 }
 
-// Thread 0 stores `value` into signal `kind` on every rank (mine included), after a system
-// fence; for monotone per-rank signals raised once per epoch (one block calls it).
+// The block stores `value` into signal `kind` on every rank (mine included), one thread per
+// rank, after a system fence; for monotone per-rank signals raised once per epoch (one block
+// calls it).
 __device__ __forceinline__ void block_store_all(const Ctx& c, int kind, uint64_t value) {
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    for (int r = 0; r < c.p.num_ranks; ++r) st_release_sys(c.peer_signal(r, kind), value);
-  }
+  if (threadIdx.x < c.p.num_ranks) __threadfence_system();
+  for (int r = threadIdx.x; r < c.p.num_ranks; r += blockDim.x)
+    st_release_sys(c.peer_signal(r, kind), value);
 }
 
 // Last block out: every block calls it once after its work (all threads). It is true in the

@@ -69,6 +69,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <new>
 
 #include "common/rows.cuh"
 #include "common/waits.cuh"
@@ -331,7 +332,11 @@ __device__ __forceinline__ void peers_acquire(const Ctx& c, int kind) {
 }
 
 __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, const Ctx& c) {
-  const FusedTasks t(f);
+  // NOTE: in shared memory: in registers the numbering and the peers' state pushed this one
+  // thread into local-memory spills
+  __shared__ __align__(8) char task_words[sizeof(FusedTasks)];
+  new (task_words) FusedTasks(f);
+  const FusedTasks& t = *reinterpret_cast<const FusedTasks*>(task_words);
   const SwigluBwdKernelArgs& k = f.dh;
   const FusedCounters cnt(f);
   const bool deps = (f.run & kBwdRunDh) != 0;

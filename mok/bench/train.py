@@ -129,7 +129,10 @@ from mok.bench.train_layers import (  # noqa: F401 - swiglu, shared_expert: this
 )
 from mok.experts import clear_cache
 from mok.ranks import shared_gpu
-from mok.spec.limits import nearest_ep_sizes  # noqa: F401 - this module's API too
+from mok.spec.limits import (
+    nearest_ep_sizes,  # noqa: F401 - this module's API too
+    rank_count_problem,
+)
 from mok.spec.rows import bench_routing_seed
 from mok.spec.workload import ModelShape, get_shape
 
@@ -566,6 +569,9 @@ def resolve_args(ap, args, world: int, shared: bool) -> argparse.Namespace:
         args.emulate_ep, args.skews = 1, "uniform"
     emulate_ep = (2 if args.emulate_ep is None else args.emulate_ep) if world == 1 else 0
     ep = world if world > 1 else emulate_ep
+    ranks = rank_count_problem(ep) if ep > 1 else None
+    if ranks:
+        ap.error(ranks)
     for model in args.models.split(","):
         try:
             num = get_shape(model).num_experts

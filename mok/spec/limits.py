@@ -1,4 +1,4 @@
-"""What the fused layer kernel supports, written once.
+"""What mok's kernels support (ranks, the fused layer's shapes and modes), written once.
 
 The tile sizes mirror ``csrc/layer/sm90_gemm.cuh`` (``kTileM`` receive rows per GEMM block,
 ``kTileN`` output columns of the down projection, half of it SwiGLU columns per gate/up tile); a
@@ -20,10 +20,12 @@ __all__ = [
     "FUSED_DISPATCH_MODES",
     "FUSED_COMBINE_MODES",
     "FUSED_DTYPES",
+    "MAX_RANKS",
     "TMA_MIN_ROW_BYTES",
     "config_problems",
     "expert_split_problem",
     "nearest_ep_sizes",
+    "rank_count_problem",
     "expert_problems",
     "shape_problems",
     "why_unsupported",
@@ -39,6 +41,10 @@ FUSED_ROW_TILES = (64, 128)
 FUSED_DISPATCH_MODES = ("pull", "dedup_pull")
 FUSED_COMBINE_MODES = ("push",)
 FUSED_DTYPES = ("bf16",)
+
+# Ranks of one expert-parallel group: one NVLink domain, up to an NVL72 rack (csrc/params.h
+# kMaxRanks, which sizes the kernels' per-rank arrays; a CPU test compares the two).
+MAX_RANKS = 72
 
 # Rows of at least this many bytes move faster through the bulk-copy (TMA) rings; smaller rows
 # make their single issuing thread the limit, and 16-byte vector loads win (docs/perf-notes.md
@@ -124,11 +130,21 @@ def expert_problems(num_local_experts: int) -> list[str]:
 
 def nearest_ep_sizes(num_experts: int, ep: int) -> list[int]:
     """The EP sizes nearest ``ep`` (one below, one above, where they exist) whose ranks split
-    ``num_experts`` evenly."""
-    fits = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+    ``num_experts`` evenly and that mok's kernels run (at most :data:`MAX_RANKS`)."""
+    fits = [d for d in range(1, min(num_experts, MAX_RANKS) + 1) if num_experts % d == 0]
     below = [d for d in fits if d < ep][-1:]
     above = [d for d in fits if d > ep][:1]
     return below + above
+
+
+def rank_count_problem(num_ranks: int) -> str | None:
+    """Why mok's kernels cannot run ``num_ranks`` ranks (None: they can)."""
+    if 1 <= num_ranks <= MAX_RANKS:
+        return None
+    return (
+        f"mok's NVLink kernels support 1 to {MAX_RANKS} ranks (one NVLink domain, up to an NVL72 "
+        f"rack); found {num_ranks}"
+    )
 
 
 def expert_split_problem(num_experts: int, num_ranks: int) -> str | None:
