@@ -44,6 +44,27 @@ def test_training_on_shared_gpu_ranks(nproc):
     _train(nproc, *TRAIN_ARGS[nproc])
 
 
+# Above eight ranks (an NVL72 rack's EP sizes): a tiny 64-expert layer, every rank on GPU 0.
+WIDE_EP_SIZES = [16, 32, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("nproc", WIDE_EP_SIZES)
+def test_training_above_eight_ranks_on_shared_gpu(nproc):
+    """Forward and backward (unfused, dedup, fused, the backward's transfers in its launch)
+    against the reference and bitwise against EP1; bad routing on one rank."""
+    _train(nproc, "--wide")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_missing_peer_above_eight_ranks_raises_timeout_on_shared_gpu():
+    out = _train(16, "--timeout", "--wide")
+    for how in ("kernels", "in-launch"):
+        assert f"rank 0 ({how}) raised after" in out, out[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
 def test_training_missing_peer_raises_timeout_on_shared_gpu():
