@@ -16,13 +16,13 @@ constexpr int kNumSignals = 20;
 enum Signal : int {
   kSigRoute = 0,        // peer wrote its routing into my route buffer
   kSigXReady = 1,       // peer's x buffer holds this epoch's tokens
-  kSigXConsumed = 2,    // peer finished reading my x buffer (per block)
+  kSigXConsumed = 2,    // peer finished reading my x buffer (its last block stores the epoch)
   kSigRecvFree = 3,     // peer's receive buffer may be pushed into
-  kSigRecvFilled = 4,   // peer finished pushing into my receive buffer (per block)
+  kSigRecvFilled = 4,   // peer finished pushing into my receive buffer (epoch, last block)
   kSigSlotsFree = 5,    // peer's combine slots may be pushed into
-  kSigSlotsFilled = 6,  // peer finished pushing into my combine slots (per block)
+  kSigSlotsFilled = 6,  // peer finished pushing into my combine slots (epoch, last block)
   kSigYReady = 7,       // peer's expert-output buffer holds this epoch's rows
-  kSigYConsumed = 8,    // peer finished reading my expert-output buffer (per block)
+  kSigYConsumed = 8,    // peer finished reading my expert-output buffer (epoch, last block)
   kSigPartReady = 9,    // peer's dedup partials buffer holds epoch <value> (stored, not added)
   kSigPartConsumed = 10,  // peer finished reading my partials of epoch <value> (stored)
   // The fused layer (layer/sm90_fwd.cuh) counts its own epochs, so it has its own signals.

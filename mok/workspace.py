@@ -339,9 +339,7 @@ class Workspace:
                 :class:`mok.MoKTimeoutError`.
         """
         self.raise_if_failed()
-        p = self.params("x")
-        p.in0 = self.config.num_comm_sms
-        self.launch("wait_x_free", p, 1)
+        self.launch("wait_x_free", self.params("x"), 1)
 
     def sched_view(self, name: str, length: int) -> torch.Tensor:
         off = self.sched_off[name]

@@ -333,9 +333,10 @@ def test_wait_x_free_waits_for_the_last_pull_dispatch(fake_group, monkeypatch): 
     seen = []
     monkeypatch.setattr(ws, "stream", lambda: 0)
     monkeypatch.setattr(ws, "raise_if_failed", lambda: None)
-    monkeypatch.setattr(ws, "launch", lambda kind, p, grid: seen.append((kind, p.epoch, p.in0)))
+    monkeypatch.setattr(ws, "launch", lambda kind, p, grid: seen.append((kind, p.epoch, grid)))
     x = torch.zeros(64, H, dtype=torch.bfloat16)
     for _ in range(2):
         ops.dispatch(x, ws.sched, x, ws.id, "pull")
     ws.wait_x_free()
-    assert seen[-1] == ("wait_x_free", 2, 12)  # epoch 2, 12 signalling blocks per peer
+    # the last dispatch's epoch (its last block stores it into every peer's signal), one block
+    assert seen[-1] == ("wait_x_free", 2, 1)

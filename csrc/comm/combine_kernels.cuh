@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const __grid
       __syncwarp();
     }
   }
-  block_signal_all(c, kSigSlotsFilled);
-  if (!block_wait_all(c, kSigSlotsFilled, static_cast<uint64_t>(p.epoch) * gridDim.x)) return;
+  grid_signal_all(c, kSigSlotsFilled);
+  if (!block_wait_all(c, kSigSlotsFilled, static_cast<uint64_t>(p.epoch))) return;
   __shared__ WarpTerms terms;
   reduce_tokens(c, kDedup ? 1 : 0, terms);
 }
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_pull_kernel(const __grid
   const Ctx c(p);
   if (block_aborted(c)) return;
   if (p.flags & kFlagStage) {
-    if (!block_wait_all(c, kSigYConsumed, static_cast<uint64_t>(p.epoch - 1) * gridDim.x))
+    if (!block_wait_all(c, kSigYConsumed, static_cast<uint64_t>(p.epoch - 1)))
       return;
     const int num_rows = p.sched[p.o_meta + kMetaNumRows];
     grid_copy(c.sym(p.rank, p.off_y), p.in0, static_cast<int64_t>(num_rows) * p.hidden * 2);
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_pull_kernel(const __grid
   if (!block_wait_all(c, kSigYReady, static_cast<uint64_t>(p.epoch))) return;
   __shared__ WarpTerms terms;
   reduce_tokens(c, 2, terms);
-  block_signal_all(c, kSigYConsumed);
+  grid_signal_all(c, kSigYConsumed);
 }
 
 // in0: y [capacity, hidden] bf16 (local). Fills my partials buffer for this epoch (family

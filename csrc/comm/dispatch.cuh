@@ -149,8 +149,7 @@ struct FanoutMeta {
 __device__ __forceinline__ bool publish_x(const Ctx& c) {
   const Params& p = c.p;
   if (p.flags & kFlagStage) {
-    if (!block_wait_all(c, kSigXConsumed, static_cast<uint64_t>(p.epoch - 1) * gridDim.x))
-      return false;
+    if (!block_wait_all(c, kSigXConsumed, static_cast<uint64_t>(p.epoch - 1))) return false;
     grid_copy(c.sym(p.rank, p.off_x), p.in0, p.row_bytes * p.num_tokens);
     if (!grid_sync(c)) return false;
   }

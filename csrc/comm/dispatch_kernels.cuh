@@ -10,14 +10,13 @@
 namespace mok {
 
 // One block: returns once every peer finished reading my x buffer in the pull dispatch of
-// epoch p.epoch (each of its blocks signals once; in0 = that dispatch's grid). Launched before
-// the caller writes the next tokens into the x buffer itself (no staging copy), so the write
-// cannot overtake a peer still pulling the previous ones.
+// epoch p.epoch (its last block stores the epoch). Launched before the caller writes the next
+// tokens into the x buffer itself (no staging copy), so the write cannot overtake a peer still
+// pulling the previous ones.
 __global__ void __launch_bounds__(32) wait_x_free_kernel(const __grid_constant__ Params p) {
   const Ctx c(p);
   if (block_aborted(c)) return;
-  const uint64_t grid = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p.in0));
-  block_wait_all(c, kSigXConsumed, static_cast<uint64_t>(p.epoch) * grid);
+  block_wait_all(c, kSigXConsumed, static_cast<uint64_t>(p.epoch));
 }
 
 // out0: a receive buffer [capacity, row_bytes]: zeros into its padding rows (rows before
@@ -66,7 +65,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const __gri
                            stages, dyn_smem);
       raise_ready(c, mb);
     }
-    block_signal_all(c, kSigXConsumed);
+    grid_signal_all(c, kSigXConsumed);
     return;
   }
   for (int mb = 0; mb < p.num_minibatches; ++mb) {
@@ -80,7 +79,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_pull_kernel(const __gri
     }
     raise_ready(c, mb);
   }
-  block_signal_all(c, kSigXConsumed);
+  grid_signal_all(c, kSigXConsumed);
 }
 
 // Same operands as dispatch_pull_kernel.
@@ -141,7 +140,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_dedup_pull_kernel(const
   // Receive rows of a token span all expert regions: every minibatch is complete only now.
   if (fan)
     for (int mb = 0; mb < p.num_minibatches; ++mb) raise_ready(c, mb);
-  block_signal_all(c, kSigXConsumed);
+  grid_signal_all(c, kSigXConsumed);
   stamp(p, 3);
 }
 
@@ -201,8 +200,8 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_push_kernel(const __gri
     const uint64_t dst = reinterpret_cast<uint64_t>(c.sym(d, p.off_recv) + pos * p.row_bytes);
     warp_fan_row(dst, K, reinterpret_cast<const int4*>(x + t * p.row_bytes), n16, lane);
   }
-  block_signal_all(c, kSigRecvFilled);
-  if (!block_wait_all(c, kSigRecvFilled, static_cast<uint64_t>(p.epoch) * gridDim.x)) return;
+  grid_signal_all(c, kSigRecvFilled);
+  if (!block_wait_all(c, kSigRecvFilled, static_cast<uint64_t>(p.epoch))) return;
   for (int mb = 0; mb < p.num_minibatches; ++mb) raise_ready(c, mb);
 }
 

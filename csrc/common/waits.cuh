@@ -160,6 +160,14 @@ static __device__ __noinline__ bool last_block(const Ctx& c) {
   return last != 0;
 }
 
+// Every block of the grid calls it once after its work (all threads): the last block to arrive
+// stores the call's epoch into signal `kind` on every rank. One remote store per rank and call,
+// whatever the grid (a signal raised by every block would cost blocks x ranks remote atomics);
+// its waiters wait for the epoch itself.
+__device__ __forceinline__ void grid_signal_all(const Ctx& c, int kind) {
+  if (last_block(c)) block_store_all(c, kind, static_cast<uint64_t>(c.p.epoch));
+}
+
 // Self-resetting grid barrier (all blocks co-resident: the launch is cooperative). False when the
 // workspace aborted or the barrier timed out.
 static __device__ __noinline__ bool grid_sync(const Ctx& c) {
