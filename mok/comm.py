@@ -90,7 +90,7 @@ def dispatch(
         The receive buffer [capacity, hidden] in the workspace dtype (a workspace view, valid
         until the next dispatch): rows ``offsets[l]..offsets[l] + tokens_per_expert[l]`` hold
         local expert l's tokens in schedule order; padding rows and rows past ``num_rows`` are
-        unspecified. With ``fan_out=False``, the dedup buffer [num_ranks * max_tokens, hidden]
+        unspecified. With ``fan_out=False``, the dedup buffer [ws.dedup_rows, hidden]
         instead (a workspace buffer, valid until the next dispatch; row i = dedup row i, see
         ``schedule.dedup_src_rank`` / ``dedup_src_token``; rows past ``num_dedup_rows``
         unspecified).
@@ -144,7 +144,7 @@ def fanout(
     """Local fan-out of a dedup buffer into the expert-contiguous receive buffer.
 
     Args:
-        dedup: [num_ranks * max_tokens, hidden] in the workspace dtype: the dedup buffer that
+        dedup: [ws.dedup_rows, hidden] in the workspace dtype: the dedup buffer that
             ``dispatch(..., 'dedup_pull', fan_out=False)`` returned for ``schedule``.
         schedule: the :func:`build_schedule` of that dispatch.
         engine: ``tma``, ``vector`` or ``auto``, as for :func:`dispatch`.
@@ -166,8 +166,8 @@ def fanout(
     ws = schedule.ws
     ws._standalone("fan-out into a receive buffer of capacity rows")
     engine = _engine(ws, engine)
-    R, s = ws.num_ranks, ws.shapes
-    check_tensor("dedup", dedup, (R * s.max_tokens, s.hidden), (s.dtype,), ws.device)
+    s = ws.shapes
+    check_tensor("dedup", dedup, (ws.dedup_rows, s.hidden), (s.dtype,), ws.device)
     recv = ws.recv_buffer
     ops.fanout(dedup.contiguous(), ws.sched, recv, ws.id, engine, skip_local)
     return recv

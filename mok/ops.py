@@ -135,7 +135,7 @@ def dispatch(
     engine: str = "tma",
     skip_local: bool = False,
 ) -> None:
-    """``recv`` is the dedup buffer ([num_ranks * num_tokens, hidden]) when ``mode`` is
+    """``recv`` is the dedup buffer ([ws.dedup_rows, hidden]) when ``mode`` is
     ``dedup_pull`` and ``fan_out`` is False; ``skip_local`` leaves this rank's own rows out of
     it (they stay in the x buffer)."""
     ws = workspace_by_id(handle)
@@ -184,7 +184,7 @@ def _(x, sched, recv, handle, mode, fan_out=True, engine="tma", skip_local=False
 
 @_mok_op("mok::fanout", ("recv",))
 def fanout(
-    dedup: torch.Tensor,  # [num_ranks * num_tokens, hidden] dedup buffer
+    dedup: torch.Tensor,  # [ws.dedup_rows, hidden] dedup buffer
     sched: torch.Tensor,
     recv: torch.Tensor,  # [capacity, hidden] workspace receive buffer
     handle: int,

@@ -23,6 +23,7 @@ __all__ = [
     "Plan",
     "plan",
     "layout",
+    "dedup_rows",
     "default_max_tokens",
     "DEFAULT_MAX_TOKENS",
     "MIN_DEFAULT_TOKENS",
@@ -96,6 +97,14 @@ def layout(names_sizes: list[tuple[str, int]], align: int) -> tuple[dict[str, in
     return out, off
 
 
+def dedup_rows(num_ranks: int, max_tokens: int, capacity: int) -> int:
+    """Rows of the dedup dispatch's buffer: one per (source rank, token) with an expert on this
+    rank, so never more than the tokens of every rank nor than the receive rows (each such pair
+    has at least one receive row; the schedule checks the receive rows against the capacity
+    first)."""
+    return min(num_ranks * max_tokens, capacity)
+
+
 def plan(shapes: Shapes, config: MoKConfig, num_ranks: int, fused: bool = False) -> Plan:
     """The sizes of a workspace of ``shapes`` at ``num_ranks`` ranks (``fused``: of the fused
     layer alone: a receive buffer of the ring's rows, no expert-output buffer, no dedup
@@ -152,7 +161,8 @@ def plan(shapes: Shapes, config: MoKConfig, num_ranks: int, fused: bool = False)
         ("meta", _ext.META_WORDS),
         ("ready", num_minibatches),
     ]
-    dedup = 0 if fused else R * N * row_bytes
+    # one row per (source rank, token) with an expert here: never more than the receive rows
+    dedup = 0 if fused else dedup_rows(R, N, cap) * row_bytes
     return Plan(cap, num_chunks, num_minibatches, ring, sym, sched, dedup)
 
 

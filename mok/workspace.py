@@ -33,7 +33,7 @@ import torch
 from mok import _ext
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError, MoKUnsupportedError
 from mok.ranks import shared_gpu
-from mok.sizing import ALIGN, CHUNK_TOKENS, Shapes, default_max_tokens, plan
+from mok.sizing import ALIGN, CHUNK_TOKENS, Shapes, dedup_rows, default_max_tokens, plan
 from mok.sms import budget_sms, device_sms
 from mok.spec.config import MoKConfig
 from mok.spec.limits import expert_split_problem, rank_count_problem
@@ -290,17 +290,24 @@ class Workspace:
         return self.sym_view("partials", torch.bfloat16, (R * N, H))
 
     @property
+    def dedup_rows(self) -> int:
+        """Rows of the dedup buffer: ``min(num_ranks * max_tokens, capacity)``
+        (:func:`mok.sizing.dedup_rows`: a dedup row is a (source rank, token) with at least one
+        receive row here)."""
+        return dedup_rows(self.num_ranks, self.shapes.max_tokens, self.capacity)
+
+    @property
     def dedup_buffer(self) -> torch.Tensor:
         """Local buffer of the dedup dispatch without fan-out. Allocated on first use.
 
         Returns:
-            [num_ranks * max_tokens, hidden] in the workspace dtype (row i = dedup row i; rows
-            past num_dedup_rows unspecified): the same tensor on every access, held by the
-            workspace and rewritten by every dedup dispatch without fan-out.
+            [dedup_rows, hidden] in the workspace dtype (row i = dedup row i; rows past
+            num_dedup_rows unspecified): the same tensor on every access, held by the workspace
+            and rewritten by every dedup dispatch without fan-out.
         """
         if self._dedup_buffer is None:
-            R, N, H = self.num_ranks, self.shapes.max_tokens, self.shapes.hidden
-            self._dedup_buffer = torch.empty(R * N, H, dtype=self.shapes.dtype, device=self.device)
+            shape = (self.dedup_rows, self.shapes.hidden)
+            self._dedup_buffer = torch.empty(shape, dtype=self.shapes.dtype, device=self.device)
         return self._dedup_buffer
 
     def memory_report(self) -> dict[str, dict[str, int]]:

@@ -328,7 +328,8 @@ def test_workspace_layout_covers_every_rank(fake_group, num_ranks):
             assert getattr(p, f"o_{name}") == off
         # Views the Python API hands out span num_ranks * num_tokens rows.
         assert tuple(ws.partials_buffer.shape) == (num_ranks * N, H)
-        assert tuple(ws.dedup_buffer.shape) == (num_ranks * N, H)
+        # ... the dedup rows at most the receive rows (a dedup row has one there at least)
+        assert tuple(ws.dedup_buffer.shape) == (min(num_ranks * N, ws.capacity), H)
     assert len(fake_group.allocs) == (2 if num_ranks > 1 else 1)
 
 
