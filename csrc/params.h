@@ -29,7 +29,7 @@ enum Signal : int {
   kSigLayerXReady = 11,      // peer's x buffer holds this layer call's tokens (once per call)
   kSigLayerXConsumed = 12,   // peer finished reading my x buffer (per communication block)
   kSigLayerSlotsFree = 13,   // peer's combine slots may be pushed into (once per call)
-  kSigLayerSlotsFilled = 14, // peer finished pushing into my combine slots (per block)
+  kSigLayerSlotsFilled = 14, // peer finished pushing into my combine slots (epoch, last block)
   // The fused backward with peers (layer/sm90_bwd_fused.cuh): stored epochs of its own family.
   kSigBwdStaged = 15,       // peer's x / dy staging regions hold this call's rows
   kSigBwdSlotsFree = 16,    // peer's slots may be pushed into (raised at its launch's start)

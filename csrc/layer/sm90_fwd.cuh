@@ -37,8 +37,9 @@
 // the
 // communication blocks, whose own waits point backwards too, and tiles are claimed in order, so
 // every tile a claimed tile waits for is claimed already: the order cannot deadlock.
-// After its work every block raises the peers' slots-filled signal; then all blocks run the
-// fixed-order weighted sum of the combine (comm/combine.cuh reduce_tokens).
+// After its work every block counts itself done; the last one stores the call's epoch into every
+// rank's slots-filled signal; then all blocks wait for every rank's and run the fixed-order
+// weighted sum of the combine (comm/combine.cuh reduce_tokens).
 #pragma once
 
 #include <cuda.h>
@@ -686,9 +687,23 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
     }
   }
   if (!ok) return;
-  block_signal_all(c, kSigLayerSlotsFilled);
-  if (!block_wait_all(c, kSigLayerSlotsFilled, static_cast<uint64_t>(p.epoch) * gridDim.x))
-    return;
+  {
+    // The last block done stores the call's epoch into every rank's slots-filled signal (one
+    // remote store per rank and call, not one per block): each thread fences its pushes before
+    // the count, the last block after it (common/waits.cuh last_block's rule). NOTE: written out
+    // here: last_block / grid_signal_all, or a different wait target in layer_comm, make ptxas
+    // (nvcc 13.0) serialise the consumers' wgmma (C7511).
+    __threadfence_system();
+    uint32_t* count = reinterpret_cast<uint32_t*>(c.meta() + kMetaLastCount);
+    const int last = __syncthreads_or(threadIdx.x == 0 && atomicAdd(count, 1u) + 1 == gridDim.x);
+    if (last) {
+      if (threadIdx.x == 0) atomicExch(count, 0u);
+      __threadfence_system();
+      for (int r = threadIdx.x; r < p.num_ranks; r += blockDim.x)
+        st_release_sys(c.peer_signal(r, kSigLayerSlotsFilled), static_cast<uint64_t>(p.epoch));
+    }
+  }
+  if (!block_wait_all(c, kSigLayerSlotsFilled, static_cast<uint64_t>(p.epoch))) return;
   Tracer tr(a, 0);
   if (threadIdx.x == 0) tr.add(kEvSumStart, 0, 0);
   reduce_tokens(c, 0, *reinterpret_cast<WarpTerms*>(layer_smem));
