@@ -35,19 +35,19 @@ import torch
 import torch.distributed as dist
 
 from mok.bench.common import close_dist, init_dist, provenance, time_cuda_local
+from mok.bench.probe.args import MIB
+from mok.bench.probe.context import OUT_CODE, OUT_NS
 from mok.errors import MoKUnsupportedError
 from mok.ranks import shared_gpu
 
 __all__ = ["PairResult", "build_parser", "main", "slow_pairs", "tournament"]
 
-MIB = 1 << 20
 # A pair is reported slow below this share of the median bandwidth or above this multiple of
 # the median round trip.
 SLOW_BANDWIDTH = 0.7
 SLOW_ROUND_TRIP = 1.5
 _HEAD_WORDS = 512  # int64 words of the reachability pattern at the buffer's start
 _FLAG_BYTES = 128  # one flag per round, a line apart
-_OUT_NS, _OUT_CODE = 0, 1  # csrc/probe/probe.h OutField
 
 
 def tournament(num_ranks: int) -> list[list[tuple[int, int]]]:
@@ -82,11 +82,18 @@ class PairResult(dict):
     )  # fmt: skip
 
 
+def _figures(rows: list[dict]) -> tuple[list[float], list[float]]:
+    """(the slower direction's bandwidth of every pair whose copies were right, every round
+    trip that came back)."""
+    bws = [min(r["gbps_a_from_b"], r["gbps_b_from_a"]) for r in rows if r["copy_ok"]]
+    rts = [r["round_trip_us"] for r in rows if r["round_trip_us"] is not None]
+    return bws, rts
+
+
 def slow_pairs(rows: list[dict]) -> list[tuple[dict, str]]:
     """The pairs whose bandwidth (the slower direction) is below ``SLOW_BANDWIDTH`` of the
     median, or whose round trip is above ``SLOW_ROUND_TRIP`` of the median, with why."""
-    bws = [min(r["gbps_a_from_b"], r["gbps_b_from_a"]) for r in rows if r["copy_ok"]]
-    rts = [r["round_trip_us"] for r in rows if r["round_trip_us"] is not None]
+    bws, rts = _figures(rows)
     med_bw = statistics.median(bws) if bws else 0.0
     med_rt = statistics.median(rts) if rts else 0.0
     slow = []
@@ -159,9 +166,9 @@ def _round_trip(ext, mine: int, theirs: int, ping: bool, iters: int, timeout_ns:
     if err:
         raise MoKUnsupportedError(f"preflight: the ping-pong kernel failed to launch (error {err})")
     torch.cuda.synchronize()
-    if out[_OUT_CODE].item():
+    if out[OUT_CODE].item():
         return None
-    return out[_OUT_NS].item() / iters / 1e3 if ping else 0.0
+    return out[OUT_NS].item() / iters / 1e3 if ping else 0.0
 
 
 def _measure(a: argparse.Namespace, dev) -> list[dict]:
@@ -258,8 +265,7 @@ def _report(rows: list[dict], shared: bool) -> int:
     slow = slow_pairs(rows)
     for r, why in slow:
         print(f"slow pair {r['rank_a']}-{r['rank_b']}: {why}")
-    ok_bw = [min(r["gbps_a_from_b"], r["gbps_b_from_a"]) for r in rows if r["copy_ok"]]
-    rts = [r["round_trip_us"] for r in rows if r["round_trip_us"] is not None]
+    ok_bw, rts = _figures(rows)
     if ok_bw and rts:
         print(
             f"{len(rows)} pairs: {bad} failed, {len(slow)} slow; pull bandwidth min / median "
