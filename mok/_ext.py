@@ -98,6 +98,23 @@ SIGNALS = [
     "bwd_slots_free",
     "bwd_slots_filled",
 ]
+# Signals whose raiser stores an epoch (the others are added to, one per event; see
+# csrc/common/waits.cuh: grid_signal_all, block_store_all and the direct st_release_sys stores).
+STORED_SIGNALS = frozenset(
+    SIGNALS.index(n)
+    for n in (
+        "x_consumed",
+        "recv_filled",
+        "slots_filled",
+        "y_consumed",
+        "partials_ready",
+        "partials_consumed",
+        "layer_slots_filled",
+        "bwd_staged",
+        "bwd_slots_free",
+        "bwd_slots_filled",
+    )
+)
 WAIT_GRID_BARRIER = 100
 # Waits on local counters of the fused layer (csrc/params.h WaitId).
 LOCAL_WAITS = {

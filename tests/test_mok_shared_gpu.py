@@ -6,8 +6,11 @@ test_mok_layer_gpu.py, and the training ones below)."""
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 
+from mok.bench import signals
 from tests.dist.launch import skip_unless_gpus, torchrun
 
 EP_SIZES = [2, 4, 8]
@@ -90,6 +93,22 @@ def test_preflight_checks_every_pair_on_shared_gpu_ranks(nproc):
     pairs = nproc * (nproc - 1) // 2
     assert f"{pairs} pairs: 0 failed" in out, out[-3000:]
     assert "not NVLink's" in out, out[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_signal_counts_on_shared_gpu_ranks(nproc, tmp_path):
+    """Every path's flags counted: each all-rank handshake brings a flag from every peer."""
+    out = torchrun("signals_worker.py", nproc, "MOK-SIGNALS-OK", "--csv", str(tmp_path / "s.csv"),
+                   timeout=600, shared_gpu=True)  # fmt: skip
+    with open(tmp_path / "s.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["path"] for r in rows] == list(signals.PATHS), out[-3000:]
+    for r in rows:
+        assert int(r["ep"]) == nproc and int(r["handshakes"]) >= 1, r
+        assert float(r["remote_flags_min"]) >= (nproc - 1) * int(r["handshakes"]), r
+        assert float(r["own_flags"]) >= int(r["handshakes"]), r
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@ routed experts' GEMM pieces of that step, each alone, mok's kernels vs torch's. 
 05's small MoE language model trained at EP = the torchrun world size (one CSV row of loss per
 step; ``MOK_SHARED_GPU=1`` puts every rank on one GPU; runs on CPU too, through the reference
 layer). preflight: every pair of ranks checked before a run (NVLink-reachable, copy bandwidth,
-flag round trip; exit status 1 when a pair fails).
+flag round trip; exit status 1 when a pair fails). signals: the flag operations one call of
+each path sends between ranks, counted on the signal pad (EP2 .. EP64 on ranks sharing one GPU).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import sys
 
 from mok.ranks import SHARED_GPU_ENV, shared_gpu
 
-COMMANDS = ("comm", "layer", "sweep", "probe", "train", "experts", "lm", "preflight")
+COMMANDS = ("comm", "layer", "sweep", "probe", "train", "experts", "lm", "preflight", "signals")
 # What runs on ranks that share a GPU (MOK_SHARED_GPU=1): train (a labelled smoke test), lm
-# (losses) and preflight (its checks; its timings labelled). The others' rows are timings of
+# (losses), preflight (its checks; its timings labelled) and signals (its counts; its timings
+# labelled). The others' rows are timings of
 # NVLink or of a whole GPU, which shared ranks are not.
-SHARED_GPU_COMMANDS = ("train", "lm", "preflight")
+SHARED_GPU_COMMANDS = ("train", "lm", "preflight", "signals")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(
             "usage: torchrun --nproc-per-node=N -m mok.bench "
-            "{comm,layer,sweep,probe,train,lm,preflight} [--help]\n"
+            "{comm,layer,sweep,probe,train,lm,preflight,signals} [--help]\n"
             "       python -m mok.bench {train,experts,lm} [--help]",
             file=sys.stderr,
         )
@@ -67,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from mok.bench import preflight
 
         return preflight.main(argv[1:])
+    if argv[0] == "signals":
+        from mok.bench import signals
+
+        return signals.main(argv[1:])
     if argv[0] == "experts":
         from mok.bench import experts
 
