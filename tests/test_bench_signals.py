@@ -34,7 +34,7 @@ def test_added_kinds_count_their_increase_and_stored_ones_once_per_call():
     c = count_flags(a, b, me, ranks, calls)
     assert c.own == 5 + 1
     assert c.remote == (ranks - 1) * (5 + 1)
-    assert c.handshakes == 2
+    assert c.handshakes == 2 and c.kinds == ("layer_x_consumed", "layer_slots_filled")
 
 
 def test_a_kind_not_every_rank_raised_is_no_handshake_and_entries_past_the_ranks_are_ignored():

@@ -46,11 +46,13 @@ PATHS: dict[str, tuple[dict, bool, bool]] = {
 @dataclasses.dataclass(frozen=True)
 class FlagCount:
     """Flags one rank received per call: from the other ranks (``remote``, each crossed the
-    link), from itself (``own``), and the kinds raised by every rank (``handshakes``)."""
+    link), from itself (``own``), and the kinds raised by every rank (``handshakes``, named in
+    ``kinds``)."""
 
     remote: float
     own: float
     handshakes: int
+    kinds: tuple[str, ...] = ()
 
 
 def count_flags(before: torch.Tensor, after: torch.Tensor, rank: int, ranks: int,
@@ -65,8 +67,9 @@ def count_flags(before: torch.Tensor, after: torch.Tensor, rank: int, ranks: int
     per_call = torch.where(stored[:, None], moved.to(torch.float64), delta / calls)
     own = float(per_call[:, rank].sum())
     remote = float(per_call.sum()) - own
-    handshakes = int(moved.all(dim=1).sum())
-    return FlagCount(remote, own, handshakes)
+    every = moved.all(dim=1).tolist()
+    kinds = tuple(n for n, e in zip(_ext.SIGNALS, every, strict=False) if e)
+    return FlagCount(remote, own, len(kinds), kinds)
 
 
 class SignalRecorder(OneGpuRecorder):
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         remote, own, hs = max_over_ranks([count.remote, count.own, count.handshakes])
         low = -max_over_ranks([-count.remote])[0]
         rec.add(ep=ranks, path=path, remote_flags=remote, remote_flags_min=low, own_flags=own,
-                handshakes=int(hs), median_us=us, shared_gpu=int(shared_gpu()),
-                tokens=args.tokens, calls=args.calls)  # fmt: skip
+                handshakes=int(hs), kinds="+".join(count.kinds), median_us=us,
+                shared_gpu=int(shared_gpu()), tokens=args.tokens, calls=args.calls)  # fmt: skip
     rec.write()
     return close_dist()
