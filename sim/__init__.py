@@ -49,7 +49,8 @@ on first use, so that importing one module (say :mod:`sim.measured`) does not lo
 
 The model, per layer forward:
 
-1. a schedule phase (counts all-gather + prefix sums; ``schedule_base_us`` + two remote flags);
+1. a schedule phase (counts all-gather + prefix sums; ``schedule_base_us`` + two all-rank
+   handshakes);
 2. each rank's compute SMs run, in order, the shared expert (overlapping the first dispatch), the
    expert FFN of each minibatch (gate+up GEMM with fused SwiGLU, GPU-scope handoff, down GEMM;
    128 x N tiles, ``ceil(tiles / compute SMs)`` waves, partial waves cost full ones), and the

@@ -299,9 +299,11 @@ def test_signalling_sensitivity_runs_on_a_tiny_grid(tmp_path):
         "pull/pull",
     }
     by = {(r["value"], r["mode"]): r["layer_us"] for r in rows}
-    # jitter delays push completions only: pull/pull (no push flag with jitter) does not move
-    assert by[(1.0, "pull/pull")] == by[(0.0, "pull/pull")]
-    assert by[(1.0, "push/push")] > by[(0.0, "push/push")]
+    # jitter delays push completions and the schedule's two all-rank handshakes: pull/pull (no
+    # push flag) moves by the handshakes' share alone, less than push/push
+    pull = by[(1.0, "pull/pull")] - by[(0.0, "pull/pull")]
+    push = by[(1.0, "push/push")] - by[(0.0, "push/push")]
+    assert 0 < pull < push
     fig = signalling_sensitivity(rows)
     assert len(fig.axes) == 2
     out = write_signalling_sensitivity(
@@ -315,3 +317,20 @@ def test_signalling_sensitivity_runs_on_a_tiny_grid(tmp_path):
         "fence_inflight_kib",
         "jitter_us",
     }
+
+
+def test_an_all_rank_handshake_grows_with_the_rank_count():
+    """The flag's latency, one sweep per 32 flags and the latest of R - 1 jitters: EP64 pays
+    two sweeps and about H_63 x the jitter mean more than EP2; no jitter at one rank."""
+    from sim.core.topology import get_topology
+    from sim.core.transfer import TransferBuilder
+
+    topo = get_topology("gb300-nvl72")
+    us = {n: TransferBuilder(topo, n, 0.5, "round").handshake_us(0) for n in (1, 2, 64)}
+    b1 = TransferBuilder(topo, 1, 0.5, "round")
+    assert us[1] == pytest.approx(b1.flag_remote + b1.poll_us(1))
+    assert us[1] < us[2] < us[64]
+    sig, load = topo.gpu.signalling, topo.gpu.local_load_latency_us
+    sweeps = (64 + sig.flag_poll_lanes - 1) // sig.flag_poll_lanes
+    late = us[64] - b1.flag_remote - sweeps * load
+    assert 0 < late < 20 * sig.completion_jitter_us  # the max of 63 exponentials (mean ~4.7x)

@@ -51,6 +51,8 @@ __all__ = ["Rates", "TransferBuilder", "COUPLING"]
 # what one flow of a transfer is, per mechanism, at flow_granularity "round" ("peer": one flow per
 # peer for both)
 COUPLING = {"push": "sender", "pull": "receiver"}
+# completion-jitter tags of the all-rank handshakes (the policies use 0 and 1)
+HANDSHAKE_TAG = 100
 
 
 _NO_EFF = np.empty(0)
@@ -327,6 +329,16 @@ class TransferBuilder:
     def poll_us(self, num_flags: int) -> float:
         """A receiver's sweep over ``num_flags`` completion flags (local loads)."""
         return self.signalling.poll_us(num_flags, self.gpu.local_load_latency_us)
+
+    def handshake_us(self, tag: int) -> float:
+        """One all-rank handshake of the kernels: every rank raises a flag on every rank and
+        waits for the last (``python -m mok.bench signals`` names them per call; two come before
+        a call's first row moves: the routing exchange and x ready). The flag's one-way latency,
+        the waiting block's sweep over the ``num_ranks`` flags (:meth:`poll_us`) and the latest
+        of the other ranks' completion jitters (seeded by ``tag``)."""
+        n = self.num_ranks
+        late = self.completion_jitter(HANDSHAKE_TAG + tag, (n - 1,)).max() if n > 1 else 0.0
+        return self.flag_remote + self.poll_us(n) + float(late)
 
     @property
     def jitter_seed(self) -> int:

@@ -421,7 +421,8 @@ class LayerBuilder(TransferBuilder):
         rows_per_rank = self.wl.tokens_per_rank * self.shape.num_topk
         self.sched = g.delay(
             cfg.schedule_base_us
-            + 2 * self.flag_remote
+            + self.handshake_us(0)  # the routing exchange
+            + self.handshake_us(1)  # x ready: the first rows may move
             + rows_per_rank * cfg.schedule_ns_per_row / 1e3,
             [],
             -1,
