@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--experts-per-rank", type=int, default=1)
     ap.add_argument("--calls", type=int, default=8, help="counted and timed calls per path")
     ap.add_argument("--comm-sms", type=int, default=2, help="communication SMs of each rank")
-    ap.add_argument("--timeout-ms", type=float, default=120_000.0,
-                    help="every wait's bound (shared-GPU ranks time-slice the GPU)")  # fmt: skip
+    ap.add_argument("--timeout-ms", type=float, default=None,
+                    help="every wait's bound (default 60 s per 8 ranks: shared-GPU ranks "
+                    "time-slice the GPU, so a hop waits for the peers' slices)")  # fmt: skip
     ap.add_argument("--csv", default=None, help="rows of every path (rank 0 writes)")
     return ap
 
@@ -132,7 +133,8 @@ def _step(args, path: str, dev):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16).to(dev)
     fields, fused, train = PATHS[path]
-    cfg = mok.MoKConfig(num_comm_sms=args.comm_sms, wait_timeout_ms=args.timeout_ms, **fields)
+    bound = args.timeout_ms or 60_000.0 * max(1, ranks // 8)
+    cfg = mok.MoKConfig(num_comm_sms=args.comm_sms, wait_timeout_ms=bound, **fields)
 
     def forward():
         with torch.no_grad():
