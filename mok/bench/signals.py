@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--topk", type=int, default=4)
-    ap.add_argument("--experts-per-rank", type=int, default=1)
+    ap.add_argument("--experts-per-rank", type=int, default=None,
+                    help="default: the fewest that give every token its top-k experts")  # fmt: skip
     ap.add_argument("--calls", type=int, default=8, help="counted and timed calls per path")
     ap.add_argument("--comm-sms", type=int, default=2, help="communication SMs of each rank")
     ap.add_argument("--timeout-ms", type=float, default=None,
@@ -124,7 +125,7 @@ def _step(args, path: str, dev):
     from reference.weights import MoEWeights
 
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    experts = args.experts_per_rank * ranks
+    experts = (args.experts_per_rank or -(-args.topk // ranks)) * ranks
     shape = ModelShape("signals", experts, args.hidden, args.intermediate, args.topk)
     w = MoEWeights.random(shape, seed=rank, dtype=torch.bfloat16, device=dev).shard(rank, ranks)
     t = make_routing(args.tokens, experts, args.topk, 1, "uniform", seed=rank)
