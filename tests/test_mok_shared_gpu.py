@@ -88,8 +88,8 @@ def test_comm_kernels_and_layer_on_shared_gpu_ranks(nproc):
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_preflight_checks_every_pair_on_shared_gpu_ranks(nproc):
     """Every pair reachable, copies right, flags answered (an odd count: a bye per round)."""
-    out = torchrun("preflight_worker.py", nproc, "MOK-PREFLIGHT-OK", "--mib", "4", timeout=600,
-                   shared_gpu=True)  # fmt: skip
+    out = torchrun("bench_worker.py", nproc, "MOK-BENCH-OK", "preflight", "--mib", "4",
+                   timeout=600, shared_gpu=True)  # fmt: skip
     pairs = nproc * (nproc - 1) // 2
     assert f"{pairs} pairs: 0 failed" in out, out[-3000:]
     assert "not NVLink's" in out, out[-3000:]
@@ -100,8 +100,8 @@ def test_preflight_checks_every_pair_on_shared_gpu_ranks(nproc):
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_signal_counts_on_shared_gpu_ranks(nproc, tmp_path):
     """Every path's flags counted: each all-rank handshake brings a flag from every peer."""
-    out = torchrun("signals_worker.py", nproc, "MOK-SIGNALS-OK", "--csv", str(tmp_path / "s.csv"),
-                   timeout=600, shared_gpu=True)  # fmt: skip
+    out = torchrun("bench_worker.py", nproc, "MOK-BENCH-OK", "signals", "--csv",
+                   str(tmp_path / "s.csv"), timeout=600, shared_gpu=True)  # fmt: skip
     with open(tmp_path / "s.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["path"] for r in rows] == list(signals.PATHS), out[-3000:]
