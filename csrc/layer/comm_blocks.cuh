@@ -14,33 +14,6 @@ namespace mok {
 
 // ---- communication blocks ------------------------------------------------------------------
 
-// One row by one warp: warp_copy_row's steps of 8 chunks per lane, then the rest in steps of 6
-// chunks per lane with all of their loads in flight (predicated), where warp_copy_row's scalar
-// tail takes one load round trip per chunk (all of a row of hidden 1536 in bf16, 4 of the 7
-// round trips of a row of hidden 7168).
-// NOTE: 6, not 8, in the tail: with 8 (or 4) ptxas serialises the consumers' wgmma (C7511).
-constexpr int kTailChunks = 6;
-__device__ __forceinline__ void layer_copy_row(int4* __restrict__ dst,
-                                               const int4* __restrict__ src, int n16, int lane) {
-  int i = lane;
-  for (; i + 32 * (kUnroll - 1) < n16; i += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = src[i + 32 * u];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[i + 32 * u] = v[u];
-  }
-  for (; i < n16; i += 32 * kTailChunks) {
-    int4 v[kTailChunks];
-#pragma unroll
-    for (int u = 0; u < kTailChunks; ++u)
-      if (i + 32 * u < n16) v[u] = src[i + 32 * u];
-#pragma unroll
-    for (int u = 0; u < kTailChunks; ++u)
-      if (i + 32 * u < n16) dst[i + 32 * u] = v[u];
-  }
-}
-
 // False when the block stopped on an abort or a timeout (the same answer for all its threads).
 __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
                                            const TileOrder& o, int slots) {
@@ -59,8 +32,8 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
   uint8_t* xs = c.sym(p.rank, p.off_x);
   const uint8_t* x = static_cast<const uint8_t*>(p.in0);
   for (int t = gwarp; t < p.num_tokens; t += nwarps)
-    warp_copy_row(reinterpret_cast<int4*>(xs + t * p.row_bytes),
-                  reinterpret_cast<const int4*>(x + t * p.row_bytes), n16, lane);
+    warp_copy_row_lean(reinterpret_cast<int4*>(xs + t * p.row_bytes),
+                       reinterpret_cast<const int4*>(x + t * p.row_bytes), n16, lane);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -82,9 +55,9 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
       const int row = remote_dedup_row(p, i);
       const int s = p.sched[p.o_dedup_src_rank + row];
       const int token = p.sched[p.o_dedup_src_token + row];
-      warp_copy_row(reinterpret_cast<int4*>(dbuf + row * p.row_bytes),
-                    reinterpret_cast<const int4*>(c.sym(s, p.off_x) + token * p.row_bytes), n16,
-                    lane);
+      warp_copy_row_lean(reinterpret_cast<int4*>(dbuf + row * p.row_bytes),
+                         reinterpret_cast<const int4*>(c.sym(s, p.off_x) + token * p.row_bytes),
+                         n16, lane);
     }
     __threadfence();
     __syncthreads();
@@ -123,7 +96,7 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
         from = reinterpret_cast<const int4*>(c.sym(src, p.off_x) + token * p.row_bytes);
       }
       const int64_t ring_row = row % a.ring_rows;
-      layer_copy_row(reinterpret_cast<int4*>(recv + ring_row * p.row_bytes), from, n16, lane);
+      warp_copy_row(reinterpret_cast<int4*>(recv + ring_row * p.row_bytes), from, n16, lane);
     }
     // NOTE: the rows are read by the workers' TMA (async proxy): every writer fences its
     // generic stores against the async proxy before the release.
