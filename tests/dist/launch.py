@@ -29,11 +29,18 @@ GIB_PER_SHARED_RANK = 1.5
 
 
 def skip_unless_gpu_memory_for(nproc: int, gib_per_rank: float = GIB_PER_SHARED_RANK) -> None:
-    """Skip the calling test when GPU 0's free memory (nvidia-smi, so this process makes no CUDA
-    context) cannot hold ``nproc`` ranks of ``gib_per_rank`` each."""
+    """Skip the calling test when the shared-GPU ranks' GPU (the first of CUDA_VISIBLE_DEVICES,
+    else 0) has too little free memory for ``nproc`` ranks of ``gib_per_rank`` each (read with
+    nvidia-smi, so this process makes no CUDA context)."""
     import pytest
 
-    q = ["nvidia-smi", "--id=0", "--query-gpu=memory.free,name", "--format=csv,noheader,nounits"]
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"  # the ranks' GPU
+    q = [
+        "nvidia-smi",
+        f"--id={gpu}",
+        "--query-gpu=memory.free,name",
+        "--format=csv,noheader,nounits",
+    ]
     try:
         free_mib, name = subprocess.run(q, capture_output=True, text=True, timeout=30).stdout.split(
             ",", 1
