@@ -32,8 +32,8 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
   uint8_t* xs = c.sym(p.rank, p.off_x);
   const uint8_t* x = static_cast<const uint8_t*>(p.in0);
   for (int t = gwarp; t < p.num_tokens; t += nwarps)
-    warp_copy_row(reinterpret_cast<int4*>(xs + t * p.row_bytes),
-                  reinterpret_cast<const int4*>(x + t * p.row_bytes), n16, lane);
+    warp_copy_row_lean(reinterpret_cast<int4*>(xs + t * p.row_bytes),
+                       reinterpret_cast<const int4*>(x + t * p.row_bytes), n16, lane);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -55,9 +55,9 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
       const int row = remote_dedup_row(p, i);
       const int s = p.sched[p.o_dedup_src_rank + row];
       const int token = p.sched[p.o_dedup_src_token + row];
-      warp_copy_row(reinterpret_cast<int4*>(dbuf + row * p.row_bytes),
-                    reinterpret_cast<const int4*>(c.sym(s, p.off_x) + token * p.row_bytes), n16,
-                    lane);
+      warp_copy_row_lean(reinterpret_cast<int4*>(dbuf + row * p.row_bytes),
+                         reinterpret_cast<const int4*>(c.sym(s, p.off_x) + token * p.row_bytes),
+                         n16, lane);
     }
     __threadfence();
     __syncthreads();
