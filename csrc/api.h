@@ -42,6 +42,12 @@ struct SwigluBwdLaunch {
   // One int32 of device memory the launch uses to hand out tiles (the launcher zeroes it on the
   // stream before the kernel runs; one per launch in flight).
   int32_t* next_tile;
+  // Modes 0 and 1: the gate / up GEMM's rows gathered from the tokens instead of read from `a`
+  // (null: from `a`, which is then unused by the gate / up GEMM): bf16 [gather_tokens, hidden]
+  // tokens and, per row, gather_src = token * gather_topk + k, or -1 for a padding row (zeros).
+  const void* gather_x;
+  const int32_t* gather_src;
+  int64_t gather_tokens, gather_topk;
   int64_t mode;
   int64_t rows, hidden, inter, num_experts;
 };

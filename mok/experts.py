@@ -31,6 +31,7 @@ __all__ = [
     "gate_up_weight",
     "grouped_swiglu",
     "grouped_swiglu_saving",
+    "grouped_swiglu_saving_gathered",
     "dense_swiglu",
     "dense_swiglu_saving",
     "swiglu_backward",
@@ -526,6 +527,27 @@ def grouped_swiglu_saving(
     the recomputing one), the down projection by torch's grouped GEMM. Rows past ``offs[-1]``
     are unspecified."""
     h, gu32 = _saving(a, w_gate_up, w_down, offs)
+    return _mm(h, w_down.transpose(1, 2), offs), gu32
+
+
+def grouped_swiglu_saving_gathered(
+    x: torch.Tensor,
+    row_src: torch.Tensor,
+    num_topk: int,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offs: torch.Tensor,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`grouped_swiglu_saving` of the receive rows one rank would dispatch to itself, read
+    straight from the tokens: row r is ``x[row_src[r] // num_topk]`` (``row_src``: the schedule's
+    ``src_index``, -1 for padding rows, which are zeros), ``rows`` of them (the receive
+    buffer's bound). The gate / up GEMM gathers them in its operand loads, so no receive buffer
+    is written or read; the same bits as the saving forward of the dispatched rows."""
+    inter = w_down.shape[-1]
+    h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=x.device)
+    ops.swiglu_saving_gather_sm90(x, row_src, num_topk, w_gate_up, w_down, offs, h, gu32)
     return _mm(h, w_down.transpose(1, 2), offs), gu32
 
 

@@ -18,6 +18,8 @@ from mok.experts import (
     gate_up_weight,
     grouped_swiglu,
     grouped_swiglu_saving,
+    grouped_swiglu_saving_gathered,
+    saving_shapes_fit,
     shared_kept,
 )
 from mok.fused import forward
@@ -192,8 +194,16 @@ def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group,
     sched = build_schedule(topk_idx, topk_weights, ws)
     if fused:
         return forward(x, sched, weights, keep=_fused_keep(x, weights, ws, _saved))
-    recv = dispatch(x, sched)
     rows = received_rows_bound(ws, x.shape[0])
+    if _saved is not None and gathers_rows(ws, x, weights):
+        # one rank: the saving kernel reads each receive row from x itself (no dispatch)
+        wgu = gate_up_weight(wg, wu)
+        y, gu32 = grouped_swiglu_saving_gathered(
+            x, sched.src_index, topk_idx.shape[1], wgu, wd, sched.group_ends, rows
+        )
+        _saved.append(gu32)
+        return combine(y, sched, shared_y=_shared_expert(x, weights, _saved))
+    recv = dispatch(x, sched)
     # NOTE: checked on the device (no synchronisation): SwiGLU leaves rows past the bound
     # unwritten, so a wrong bound must stop the call rather than feed garbage to the combine.
     torch._assert_async(sched.group_ends[-1] <= rows, "mok: receive rows past the host bound")
@@ -205,6 +215,24 @@ def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group,
     else:
         y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends, exact=False, rows=rows)
     return combine(y, sched, shared_y=_shared_expert(x, weights, _saved))
+
+
+# Whether the unfused saving forward at one rank gathers its rows from x in the gate / up GEMM
+# (gathers_rows) instead of dispatching them into the receive buffer first.
+GATHER_AT_ONE_RANK = True
+
+
+def gathers_rows(ws, x: torch.Tensor, weights: MoEWeights) -> bool:
+    """Whether :func:`moe_forward`'s unfused saving forward (``recompute=False``) takes its
+    receive rows straight from ``x`` (:func:`mok.experts.grouped_swiglu_saving_gathered`): at
+    one rank (every row is a row of x), with :data:`GATHER_AT_ONE_RANK`, where the saving kernel
+    takes the shapes."""
+    return (
+        GATHER_AT_ONE_RANK
+        and ws.num_ranks == 1
+        and x.is_contiguous()
+        and saving_shapes_fit(x, weights.w_down, weights.w_gate, weights.w_up)
+    )
 
 
 def _shared_expert(x: torch.Tensor, weights: MoEWeights, saved: list | None):

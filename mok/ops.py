@@ -28,6 +28,7 @@ __all__ = [
     "dedup_sum",
     "layer_forward",
     "swiglu_backward_sm90",
+    "swiglu_saving_gather_sm90",
     "wgrad_sm90",
     "bwd_fused_sm90",
     "bwd_layer_sm90",
@@ -420,15 +421,22 @@ def swiglu_backward_sm90(
     projection's dgrad and the gate / up GEMM recomputed, with the SwiGLU backward in the
     epilogue, over every SM of the GPU (``mode`` 0; 1 and 2 split it at g / u, see
     ``SwigluBwdLaunch`` in csrc/api.h). Rows past the last group end are left unwritten."""
+    _launch_swiglu(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, gu32, None, mode)
+
+
+def _launch_swiglu(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, gu32, gather, mode):
+    """One launch of the experts' kernel; ``gather``: None, or (x, row_src, num_topk) whose rows
+    the gate / up GEMM reads in place of ``a``'s (``a`` then only gives the row count)."""
     rows = a.shape[0]
     if rows == 0:
         return
     L, two_i, hidden = w_gate_up.shape
     dev = a.device
+    gx, gsrc, topk = gather if gather is not None else (None, None, 0)
     # the kernel's tile counter (zeroed by the launcher on this stream)
     next_tile = torch.empty(1, dtype=torch.int32, device=dev)
     _ext.load().launch_swiglu_bwd(
-        a.data_ptr(),
+        0 if gather is not None else a.data_ptr(),
         dy.data_ptr(),
         w_gate_up.data_ptr(),
         w_down.data_ptr(),
@@ -439,6 +447,10 @@ def swiglu_backward_sm90(
         0 if part is None else part.data_ptr(),
         0 if gu32 is None else gu32.data_ptr(),
         next_tile.data_ptr(),
+        0 if gx is None else gx.data_ptr(),
+        0 if gsrc is None else gsrc.data_ptr(),
+        0 if gx is None else gx.shape[0],
+        topk,
         mode,
         rows,
         hidden,
@@ -447,6 +459,30 @@ def swiglu_backward_sm90(
         budget_sms(dev),
         torch.cuda.current_stream(dev).cuda_stream,
     )
+
+
+@_mok_op("mok::swiglu_saving_gather_sm90", ("h", "gu32"))
+def swiglu_saving_gather_sm90(
+    x: torch.Tensor,  # [T, H] bf16, contiguous: the tokens
+    row_src: torch.Tensor,  # [>= R] int32: token * num_topk + k of each row, -1 for padding
+    num_topk: int,
+    w_gate_up: torch.Tensor,  # [L, 2I, H] bf16, contiguous
+    w_down: torch.Tensor,  # [L, H, I] bf16, contiguous (its shape only)
+    group_ends: torch.Tensor,  # [L] int32
+    h: torch.Tensor,  # [R, I] bf16 out: bf16(silu(g) u)
+    gu32: torch.Tensor,  # [R, 2I] fp32 out: g | u
+) -> None:
+    """The experts' saving forward (``swiglu_backward_sm90`` mode 1) with its rows gathered from
+    the tokens inside the gate / up GEMM's operand loads (row r is ``x[row_src[r] // num_topk]``,
+    zeros where ``row_src`` is -1): no receive buffer is written or read."""
+    _launch_swiglu(
+        h, h, w_gate_up, w_down, group_ends, None, h, h, None, gu32, (x, row_src, num_topk), 1
+    )
+
+
+@swiglu_saving_gather_sm90.register_fake
+def _(x, row_src, num_topk, w_gate_up, w_down, group_ends, h, gu32) -> None:
+    return None
 
 
 @swiglu_backward_sm90.register_fake

@@ -317,6 +317,25 @@ FUSED_SAVING = [
 ]
 
 
+@pytest.mark.parametrize("case", CASES[:2])
+def test_one_rank_saving_forward_gathers_bitwise(case, monkeypatch):
+    """recompute=False at one rank: the forward whose saving kernel reads its rows from x
+    (``mok.layer.GATHER_AT_ONE_RANK``, no dispatch) gives bitwise the output and every gradient
+    of the one that dispatches them into the receive buffer first."""
+    import mok.layer as ml
+
+    shape, n, skew = case
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=3)
+    runs = {}
+    for gather in (False, True):
+        monkeypatch.setattr(ml, "GATHER_AT_ONE_RANK", gather)
+        runs[gather] = _mok_grads(shape, x, idx, tw, w, grad_out, recompute=False)
+    (out0, g0), (out1, g1) = runs[False], runs[True]
+    assert torch.equal(out0, out1), "the gathered forward's output differs"
+    for name, v in g0.items():
+        assert torch.equal(v, g1[name]), f"{name} differs with the gathered forward"
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize(("case", "over"), FUSED_SAVING)

@@ -188,6 +188,33 @@ def test_saving_forward_and_the_backward_from_it(hidden, inter, sizes):
         assert torch.equal(g, w), f"output {i} differs from the recomputing backward"
 
 
+@pytest.mark.parametrize(
+    ("hidden", "inter", "sizes", "topk"),
+    [(1024, 384, [300, 77, 0, 0, 513], 4), (2048, 768, [40, 300, 0, 64, 65, 129, 192, 200], 8)],
+)
+def test_saving_forward_gathers_its_rows_bitwise(hidden, inter, sizes, topk):
+    """The saving forward that reads its rows from the tokens (cp.async in the gate / up
+    GEMM's operand loads, ``grouped_swiglu_saving_gathered``) gives bitwise the outputs of the
+    one that reads the same rows copied out first: rows that repeat a token, padding rows (-1:
+    zeros) inside groups, source rows past 65535, groups of every size
+    class, and rows past the last group end (not read)."""
+    from mok.experts import grouped_swiglu_saving, grouped_swiglu_saving_gathered
+
+    _, wgu, wd, _, _, offs = _operands(hidden, inter, sizes, True, seed=7)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    tokens = 70000 // topk + 3
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    rows, n = sum(sizes) + 37, sum(sizes)
+    src = torch.randint(0, tokens * topk, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    src[torch.rand(rows, device="cuda", generator=g) < 0.1] = -1  # padding rows
+    src[n:] = -1
+    a = torch.where((src >= 0)[:, None], x[(src.clamp(min=0) // topk).long()], 0)
+    y_ref, gu_ref = grouped_swiglu_saving(a.contiguous(), wgu, wd, offs)
+    y, gu32 = grouped_swiglu_saving_gathered(x, src, topk, wgu, wd, offs, rows)
+    assert torch.equal(gu32[:n], gu_ref[:n]), "gathered g / u differ from the copied rows'"
+    assert torch.equal(y[:n], y_ref[:n]), "gathered y differs from the copied rows'"
+
+
 @pytest.mark.parametrize(("m", "n", "sizes"), WGRAD_CASES)
 def test_wgrad_kernel_fp32_out_and_accumulate(m, n, sizes):
     """fp32 c: an fp32 accumulation against the fp64 oracle (tests/tolerances.assert_fp32_gemm),

@@ -32,11 +32,15 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
       l.mode > kSwigluSaved || (l.mode != kSwigluRecompute && l.gu32 == nullptr) ||
       l.next_tile == nullptr)
     return static_cast<int>(cudaErrorInvalidValue);
+  const bool gather = l.gather_x != nullptr;
+  if (gather && (l.mode == kSwigluSaved || l.gather_src == nullptr || l.gather_topk < 1 ||
+                 l.gather_tokens < 1 || l.gather_tokens * l.gather_topk > INT32_MAX))
+    return static_cast<int>(cudaErrorInvalidValue);
   SwigluBwdKernelArgs k{};
   constexpr int kK = OperandBf16::kTileK;
   // The operands of the k-loops this mode runs: gate/up (x rows, w_gate_up), dh (dy, w_down).
   const bool gate_up = l.mode != kSwigluSaved, down = l.mode != kSwigluSave;
-  if ((gate_up && (!encode_bf16_map(&k.map_a, l.a, l.rows, H, kTileM, kK) ||
+  if ((gate_up && ((!gather && !encode_bf16_map(&k.map_a, l.a, l.rows, H, kTileM, kK)) ||
                    !encode_bf16_map(&k.map_w, l.w_gate_up, L * 2 * I, H, 128, kK))) ||
       (down && (!encode_bf16_map(&k.map_dy, l.dy, l.rows, H, kTileM, kK) ||
                 !encode_bf16_map(&k.map_wd, l.w_down, L * H, I, kK, 64))) ||
@@ -52,6 +56,9 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   k.part = l.part;
   k.gu32 = l.gu32;
   k.next_tile = l.next_tile;
+  k.gather_x = static_cast<const uint16_t*>(l.gather_x);
+  k.gather_src = l.gather_src;
+  k.gather_topk = static_cast<int>(l.gather_topk);
   k.rows = static_cast<int>(l.rows);
   k.hidden = static_cast<int>(H);
   k.inter = static_cast<int>(I);

@@ -36,6 +36,7 @@
 
 #include "common/rows.cuh"
 #include "layer/sm90_gemm.cuh"
+#include "ptx/cp_async.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma_sm90.cuh"
 
@@ -111,6 +112,12 @@ struct SwigluBwdKernelArgs {
   float* part;          // [I / 128, rows], or null
   float* gu32;          // [rows, 2I] fp32 g | u: written by kSwigluSave, read by kSwigluSaved
   int* next_tile;       // tiles handed out past the first wave (zeroed by the launcher)
+  // The gate / up k-loop's A rows gathered from the tokens instead of map_a (null: map_a):
+  // receive row r is row gather_src[r] / gather_topk of gather_x [tokens, H] (a padding row,
+  // gather_src -1, and rows past a tile's expert are zeros). Not in the dh-only modes.
+  const uint16_t* gather_x;
+  const int32_t* gather_src;
+  int gather_topk;
   int rows, hidden, inter, num_experts;
 };
 
@@ -231,6 +238,93 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
         tma_load_2d(sa, &k.map_a, &bsh.full[stage], kc, row0);
         tma_load_2d(sa + kStageA, &k.map_w, &bsh.full[stage], kc, w_row);
         tma_load_2d(sa + 2 * kStageA, &k.map_w, &bsh.full[stage], kc, w_row + k.inter);
+      }
+      if (++stage == BwdPipe<kMode>::kNumStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// bwd_producer with the gate / up k-blocks' A rows gathered (SwigluBwdKernelArgs::gather_x), run
+// by all 128 threads of warpgroup 0: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j
+// (j < 8) of each k-block by cp.async, into the place the 128-row TMA box in the 128-byte swizzle
+// would put it (chunk c of row r at r x 128 + (c ^ (r % 8)) x 16), each 8 consecutive threads one
+// row's 128 contiguous bytes. Thread 0 loads the weights (and the dh k-blocks' operands) by TMA as
+// bwd_producer does. Every stage's full barrier then takes 129 arrivals: thread 0's with the TMA
+// bytes and one per thread (cp_async_mbar_arrive once its copies landed, or a plain arrive).
+// (One one-row TMA load per row instead, 128 per k-block, ran the fused layer's gate / up at a
+// quarter of its speed: docs/perf-notes.md.)
+constexpr int kGatherThreads = 128;
+constexpr int kGatherRowsPerThread = kTileM * 8 / kGatherThreads;
+
+template <int kMode>
+__device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k, int n_tiles,
+                                                    int n_blocks) {
+  uint8_t* stages = bwd_stages();
+  const int t = threadIdx.x;
+  const int chunk = t % 8, r0 = t / 8;
+  // the swizzled place of this thread's chunk in its rows (r0 + 16 j has r0's low three bits)
+  const int sw = r0 * 128 + ((chunk ^ (r0 % 8)) << 4);
+  const int k_blocks = k.hidden / OperandBf16::kTileK;
+  const int64_t H = k.hidden;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int i = blockIdx.x;; i += gridDim.x) {
+    if (i >= n_tiles) {
+      mbar_wait(&bsh.empty[stage], phase ^ 1);
+      if (t == 0) {
+        vol(bsh.stage_tile[stage][0]) = -1;
+        mbar_arrive(&bsh.full[stage]);
+      }
+      mbar_arrive(&bsh.full[stage]);
+      cp_async_wait<0>();
+      return;
+    }
+    int e, row0, nb;
+    find_tile(k, i, n_blocks, e, row0, nb);
+    const int end = k.ends[e];
+    // this thread's rows: the element offset of each one's token row in gather_x, or -1
+    int64_t src[kGatherRowsPerThread];
+#pragma unroll
+    for (int j = 0; j < kGatherRowsPerThread; ++j) {
+      const int row = row0 + r0 + 16 * j;
+      const int s = row < end ? k.gather_src[row] : -1;
+      src[j] = s >= 0 ? static_cast<int64_t>(s / k.gather_topk) * H + chunk * 8 : -1;
+    }
+    const int w_row = e * 2 * k.inter + nb * 128;
+    const int wd_row = e * k.hidden;
+    const int kb0 = kMode == kSwigluSave ? k_blocks : 0;
+    for (int kb = kb0; kb < 2 * k_blocks; ++kb) {
+      mbar_wait(&bsh.empty[stage], phase ^ 1);
+      uint8_t* sa = stages + stage * BwdPipe<kMode>::kStride;
+      if (t == 0) {
+        if (kb == kb0) {
+          vol(bsh.stage_tile[stage][0]) = row0;
+          vol(bsh.stage_tile[stage][1]) = end;
+          vol(bsh.stage_tile[stage][2]) = nb;
+        }
+        if (kb < k_blocks) {
+          const int kc = kb * OperandBf16::kTileK;
+          mbar_arrive_expect_tx(&bsh.full[stage], kStageA + 2 * kBoxNB);
+          tma_load_2d(sa, &k.map_dy, &bsh.full[stage], kc, row0);
+          tma_load_2d(sa + kStageA, &k.map_wd, &bsh.full[stage], nb * 128, wd_row + kc);
+          tma_load_2d(sa + kStageA + kBoxNB, &k.map_wd, &bsh.full[stage], nb * 128 + 64,
+                      wd_row + kc);
+        } else {
+          const int kc = (kb - k_blocks) * OperandBf16::kTileK;
+          mbar_arrive_expect_tx(&bsh.full[stage], kStageBytes - kStageA);
+          tma_load_2d(sa + kStageA, &k.map_w, &bsh.full[stage], kc, w_row);
+          tma_load_2d(sa + 2 * kStageA, &k.map_w, &bsh.full[stage], kc, w_row + k.inter);
+        }
+      }
+      if (kb < k_blocks) {
+        mbar_arrive(&bsh.full[stage]);
+      } else {
+        const int kc = (kb - k_blocks) * OperandBf16::kTileK;
+#pragma unroll
+        for (int j = 0; j < kGatherRowsPerThread; ++j)
+          cp_async16_zfill(sa + sw + j * 16 * 128, k.gather_x + (src[j] >= 0 ? src[j] + kc : 0),
+                           src[j] >= 0 ? 16 : 0);
+        cp_async_mbar_arrive(&bsh.full[stage]);
       }
       if (++stage == BwdPipe<kMode>::kNumStages) stage = 0, phase ^= 1;
     }
@@ -465,8 +559,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   const int n_blocks = k.inter / tile_cols(kMode);
   if (threadIdx.x < 32) count_tiles(k);
   if (threadIdx.x == 0) {
+    // gathered A rows: one arrival per producer thread besides thread 0's TMA one
+    const bool gather = !dh_only(kMode) && k.gather_x != nullptr;
     for (int s = 0; s < BwdPipe<kMode>::kNumStages; ++s) {
-      mbar_init(&bsh.full[s], 1);
+      mbar_init(&bsh.full[s], gather ? 1 + kGatherThreads : 1);
       mbar_init(&bsh.empty[s], 2 * 128);  // every thread of both consumer warpgroups
     }
     mbar_init_fence();
@@ -478,7 +574,19 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x == 0) {
+    bool gathered = false;
+    if constexpr (!dh_only(kMode)) {
+      gathered = k.gather_x != nullptr;
+      if (gathered) {
+        if (threadIdx.x == 0) {
+          tma_prefetch_map(&k.map_w);
+          if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
+          if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st), tma_prefetch_map(&k.map_gu_st);
+        }
+        bwd_producer_gather<kMode>(k, n_tiles, n_blocks);
+      }
+    }
+    if (!gathered && threadIdx.x == 0) {
       if (!dh_only(kMode)) tma_prefetch_map(&k.map_a), tma_prefetch_map(&k.map_w);
       if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
       if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st), tma_prefetch_map(&k.map_gu_st);

@@ -76,8 +76,10 @@ int64_t layer_counters(pybind11::bytes params_bytes) {
 // The experts' backward kernel (api.h SwigluBwdLaunch): raw device pointers (0: none) and sizes.
 void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down, int64_t ends,
                        int64_t row_w, int64_t hw, int64_t dgu, int64_t part, int64_t gu32,
-                       int64_t next_tile, int64_t mode, int64_t rows, int64_t hidden, int64_t inter,
-                       int64_t num_experts, int64_t grid, int64_t stream) {
+                       int64_t next_tile, int64_t gather_x, int64_t gather_src,
+                       int64_t gather_tokens, int64_t gather_topk, int64_t mode, int64_t rows,
+                       int64_t hidden, int64_t inter, int64_t num_experts, int64_t grid,
+                       int64_t stream) {
   mok::SwigluBwdLaunch l{};
   l.a = reinterpret_cast<const void*>(a);
   l.dy = reinterpret_cast<const void*>(dy);
@@ -90,6 +92,9 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
   l.part = reinterpret_cast<float*>(part);
   l.gu32 = reinterpret_cast<float*>(gu32);
   l.next_tile = reinterpret_cast<int32_t*>(next_tile);
+  l.gather_x = reinterpret_cast<const void*>(gather_x);
+  l.gather_src = reinterpret_cast<const int32_t*>(gather_src);
+  l.gather_tokens = gather_tokens, l.gather_topk = gather_topk;
   l.mode = mode;
   l.rows = rows, l.hidden = hidden, l.inter = inter, l.num_experts = num_experts;
   const int err =
