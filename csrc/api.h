@@ -36,8 +36,8 @@ struct SwigluBwdLaunch {
   void* dgu;
   float* part;
   // fp32 [rows, 2I] g | u: written by mode 1 (a forward that saves them: the gate/up GEMM only,
-  // h = bf16(silu(g) u) into hw), read by mode 2 (the backward from them: the dh GEMM only);
-  // mode 0 recomputes them and needs none.
+  // h = bf16(silu(g) u) into hw; null: h only), read by mode 2 (the backward from them: the dh
+  // GEMM only); mode 0 recomputes them and needs none.
   float* gu32;
   // One int32 of device memory the launch uses to hand out tiles (the launcher zeroes it on the
   // stream before the kernel runs; one per launch in flight).

@@ -519,14 +519,19 @@ def _swiglu_backward_sm90(a, w_gate_up, w_down, dy, row_weight, offs, saved_gu=N
 
 
 def grouped_swiglu_saving(
-    a: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    a: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offs: torch.Tensor,
+    keep: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The routed experts' forward that keeps what the backward needs: (y [R, H] bf16, the fp32
     [R, 2I] gate / up outputs). Gate / up and h = bf16(silu(g) u) in mok's Hopper kernel (fp32
     accumulators, as the backward would recompute them, so the backward from them is bitwise
     the recomputing one), the down projection by torch's grouped GEMM. Rows past ``offs[-1]``
-    are unspecified."""
-    h, gu32 = _saving(a, w_gate_up, w_down, offs)
+    are unspecified. ``keep`` False: the fp32 gate / up are not written (None in their
+    place)."""
+    h, gu32 = _saving(a, w_gate_up, w_down, offs, keep)
     return _mm(h, w_down.transpose(1, 2), offs), gu32
 
 
@@ -538,15 +543,19 @@ def grouped_swiglu_saving_gathered(
     w_down: torch.Tensor,
     offs: torch.Tensor,
     rows: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    keep: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`grouped_swiglu_saving` of the receive rows one rank would dispatch to itself, read
     straight from the tokens: row r is ``x[row_src[r] // num_topk]`` (``row_src``: the schedule's
     ``src_index``, -1 for padding rows, which are zeros), ``rows`` of them (the receive
     buffer's bound). The gate / up GEMM gathers them in its operand loads, so no receive buffer
-    is written or read; the same bits as the saving forward of the dispatched rows."""
+    is written or read; the same bits as the saving forward of the dispatched rows. ``keep``
+    False: the fp32 gate / up are not written (None in their place)."""
     inter = w_down.shape[-1]
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=x.device)
+    gu32 = None
+    if keep:
+        gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=x.device)
     ops.swiglu_saving_gather_sm90(x, row_src, num_topk, w_gate_up, w_down, offs, h, gu32)
     return _mm(h, w_down.transpose(1, 2), offs), gu32
 
@@ -588,12 +597,14 @@ def shared_kept(
     return saving_shapes_fit(x, shared_w_down, shared_w_gate, shared_w_up)
 
 
-def _saving(a, w_gate_up, w_down, ends) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h [R, I] bf16, [g | u] [R, 2I] fp32) of the groups ``ends`` by the kernel's saving
-    mode."""
+def _saving(a, w_gate_up, w_down, ends, keep=True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h [R, I] bf16, [g | u] [R, 2I] fp32, or None without ``keep``) of the groups ``ends``
+    by the kernel's saving mode."""
     rows, inter = a.shape[0], w_down.shape[-1]
     h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
-    gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=a.device)
+    gu32 = None
+    if keep:
+        gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=a.device)
     none = torch.empty(0, dtype=a.dtype, device=a.device)
     ops.swiglu_backward_sm90(a, a, w_gate_up, w_down, ends, None, h, none, None, gu32, _SAVE)
     return h, gu32

@@ -26,6 +26,7 @@ from mok.fused import forward
 from mok.reference_layer import check_reference_inputs, reference_layer
 from mok.schedule import build_schedule, received_rows_bound
 from mok.sms import budget_sms, sm_budget
+from mok.spec.arch import arch_paths
 from mok.spec.config import MAX_COMM_SMS, MoKConfig
 from mok.workspace import get_workspace
 
@@ -195,43 +196,63 @@ def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group,
     if fused:
         return forward(x, sched, weights, keep=_fused_keep(x, weights, ws, _saved))
     rows = received_rows_bound(ws, x.shape[0])
-    if _saved is not None and gathers_rows(ws, x, weights):
-        # one rank: the saving kernel reads each receive row from x itself (no dispatch)
-        wgu = gate_up_weight(wg, wu)
-        y, gu32 = grouped_swiglu_saving_gathered(
-            x, sched.src_index, topk_idx.shape[1], wgu, wd, sched.group_ends, rows
-        )
-        _saved.append(gu32)
-        return combine(y, sched, shared_y=_shared_expert(x, weights, _saved))
-    recv = dispatch(x, sched)
     # NOTE: checked on the device (no synchronisation): SwiGLU leaves rows past the bound
     # unwritten, so a wrong bound must stop the call rather than feed garbage to the combine.
     torch._assert_async(sched.group_ends[-1] <= rows, "mok: receive rows past the host bound")
-    if _saved is not None:
-        # (mok.autograd, recompute=False) the routed experts' fp32 gate / up outputs kept for
-        # the backward, from mok's kernel
-        y, gu32 = grouped_swiglu_saving(recv, gate_up_weight(wg, wu), wd, sched.group_ends)
-        _saved.append(gu32)
+    keep = _saved is not None
+    if gathers_rows(ws, x, weights):
+        # one rank: the experts' kernel reads each receive row from x itself (no dispatch);
+        # its outputs have the receive buffer's rows, as the combine takes them
+        y, gu32 = grouped_swiglu_saving_gathered(
+            x,
+            sched.src_index,
+            topk_idx.shape[1],
+            gate_up_weight(wg, wu),
+            wd,
+            sched.group_ends,
+            ws.capacity,
+            keep=keep,
+        )
     else:
-        y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends, exact=False, rows=rows)
+        recv = dispatch(x, sched)
+        if keep or kernel_forward_fits(x, weights):
+            # mok's kernel for gate / up and SwiGLU (with recompute=False, mok.autograd, it
+            # keeps the fp32 gate / up for the backward), torch's grouped GEMM for down
+            y, gu32 = grouped_swiglu_saving(
+                recv, gate_up_weight(wg, wu), wd, sched.group_ends, keep=keep
+            )
+        else:
+            y = grouped_swiglu(recv, wg, wu, wd, sched.group_ends, exact=False, rows=rows)
+    if keep:
+        _saved.append(gu32)
     return combine(y, sched, shared_y=_shared_expert(x, weights, _saved))
 
 
-# Whether the unfused saving forward at one rank gathers its rows from x in the gate / up GEMM
-# (gathers_rows) instead of dispatching them into the receive buffer first.
+# Whether the unfused forward at one rank reads its receive rows from x inside the experts'
+# kernel (gathers_rows) instead of dispatching them into the receive buffer first.
 GATHER_AT_ONE_RANK = True
 
 
+def kernel_forward_fits(x: torch.Tensor, weights: MoEWeights) -> bool:
+    """Whether the unfused forward runs the routed experts' gate / up and SwiGLU in mok's
+    kernel (:func:`mok.experts.grouped_swiglu_saving`, g / u not kept unless the backward
+    wants them) rather than torch's grouped GEMMs: on a GPU that has the experts' kernels,
+    where the kernel takes the shapes."""
+    return arch_paths(torch.cuda.get_device_capability(x.device)).expert_kernels and (
+        saving_shapes_fit(x, weights.w_down, weights.w_gate, weights.w_up)
+    )
+
+
 def gathers_rows(ws, x: torch.Tensor, weights: MoEWeights) -> bool:
-    """Whether :func:`moe_forward`'s unfused saving forward (``recompute=False``) takes its
-    receive rows straight from ``x`` (:func:`mok.experts.grouped_swiglu_saving_gathered`): at
-    one rank (every row is a row of x), with :data:`GATHER_AT_ONE_RANK`, where the saving kernel
-    takes the shapes."""
+    """Whether :func:`moe_forward`'s unfused forward takes its receive rows straight from ``x``
+    (:func:`mok.experts.grouped_swiglu_saving_gathered`): at one rank (every row is a row of
+    x), with :data:`GATHER_AT_ONE_RANK`, where the kernel runs the forward
+    (:func:`kernel_forward_fits`). The same bits as the kernel on the dispatched rows."""
     return (
         GATHER_AT_ONE_RANK
         and ws.num_ranks == 1
         and x.is_contiguous()
-        and saving_shapes_fit(x, weights.w_down, weights.w_gate, weights.w_up)
+        and kernel_forward_fits(x, weights)
     )
 
 

@@ -470,11 +470,12 @@ def swiglu_saving_gather_sm90(
     w_down: torch.Tensor,  # [L, H, I] bf16, contiguous (its shape only)
     group_ends: torch.Tensor,  # [L] int32
     h: torch.Tensor,  # [R, I] bf16 out: bf16(silu(g) u)
-    gu32: torch.Tensor,  # [R, 2I] fp32 out: g | u
+    gu32: torch.Tensor | None,  # [R, 2I] fp32 out: g | u, or None (h only)
 ) -> None:
     """The experts' saving forward (``swiglu_backward_sm90`` mode 1) with its rows gathered from
     the tokens inside the gate / up GEMM's operand loads (row r is ``x[row_src[r] // num_topk]``,
-    zeros where ``row_src`` is -1): no receive buffer is written or read."""
+    zeros where ``row_src`` is -1): no receive buffer is written or read. Without ``gu32``
+    only h is written (a forward that recomputes g / u in its backward)."""
     _launch_swiglu(
         h, h, w_gate_up, w_down, group_ends, None, h, h, None, gu32, (x, row_src, num_topk), 1
     )

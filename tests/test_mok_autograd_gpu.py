@@ -317,11 +317,13 @@ FUSED_SAVING = [
 ]
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("case", CASES[:2])
-def test_one_rank_saving_forward_gathers_bitwise(case, monkeypatch):
-    """recompute=False at one rank: the forward whose saving kernel reads its rows from x
+def test_one_rank_forward_gathers_bitwise(case, recompute, monkeypatch):
+    """At one rank the unfused forward whose experts' kernel reads its rows from x
     (``mok.layer.GATHER_AT_ONE_RANK``, no dispatch) gives bitwise the output and every gradient
-    of the one that dispatches them into the receive buffer first."""
+    of the one that dispatches them into the receive buffer first, keeping g / u for the
+    backward (recompute=False) or not."""
     import mok.layer as ml
 
     shape, n, skew = case
@@ -329,7 +331,7 @@ def test_one_rank_saving_forward_gathers_bitwise(case, monkeypatch):
     runs = {}
     for gather in (False, True):
         monkeypatch.setattr(ml, "GATHER_AT_ONE_RANK", gather)
-        runs[gather] = _mok_grads(shape, x, idx, tw, w, grad_out, recompute=False)
+        runs[gather] = _mok_grads(shape, x, idx, tw, w, grad_out, recompute=recompute)
     (out0, g0), (out1, g1) = runs[False], runs[True]
     assert torch.equal(out0, out1), "the gathered forward's output differs"
     for name, v in g0.items():

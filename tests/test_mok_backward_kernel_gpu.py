@@ -195,8 +195,8 @@ def test_saving_forward_and_the_backward_from_it(hidden, inter, sizes):
 def test_saving_forward_gathers_its_rows_bitwise(hidden, inter, sizes, topk):
     """The saving forward that reads its rows from the tokens (cp.async in the gate / up
     GEMM's operand loads, ``grouped_swiglu_saving_gathered``) gives bitwise the outputs of the
-    one that reads the same rows copied out first: rows that repeat a token, padding rows (-1:
-    zeros) inside groups, source rows past 65535, groups of every size
+    one that reads the same rows copied out first, with g / u kept or not: rows that repeat a
+    token, padding rows (-1: zeros) inside groups, source rows past 65535, groups of every size
     class, and rows past the last group end (not read)."""
     from mok.experts import grouped_swiglu_saving, grouped_swiglu_saving_gathered
 
@@ -213,6 +213,10 @@ def test_saving_forward_gathers_its_rows_bitwise(hidden, inter, sizes, topk):
     y, gu32 = grouped_swiglu_saving_gathered(x, src, topk, wgu, wd, offs, rows)
     assert torch.equal(gu32[:n], gu_ref[:n]), "gathered g / u differ from the copied rows'"
     assert torch.equal(y[:n], y_ref[:n]), "gathered y differs from the copied rows'"
+    # without g / u kept (the forward of recompute=True): the same y, from either operand
+    y_only, none = grouped_swiglu_saving_gathered(x, src, topk, wgu, wd, offs, rows, keep=False)
+    y_copied, _ = grouped_swiglu_saving(a.contiguous(), wgu, wd, offs, keep=False)
+    assert none is None and torch.equal(y_only[:n], y[:n]) and torch.equal(y_copied[:n], y[:n])
 
 
 @pytest.mark.parametrize(("m", "n", "sizes"), WGRAD_CASES)

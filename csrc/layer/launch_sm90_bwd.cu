@@ -29,7 +29,7 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   if (l.rows <= 0 || H <= 0 || H % OperandBf16::kTileK != 0 || I <= 0 || I % 128 != 0 ||
       L < 1 || L > kBwdMaxExperts || grid < 1 || l.rows > INT32_MAX / 2 ||
       L * 2 * I > INT32_MAX || L * H > INT32_MAX || l.mode < kSwigluRecompute ||
-      l.mode > kSwigluSaved || (l.mode != kSwigluRecompute && l.gu32 == nullptr) ||
+      l.mode > kSwigluSaved || (l.mode == kSwigluSaved && l.gu32 == nullptr) ||
       l.next_tile == nullptr)
     return static_cast<int>(cudaErrorInvalidValue);
   const bool gather = l.gather_x != nullptr;
@@ -47,7 +47,8 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
       (l.mode == kSwigluSave &&
        (!encode_bf16_map(&k.map_h_st, l.hw, l.rows, I, kEpiStoreRows, kEpiCols,
                          CU_TENSOR_MAP_SWIZZLE_64B) ||
-        !encode_f32_map(&k.map_gu_st, l.gu32, l.rows, 2 * I, kEpiStoreRows, kEpiCols))))
+        (l.gu32 != nullptr &&
+         !encode_f32_map(&k.map_gu_st, l.gu32, l.rows, 2 * I, kEpiStoreRows, kEpiCols)))))
     return static_cast<int>(cudaErrorInvalidValue);
   k.ends = l.ends;
   k.row_w = l.row_w;

@@ -52,7 +52,8 @@ constexpr int kBwdDhBytes = kTileM * 128 * 4;
 constexpr int kBwdMaxStages = 6;
 
 // What a launch of swiglu_bwd_kernel computes: kSwigluRecompute the backward above; kSwigluSave a
-// forward that keeps g / u (gate / up GEMM only; h and the fp32 [g | u] out); kSwigluSaved the
+// forward that keeps g / u (gate / up GEMM only; h and the fp32 [g | u] out, or h only where gu32
+// is null: the forward of a layer that recomputes them); kSwigluSaved the
 // backward from those (the dh GEMM only; g / u read back).
 // kSwigluSavedWide (internal, chosen by the launcher for kSwigluSaved where I is a multiple of
 // 256): the same with tiles of 128 rows x 256 columns, one m64n256 per k step (the 128-column
@@ -431,8 +432,10 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const SwigluBwdKernelArgs& k
         if (valid) {
           const float h0 = silu(gv[0]) * uv[0], h1 = silu(gv[1]) * uv[1];
           *reinterpret_cast<uint32_t*>(k.hw + at + 8 * j) = pack_bf16x2(h0, h1);
-          *reinterpret_cast<float2*>(k.gu32 + gat + 8 * j) = make_float2(gv[0], gv[1]);
-          *reinterpret_cast<float2*>(k.gu32 + gat + I + 8 * j) = make_float2(uv[0], uv[1]);
+          if (k.gu32 != nullptr) {
+            *reinterpret_cast<float2*>(k.gu32 + gat + 8 * j) = make_float2(gv[0], gv[1]);
+            *reinterpret_cast<float2*>(k.gu32 + gat + I + 8 * j) = make_float2(uv[0], uv[1]);
+          }
         }
         continue;
       }
@@ -501,8 +504,10 @@ __device__ __forceinline__ void save_epilogue(const SwigluBwdKernelArgs& k,
     if (lane == 0) {
       const int col = nb * 128 + kEpiCols * q;
       tma_store_2d(&k.map_h_st, h_box, col, box_row);
-      tma_store_2d(&k.map_gu_st, g_box, col, box_row);
-      tma_store_2d(&k.map_gu_st, u_box, k.inter + col, box_row);
+      if (k.gu32 != nullptr) {
+        tma_store_2d(&k.map_gu_st, g_box, col, box_row);
+        tma_store_2d(&k.map_gu_st, u_box, k.inter + col, box_row);
+      }
       bulk_commit();
     }
   }
@@ -581,7 +586,8 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
         if (threadIdx.x == 0) {
           tma_prefetch_map(&k.map_w);
           if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
-          if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st), tma_prefetch_map(&k.map_gu_st);
+          if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st);
+          if (kMode == kSwigluSave && k.gu32 != nullptr) tma_prefetch_map(&k.map_gu_st);
         }
         bwd_producer_gather<kMode>(k, n_tiles, n_blocks);
       }
@@ -589,7 +595,8 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
     if (!gathered && threadIdx.x == 0) {
       if (!dh_only(kMode)) tma_prefetch_map(&k.map_a), tma_prefetch_map(&k.map_w);
       if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
-      if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st), tma_prefetch_map(&k.map_gu_st);
+      if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st);
+      if (kMode == kSwigluSave && k.gu32 != nullptr) tma_prefetch_map(&k.map_gu_st);
       bwd_producer<kMode>(k, n_tiles, n_blocks);
     }
   } else {
