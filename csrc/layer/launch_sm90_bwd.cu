@@ -15,10 +15,10 @@ namespace mok {
 
 namespace {
 
-template <int kMode>
+template <int kMode, bool kGather = false>
 int launch_swiglu_mode(const SwigluBwdKernelArgs& k, int grid, cudaStream_t stream) {
-  return launch_with_smem(swiglu_bwd_kernel<kMode>, k, grid, kLayerThreads, BwdPipe<kMode>::kSmem,
-                          stream);
+  return launch_with_smem(swiglu_bwd_kernel<kMode, kGather>, k, grid, kLayerThreads,
+                          BwdPipe<kMode>::kSmem, stream);
 }
 
 }  // namespace
@@ -69,11 +69,13 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   if (z != cudaSuccess) return finish_launch(z);
   switch (l.mode) {
     case kSwigluSave:
+      if (gather) return launch_swiglu_mode<kSwigluSave, true>(k, grid, stream);
       return launch_swiglu_mode<kSwigluSave>(k, grid, stream);
     case kSwigluSaved:
       if (I % 256 == 0) return launch_swiglu_mode<kSwigluSavedWide>(k, grid, stream);
       return launch_swiglu_mode<kSwigluSaved>(k, grid, stream);
     default:
+      if (gather) return launch_swiglu_mode<kSwigluRecompute, true>(k, grid, stream);
       return launch_swiglu_mode<kSwigluRecompute>(k, grid, stream);
   }
 }

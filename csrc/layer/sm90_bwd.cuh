@@ -277,6 +277,7 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
         mbar_arrive(&bsh.full[stage]);
       }
       mbar_arrive(&bsh.full[stage]);
+      cp_async_commit();  // every copy of this thread landed before it exits
       cp_async_wait<0>();
       return;
     }
@@ -513,7 +514,9 @@ __device__ __forceinline__ void save_epilogue(const SwigluBwdKernelArgs& k,
   }
 }
 
-template <int kMode>
+// kGather: the gate / up stages' A rows arrive by cp.async (bwd_producer_gather), generic-proxy
+// writes that the wgmma (async proxy) reads: each k-block is preceded by a proxy fence.
+template <int kMode, bool kGather = false>
 __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int k_blocks = k.hidden / OperandBf16::kTileK;
@@ -542,9 +545,9 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
       for (int i = 0; i < 64; ++i) dh[i * 256] = acc0[i];
     }
     if (!dh_only(kMode))
-      mma_kloop<OperandBf16, kFull, BwdPipe<kMode>::kNumStages, BwdPipe<kMode>::kWide>(
-          acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage, prev_stage,
-          phase);
+      mma_kloop<OperandBf16, kFull, BwdPipe<kMode>::kNumStages, BwdPipe<kMode>::kWide,
+                kStageBytes, kGather>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0,
+                                      wg, stage, prev_stage, phase);
     if (kMode == kSwigluSavedWide) {  // dh of columns 256 nb.. in acc0, of 256 nb + 128.. in acc1
       swiglu_bwd_epilogue<kMode>(k, acc0, acc1, row0, end, 2 * nb, wg, warp, lane);
       swiglu_bwd_epilogue<kMode>(k, acc1, acc0, row0, end, 2 * nb + 1, wg, warp, lane);
@@ -557,17 +560,19 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
   if (kMode == kSwigluSave && lane == 0) bulk_wait_all();  // the TMA stores done before exit
 }
 
-template <int kMode>
+// kGather (modes kSwigluRecompute and kSwigluSave only): the gate / up k-loop's A rows gathered
+// from SwigluBwdKernelArgs::gather_x by the producer warpgroup (bwd_producer_gather).
+template <int kMode, bool kGather = false>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     swiglu_bwd_kernel(const __grid_constant__ SwigluBwdKernelArgs k) {
+  static_assert(!kGather || !dh_only(kMode), "the dh-only modes load no A rows to gather");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const int n_blocks = k.inter / tile_cols(kMode);
   if (threadIdx.x < 32) count_tiles(k);
   if (threadIdx.x == 0) {
     // gathered A rows: one arrival per producer thread besides thread 0's TMA one
-    const bool gather = !dh_only(kMode) && k.gather_x != nullptr;
     for (int s = 0; s < BwdPipe<kMode>::kNumStages; ++s) {
-      mbar_init(&bsh.full[s], gather ? 1 + kGatherThreads : 1);
+      mbar_init(&bsh.full[s], kGather ? 1 + kGatherThreads : 1);
       mbar_init(&bsh.empty[s], 2 * 128);  // every thread of both consumer warpgroups
     }
     mbar_init_fence();
@@ -579,20 +584,15 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    bool gathered = false;
-    if constexpr (!dh_only(kMode)) {
-      gathered = k.gather_x != nullptr;
-      if (gathered) {
-        if (threadIdx.x == 0) {
-          tma_prefetch_map(&k.map_w);
-          if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
-          if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st);
-          if (kMode == kSwigluSave && k.gu32 != nullptr) tma_prefetch_map(&k.map_gu_st);
-        }
-        bwd_producer_gather<kMode>(k, n_tiles, n_blocks);
+    if constexpr (kGather) {
+      if (threadIdx.x == 0) {
+        tma_prefetch_map(&k.map_w);
+        if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
+        if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st);
+        if (kMode == kSwigluSave && k.gu32 != nullptr) tma_prefetch_map(&k.map_gu_st);
       }
-    }
-    if (!gathered && threadIdx.x == 0) {
+      bwd_producer_gather<kMode>(k, n_tiles, n_blocks);
+    } else if (threadIdx.x == 0) {
       if (!dh_only(kMode)) tma_prefetch_map(&k.map_a), tma_prefetch_map(&k.map_w);
       if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
       if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st);
@@ -601,7 +601,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
     }
   } else {
     setmaxnreg_inc<224>();
-    bwd_consumer<kMode>(k, wg - 1);
+    bwd_consumer<kMode, kGather>(k, wg - 1);
   }
 #endif
 }

@@ -185,17 +185,19 @@ __device__ __forceinline__ void kloop_done(uint64_t* empty, int k_blocks, int pr
 // kStride: the bytes from one stage to the next (kStageBytes unless a kernel's stages are
 // smaller). kWide (kFull only): each k step as one m64n256 (A read from shared memory once, not
 // once per 128-column half) where the kernel's registers allow it; the fused forward's consumers
-// do not (ptxas serialises its wgmma, C7511).
+// do not (ptxas serialises its wgmma, C7511). kProxyFence: a proxy fence after each stage's wait,
+// for stages that cp.async (generic proxy) filled in part.
 enum KLoop : int { kFull = 0, kHalfGateUp, kHalfDown, kFullNB, kFullNBWide };
 constexpr int kBoxNB = 64 * kStageRowBytes;  // one 64-column box of 64 k-rows, N-major
 
 template <class Op, int kMode, int kNumStages = kStages, bool kWide = false,
-          int kStride = kStageBytes>
+          int kStride = kStageBytes, bool kProxyFence = false>
 __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], uint8_t* stages,
                                           uint64_t* full, uint64_t* empty, int k_blocks, int h,
                                           int wg, int& stage, int& prev_stage, uint32_t& phase) {
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbar_wait(&full[stage], phase);  // the producer completes every stage, even on abort
+    if (kProxyFence) fence_proxy_async_shared();
     const uint8_t* sa = stages + stage * kStride;
     const uint64_t da =
         wgmma_desc(sa + ((kMode == kFull || kMode >= kFullNB) ? wg : h) * 64 * 128);
