@@ -328,3 +328,19 @@ def test_the_sm_budget_caps_every_launch_at_the_gpus_count(monkeypatch):
             assert budget_sms(0) == 132
         assert budget_sms(0, 50) == 50  # an explicit budget wins
     assert budget_sms(0) == 132
+
+
+def test_one_rank_gather_only_where_the_run_stands_for_one_rank():
+    """The per-rank work of EP N > 1 keeps its dispatch (a rank of EP N moves its rows); a run
+    of one rank gathers; the switch is restored afterwards, also after an error."""
+    import mok.layer as ml
+    from mok.bench.common import one_rank_gather
+
+    assert ml.GATHER_AT_ONE_RANK
+    for emulated, want in ((0, True), (1, True), (2, False), (8, False)):
+        with one_rank_gather(emulated):
+            assert ml.GATHER_AT_ONE_RANK is want
+        assert ml.GATHER_AT_ONE_RANK
+    with pytest.raises(RuntimeError), one_rank_gather(2):
+        raise RuntimeError("boom")
+    assert ml.GATHER_AT_ONE_RANK

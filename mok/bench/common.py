@@ -330,6 +330,22 @@ def draw_routing(n: int, num_experts: int, topk: int, skew: str, seed: int | Non
 _COMPILED: dict = {}
 
 
+@contextlib.contextmanager
+def one_rank_gather(emulated_ep: int):
+    """Inside: mok's unfused forward at one rank gathers its rows from x (no dispatch,
+    :data:`mok.layer.GATHER_AT_ONE_RANK`) only where the run stands for one rank
+    (``emulated_ep`` <= 1). The per-rank work of EP N > 1 keeps the dispatch: a rank of EP N
+    sends its rows to their experts' owners, so its copy is part of that work."""
+    import mok.layer as ml
+
+    before = ml.GATHER_AT_ONE_RANK
+    ml.GATHER_AT_ONE_RANK = before and emulated_ep <= 1
+    try:
+        yield
+    finally:
+        ml.GATHER_AT_ONE_RANK = before
+
+
 def compiled(fn):
     """``torch.compile(fn, dynamic=False)`` (one per function, so each shape compiles once per
     process), or None (with the reason printed) where it does not build. A compile that fails

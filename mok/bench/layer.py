@@ -53,6 +53,7 @@ from mok.bench.common import (
     compiled,
     draw_routing,
     init_dist,
+    one_rank_gather,
     provenance,
     run_cases,
     time_cuda,
@@ -444,6 +445,10 @@ def main(argv: list[str], sweep: bool = False) -> int:
     deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
 
     def run(model, n, skew):
+        with one_rank_gather(args.emulate_ep or world):
+            _run(model, n, skew)
+
+    def _run(model, n, skew):
         run_model(
             rec,
             model,

@@ -4,7 +4,9 @@ GPU or at expert parallelism R.
 
 ``python -m mok.bench train``: one GPU, mok's backward at one rank. ``--emulate-ep N`` (default
 2) runs the per-rank work of EP N as ``mok.bench layer`` does: the model's experts / N, all on
-this GPU, and the same tokens, so the same rows per expert as a rank of EP N gets.
+this GPU, and the same tokens, so the same rows per expert as a rank of EP N gets; its mok rows
+keep the dispatch that a rank of EP N runs (:func:`mok.bench.common.one_rank_gather`), where a
+run of one rank (``--emulate-ep 1``, ``--suite``) reads its rows from x inside the experts' kernel.
 
 ``torchrun --nproc-per-node=R -m mok.bench train`` (R >= 2, one GPU per rank, NCCL): EP R for
 real. Each rank holds the model's experts / R (``--emulate-ep`` is refused: the EP size is the
@@ -113,6 +115,7 @@ from mok.bench.common import (
     init_dist,
     is_rank0,
     max_over_ranks,
+    one_rank_gather,
     parse_choices,
     provenance,
     run_cases,
@@ -632,10 +635,11 @@ def main(argv: list[str]) -> int:
             print(line, flush=True)
 
     def run(model, n, skew):
-        run_model(
-            rec, model, n, skew, args.impls, sms, args.iters, args.warmup, args.emulate_ep, dev,
-            args.warm_s, group, deepep_sms, shared,
-        )  # fmt: skip
+        with one_rank_gather(args.emulate_ep if world == 1 else world):
+            run_model(
+                rec, model, n, skew, args.impls, sms, args.iters, args.warmup, args.emulate_ep,
+                dev, args.warm_s, group, deepep_sms, shared,
+            )  # fmt: skip
 
     if args.suite:
         jobs = [(p.model, p.tokens, "uniform") for p in SONICMOE_H100]
