@@ -11,7 +11,8 @@ receive buffer has the fixed capacity of the workspace (:meth:`MoKConfig.capacit
 
 :func:`forward` runs the whole layer (dispatch, routed and shared SwiGLU experts, combine) as
 one fused kernel on Hopper; :func:`moe_forward` builds the schedule and calls it
-(``fused=True``) or composes the communication kernels with ``torch._grouped_mm`` experts.
+(``fused=True``) or composes the communication kernels with the experts (gate / up in mok's
+kernel on Hopper, ``torch._grouped_mm`` elsewhere and for the down projection).
 Wherever a config is taken, a :class:`MoKConfig`, a dict or the path of the JSON that
 ``mok-sim tune --emit-config`` writes are accepted.
 

@@ -126,7 +126,10 @@ def moe_forward(
         group: the process group of the expert-parallel ranks; None: the default group (one
             rank without torch.distributed).
         fused: run :func:`forward` (one kernel; Hopper); else the communication kernels with
-            ``torch._grouped_mm`` experts (:mod:`mok.experts`), under :func:`unfused_config`.
+            the routed experts' gate / up and SwiGLU in mok's kernel where the GPU has it
+            (Hopper; at one rank it reads the rows from x: no dispatch, :func:`gathers_rows`)
+            or ``torch._grouped_mm`` elsewhere, and the down projection by
+            ``torch._grouped_mm`` (:mod:`mok.experts`), under :func:`unfused_config`.
 
     Returns:
         [num_tokens, hidden] bf16 = shared(x) + sum_k w_k expert_k(x), a new tensor.

@@ -49,7 +49,7 @@ class ArchPaths:
         if self.fused_forward:
             runs.append("the fused layer")
         if self.expert_kernels:
-            runs.append("mok's expert kernels (the backward, recompute=False)")
+            runs.append("mok's expert kernels (the unfused forward's gate / up, the backward)")
         return ", ".join(runs)
 
     def describe(self) -> str:
