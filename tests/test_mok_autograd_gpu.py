@@ -317,6 +317,8 @@ FUSED_SAVING = [
 ]
 
 
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("case", CASES[:2])
 def test_one_rank_forward_gathers_bitwise(case, recompute, monkeypatch):
