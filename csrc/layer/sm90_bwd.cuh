@@ -981,11 +981,11 @@ __device__ __forceinline__ void wgrad_init(uint32_t full_arrivals = 1) {
   }
 }
 
-template <int kOut>
-__global__ void __launch_bounds__(kLayerThreads, 1)
-    wgrad_kernel(const __grid_constant__ WgradKernelArgs k) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  wgrad_init();
+// The weight-gradient kernels' body. kGather: -1, or the operand (0: A, 1: B) whose rows warp 3
+// gathers (wgrad_gatherer, from g) while thread 0 loads the other.
+template <int kOut, int kGather>
+__device__ __forceinline__ void wgrad_run(const WgradKernelArgs& k, const WgradGather& g) {
+  wgrad_init(kGather < 0 ? 1 : 1 + kWgradGatherThreads);
   if (threadIdx.x == 0) mbar_init_fence();
   __syncthreads();
   const int n_tiles = k.num_experts * (k.m / kTileM) * (k.n / kTileN);
@@ -994,17 +994,26 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
     setmaxnreg_dec<56>();
     const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) {
-      tma_prefetch_map(&k.map_a);
-      tma_prefetch_map(&k.map_b);
-      wgrad_producer(k, n_tiles);
+      if (kGather != 0) tma_prefetch_map(&k.map_a);
+      if (kGather != 1) tma_prefetch_map(&k.map_b);
+      wgrad_producer<kGather>(k, n_tiles);
     } else if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
       tma_prefetch_map(&k.map_c);
       wgrad_storer<kOut>(&k, warp - 1);
+    } else if (warp == 3) {
+      if constexpr (kGather >= 0) wgrad_gatherer<kGather>(k, g, n_tiles);
     }
   } else {
     setmaxnreg_inc<224>();
-    wgrad_consumer<kOut>(wg - 1);
+    wgrad_consumer<kOut, (kGather >= 0)>(wg - 1);
   }
+}
+
+template <int kOut>
+__global__ void __launch_bounds__(kLayerThreads, 1)
+    wgrad_kernel(const __grid_constant__ WgradKernelArgs k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wgrad_run<kOut, -1>(k, WgradGather{});
 #endif
 }
 
@@ -1013,28 +1022,7 @@ template <int kOut, int kOperand>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     wgrad_gather_kernel(const __grid_constant__ WgradGatherKernelArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  wgrad_init(1 + kWgradGatherThreads);
-  if (threadIdx.x == 0) mbar_init_fence();
-  __syncthreads();
-  const WgradKernelArgs& k = a.k;
-  const int n_tiles = k.num_experts * (k.m / kTileM) * (k.n / kTileN);
-  const int wg = threadIdx.x / 128;
-  if (wg == 0) {
-    setmaxnreg_dec<56>();
-    const int warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) {
-      tma_prefetch_map(kOperand == 0 ? &k.map_b : &k.map_a);
-      wgrad_producer<kOperand>(k, n_tiles);
-    } else if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
-      tma_prefetch_map(&k.map_c);
-      wgrad_storer<kOut>(&k, warp - 1);
-    } else if (warp == 3) {
-      wgrad_gatherer<kOperand>(k, a.g, n_tiles);
-    }
-  } else {
-    setmaxnreg_inc<224>();
-    wgrad_consumer<kOut, true>(wg - 1);
-  }
+  wgrad_run<kOut, kOperand>(a.k, a.g);
 #endif
 }
 
