@@ -46,8 +46,8 @@ struct SwigluBwdLaunch {
   // (null: from `a`, which is then unused by the gate / up GEMM): bf16 [gather_tokens, hidden]
   // tokens and, per row, gather_src = token * gather_topk + k, or -1 for a padding row (zeros).
   const void* gather_x;
-  // Mode 0 with gather_x: the dh GEMM's dy rows gathered from bf16 [gather_tokens, hidden]
-  // gather_dy (null: from `dy`).
+  // Modes 0 and 2: the dh GEMM's dy rows gathered from bf16 [gather_tokens, hidden] gather_dy
+  // (null: from `dy`; mode 0 gathers them only with gather_x, mode 2 only these).
   const void* gather_dy;
   const int32_t* gather_src;
   int64_t gather_tokens, gather_topk;

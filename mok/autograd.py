@@ -501,12 +501,14 @@ def _backward_on(
         # row is local
         d_topk = pull_row_grads(sched) if peers else d_row_w[sched.dst_index.long()]
     else:
-        if saved_gu is None and _gathers_backward(ws, x, gu, wd, cfg):
+        if _gathers_backward(ws, x, gu, wd, cfg):
             # one rank: the experts' kernels read each row's input and output gradient from
-            # the tokens themselves (no dispatch of either)
+            # the tokens themselves (no dispatch of either; one launch per GEMM, where the
+            # dispatched rows from saved g / u would run the fused backward kernel: the same
+            # bits)
             d_recv, d_row_w, d_wgu, d_wd = swiglu_backward_gathered(
                 x.contiguous(), g_out, sched.src_index, topk_idx.shape[1], cap, gu, wd, row_w,
-                sched.group_ends, into,
+                sched.group_ends, into, saved_gu,
             )  # fmt: skip
         else:
             dy = dispatch(g_out, sched, mode, out=empty, zero_padding=True)
@@ -530,7 +532,7 @@ def _backward_on(
 
 
 def _gathers_backward(ws, x, w_gate_up, w_down, cfg) -> bool:
-    """Whether the recomputing backward reads its rows from the tokens
+    """Whether the backward reads its rows from the tokens
     (:func:`mok.experts.swiglu_backward_gathered`) instead of dispatching them: at one rank,
     with :data:`mok.layer.GATHER_AT_ONE_RANK` (the forward's switch), where the kernels take the
     operands (:func:`mok.experts.gathered_backward_fits`)."""

@@ -310,8 +310,10 @@ def swiglu_backward_gathered(
     row_weight: torch.Tensor,
     offs: torch.Tensor,
     wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    saved_gu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`swiglu_backward` (g / u recomputed, mok's kernels) of the receive rows one rank
+    """:func:`swiglu_backward` (mok's kernels, g / u recomputed or read from ``saved_gu``, one
+    kernel per GEMM) of the receive rows one rank
     would dispatch to itself, read straight from the tokens: row r's input is
     ``x[row_src[r] // num_topk]`` and its output gradient ``grad_out[...]`` (``row_src``: the
     schedule's ``src_index``, -1 for padding rows, which are zeros), ``rows`` of them. The
@@ -325,7 +327,18 @@ def swiglu_backward_gathered(
     part = torch.empty(inter // 128, rows, dtype=torch.float32, device=dev)
     row_weight = row_weight.float().contiguous()
     ops.swiglu_backward_gather_sm90(
-        x, grad_out, row_src, num_topk, w_gate_up, w_down, offs, row_weight, hw, dgu, part
+        x,
+        grad_out,
+        row_src,
+        num_topk,
+        w_gate_up,
+        w_down,
+        offs,
+        row_weight,
+        hw,
+        dgu,
+        part,
+        saved_gu,
     )
     d_a = gate_up_dgrad(dgu, w_gate_up, offs)
     into = _checked_into(wgrad_into, w_gate_up, w_down) or (None, None)

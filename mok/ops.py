@@ -436,6 +436,7 @@ def _launch_swiglu(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, g
     L, two_i, hidden = w_gate_up.shape
     dev = a.device
     gx, gdy, gsrc, topk = gather if gather is not None else (None, None, None, 0)
+    tokens = 0 if gather is None else (gx if gx is not None else gdy).shape[0]
     # the kernel's tile counter (zeroed by the launcher on this stream)
     next_tile = torch.empty(1, dtype=torch.int32, device=dev)
     _ext.load().launch_swiglu_bwd(
@@ -453,7 +454,7 @@ def _launch_swiglu(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, g
         0 if gx is None else gx.data_ptr(),
         0 if gdy is None else gdy.data_ptr(),
         0 if gsrc is None else gsrc.data_ptr(),
-        0 if gx is None else gx.shape[0],
+        tokens,
         topk,
         mode,
         rows,
@@ -560,16 +561,21 @@ def swiglu_backward_gather_sm90(
     hw: torch.Tensor,  # [R, I] bf16 out
     dgu: torch.Tensor,  # [R, 2I] bf16 out
     part: torch.Tensor | None,  # [I / 128, R] fp32 out (router-weight partials), or None
+    gu32: torch.Tensor | None,  # [R, 2I] fp32 g | u the forward kept, or None (recomputed)
 ) -> None:
-    """:func:`swiglu_backward_sm90` mode 0 (g / u recomputed) with both GEMMs' rows gathered
-    from the tokens inside their operand loads (row r is ``x[row_src[r] // num_topk]`` and
-    ``grad_out[...]``, zeros where ``row_src`` is -1): no receive rows are copied first."""
-    gather = (x, grad_out, row_src, num_topk)
-    _launch_swiglu(hw, hw, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, None, gather, 0)
+    """:func:`swiglu_backward_sm90` (mode 0, g / u recomputed, or mode 2 from ``gu32``) with
+    its GEMMs' rows gathered from the tokens inside their operand loads (row r is
+    ``x[row_src[r] // num_topk]`` and ``grad_out[...]``, zeros where ``row_src`` is -1): no
+    receive rows are copied first."""
+    if gu32 is None:
+        gather, mode = (x, grad_out, row_src, num_topk), 0
+    else:
+        gather, mode = (None, grad_out, row_src, num_topk), 2
+    _launch_swiglu(hw, hw, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, gu32, gather, mode)
 
 
 @swiglu_backward_gather_sm90.register_fake
-def _(x, grad_out, row_src, num_topk, w_gate_up, w_down, group_ends, row_w, hw, dgu, part) -> None:
+def _(x, grad_out, row_src, num_topk, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, gu32):
     return None
 
 

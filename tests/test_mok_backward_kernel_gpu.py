@@ -219,19 +219,20 @@ def test_saving_forward_gathers_its_rows_bitwise(hidden, inter, sizes, topk):
     assert none is None and torch.equal(y_only[:n], y[:n]) and torch.equal(y_copied[:n], y[:n])
 
 
-@pytest.mark.parametrize("into", [False, True])
+@pytest.mark.parametrize(("into", "saved"), [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize(
     ("hidden", "inter", "sizes", "topk"),
     [(1024, 512, [304, 80, 0, 0, 512], 4), (2048, 768, [48, 304, 0, 64, 80, 128, 192, 208], 8)],
 )
-def test_recomputing_backward_gathers_its_rows_bitwise(hidden, inter, sizes, topk, into):
-    """The recomputing backward that reads each row's input and output gradient from the tokens
+def test_backward_gathers_its_rows_bitwise(hidden, inter, sizes, topk, into, saved):
+    """The backward that reads each row's input and output gradient from the tokens
     (``swiglu_backward_gathered``: the experts' kernel and both weight-gradient kernels gather
     them in their operand loads) gives bitwise the results of ``swiglu_backward`` on the same
-    rows copied out first: d_a, the router-weight gradient and both weight gradients (bf16, or
-    added onto fp32 accumulators), with padding rows (-1, weight 0: zeros) inside groups whose
-    ends are multiples of 16, repeated tokens, and rows past the last group (not read)."""
-    from mok.experts import swiglu_backward, swiglu_backward_gathered
+    rows copied out first (from saved g / u: its fused one-launch kernel): d_a, the
+    router-weight gradient and both weight gradients (bf16, or added onto fp32 accumulators),
+    with padding rows (-1, weight 0: zeros) inside groups whose ends are multiples of 16,
+    repeated tokens, and rows past the last group (not read)."""
+    from mok.experts import grouped_swiglu_saving, swiglu_backward, swiglu_backward_gathered
 
     _, wgu, wd, _, _, offs = _operands(hidden, inter, sizes, True, seed=9)
     g = torch.Generator(device="cuda").manual_seed(13)
@@ -253,9 +254,12 @@ def test_recomputing_backward_gathers_its_rows_bitwise(hidden, inter, sizes, top
             return None
         return tuple(torch.full(w.shape, 0.5, device="cuda") for w in (wgu, wd))
 
-    want = swiglu_backward(a, wgu, wd, dy, row_w, offs, group_align=16, wgrad_into=accumulators())
+    gu = grouped_swiglu_saving(a, wgu, wd, offs)[1] if saved else None
+    want = swiglu_backward(
+        a, wgu, wd, dy, row_w, offs, group_align=16, wgrad_into=accumulators(), saved_gu=gu
+    )
     got = swiglu_backward_gathered(x, grad_out, src, topk, rows, wgu, wd, row_w, offs,
-                                   accumulators())  # fmt: skip
+                                   accumulators(), gu)  # fmt: skip
     for i, name in enumerate(("d_a", "d_row_weight", "d_w_gate_up", "d_w_down")):
         g_, w_ = (got[i][:n], want[i][:n]) if i < 2 else (got[i], want[i])
         assert torch.equal(g_, w_), f"{name} of the gathered backward differs"

@@ -32,17 +32,20 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
       l.mode > kSwigluSaved || (l.mode == kSwigluSaved && l.gu32 == nullptr) ||
       l.next_tile == nullptr)
     return static_cast<int>(cudaErrorInvalidValue);
-  const bool gather = l.gather_x != nullptr;
-  const bool gather_dy = l.gather_dy != nullptr;
-  if ((gather_dy && (!gather || l.mode != kSwigluRecompute)) ||
-      (gather && (l.mode == kSwigluSaved || l.gather_src == nullptr || l.gather_topk < 1 ||
-                  l.gather_tokens < 1 || l.gather_tokens * l.gather_topk > INT32_MAX)))
+  // gathered rows: x for gate / up (modes 0 and 1), dy for dh (modes 0 and 2; mode 2 needs it)
+  const bool gather_x = l.gather_x != nullptr, gather_dy = l.gather_dy != nullptr;
+  const bool gather = gather_x || gather_dy;
+  if (gather &&
+      ((l.mode == kSwigluSave && (!gather_x || gather_dy)) ||
+       (l.mode == kSwigluSaved && (gather_x || !gather_dy)) ||
+       (l.mode == kSwigluRecompute && !gather_x) || l.gather_src == nullptr ||
+       l.gather_topk < 1 || l.gather_tokens < 1 || l.gather_tokens * l.gather_topk > INT32_MAX))
     return static_cast<int>(cudaErrorInvalidValue);
   SwigluBwdKernelArgs k{};
   constexpr int kK = OperandBf16::kTileK;
   // The operands of the k-loops this mode runs: gate/up (x rows, w_gate_up), dh (dy, w_down).
   const bool gate_up = l.mode != kSwigluSaved, down = l.mode != kSwigluSave;
-  if ((gate_up && ((!gather && !encode_bf16_map(&k.map_a, l.a, l.rows, H, kTileM, kK)) ||
+  if ((gate_up && ((!gather_x && !encode_bf16_map(&k.map_a, l.a, l.rows, H, kTileM, kK)) ||
                    !encode_bf16_map(&k.map_w, l.w_gate_up, L * 2 * I, H, 128, kK))) ||
       (down && ((!gather_dy && !encode_bf16_map(&k.map_dy, l.dy, l.rows, H, kTileM, kK)) ||
                 !encode_bf16_map(&k.map_wd, l.w_down, L * H, I, kK, 64))) ||
@@ -75,7 +78,11 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
       if (gather) return launch_swiglu_mode<kSwigluSave, true>(k, grid, stream);
       return launch_swiglu_mode<kSwigluSave>(k, grid, stream);
     case kSwigluSaved:
-      if (I % 256 == 0) return launch_swiglu_mode<kSwigluSavedWide>(k, grid, stream);
+      if (I % 256 == 0) {
+        if (gather) return launch_swiglu_mode<kSwigluSavedWide, true>(k, grid, stream);
+        return launch_swiglu_mode<kSwigluSavedWide>(k, grid, stream);
+      }
+      if (gather) return launch_swiglu_mode<kSwigluSaved, true>(k, grid, stream);
       return launch_swiglu_mode<kSwigluSaved>(k, grid, stream);
     default:
       if (gather) return launch_swiglu_mode<kSwigluRecompute, true>(k, grid, stream);

@@ -115,10 +115,10 @@ struct SwigluBwdKernelArgs {
   int* next_tile;       // tiles handed out past the first wave (zeroed by the launcher)
   // The gate / up k-loop's A rows gathered from the tokens instead of map_a (null: map_a):
   // receive row r is row gather_src[r] / gather_topk of gather_x [tokens, H] (a padding row,
-  // gather_src -1, and rows past a tile's expert are zeros). Not in the dh-only modes.
+  // gather_src -1, and rows past a tile's expert are zeros).
   const uint16_t* gather_x;
-  // Mode kSwigluRecompute: the dh k-loop's A rows (dy) gathered the same way from gather_dy
-  // [tokens, H] (each token's output gradient) instead of map_dy (null: map_dy).
+  // The dh k-loop's A rows (dy) gathered the same way from gather_dy [tokens, H] (each token's
+  // output gradient) instead of map_dy (null: map_dy); the dh-only modes gather only these.
   const uint16_t* gather_dy;
   const int32_t* gather_src;
   int gather_topk;
@@ -133,6 +133,10 @@ struct BwdShared {
   // Row blocks of the experts before e (tiles_before[e] * column blocks = the first tile of
   // expert e); tiles_before[L] is the total.
   int tiles_before[kBwdMaxExperts + 1];
+  // A claimed tile handed from the gathering producer's thread 0 to its other threads (two
+  // slots, used in turn: a slot is written again only after every thread passed the barrier
+  // behind its next read).
+  int claim[2];
 };
 static __shared__ __align__(8) BwdShared bsh;
 extern __shared__ uint8_t bwd_smem[];
@@ -258,6 +262,7 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
 // (One one-row TMA load per row instead, 128 per k-block, ran the fused layer's gate / up at a
 // quarter of its speed: docs/perf-notes.md.)
 constexpr int kGatherThreads = 128;
+constexpr int kGatherBarrier = 4;  // named barrier of the gathering producer warpgroup
 constexpr int kGatherRowsPerThread = kTileM * 8 / kGatherThreads;
 
 template <int kMode>
@@ -270,10 +275,20 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
   const int sw = r0 * 128 + ((chunk ^ (r0 % 8)) << 4);
   const int k_blocks = k.hidden / OperandBf16::kTileK;
   const int64_t H = k.hidden;
-  const bool gather_dy = kMode == kSwigluRecompute && k.gather_dy != nullptr;
-  int stage = 0;
+  const bool gather_dy = kMode != kSwigluSave && k.gather_dy != nullptr;
+  constexpr int kBoxes = tile_cols(kMode) / 64;
+  int stage = 0, turn = 0;
   uint32_t phase = 0;
-  for (int i = blockIdx.x;; i += gridDim.x) {
+  for (int i = blockIdx.x;; ++turn) {
+    if (turn > 0) {  // the next tile: claimed from the counter, or the grid's stride
+      if (!BwdPipe<kMode>::kClaim) {
+        i += gridDim.x;
+      } else {
+        if (t == 0) vol(bsh.claim[turn % 2]) = gridDim.x + atomicAdd(k.next_tile, 1);
+        named_sync(kGatherBarrier, kGatherThreads);
+        i = vol(bsh.claim[turn % 2]);
+      }
+    }
     if (i >= n_tiles) {
       mbar_wait(&bsh.empty[stage], phase ^ 1);
       if (t == 0) {
@@ -299,7 +314,8 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
     const int w_row = e * 2 * k.inter + nb * 128;
     const int wd_row = e * k.hidden;
     const int kb0 = kMode == kSwigluSave ? k_blocks : 0;
-    for (int kb = kb0; kb < 2 * k_blocks; ++kb) {
+    const int kb1 = dh_only(kMode) ? k_blocks : 2 * k_blocks;
+    for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&bsh.empty[stage], phase ^ 1);
       uint8_t* sa = stages + stage * BwdPipe<kMode>::kStride;
       if (t == 0) {
@@ -310,11 +326,12 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
         }
         if (kb < k_blocks) {
           const int kc = kb * OperandBf16::kTileK;
-          mbar_arrive_expect_tx(&bsh.full[stage], (gather_dy ? 0 : kStageA) + 2 * kBoxNB);
+          mbar_arrive_expect_tx(&bsh.full[stage], (gather_dy ? 0 : kStageA) + kBoxes * kBoxNB);
           if (!gather_dy) tma_load_2d(sa, &k.map_dy, &bsh.full[stage], kc, row0);
-          tma_load_2d(sa + kStageA, &k.map_wd, &bsh.full[stage], nb * 128, wd_row + kc);
-          tma_load_2d(sa + kStageA + kBoxNB, &k.map_wd, &bsh.full[stage], nb * 128 + 64,
-                      wd_row + kc);
+#pragma unroll
+          for (int q = 0; q < kBoxes; ++q)
+            tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_wd, &bsh.full[stage],
+                        nb * tile_cols(kMode) + 64 * q, wd_row + kc);
         } else {
           const int kc = (kb - k_blocks) * OperandBf16::kTileK;
           mbar_arrive_expect_tx(&bsh.full[stage], kStageBytes - kStageA);
@@ -536,9 +553,9 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
     const int end = vol(bsh.stage_tile[stage][1]);
     const int nb = vol(bsh.stage_tile[stage][2]);
     if (kMode == kSwigluSavedWide)
-      mma_kloop<OperandBf16, kFullNBWide, BwdPipe<kMode>::kNumStages>(
-          acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage, prev_stage,
-          phase);
+      mma_kloop<OperandBf16, kFullNBWide, BwdPipe<kMode>::kNumStages, false, kStageBytes,
+                kGather>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage,
+                         prev_stage, phase);
     else if (kMode != kSwigluSave)
       mma_kloop<OperandBf16, kFullNB, BwdPipe<kMode>::kNumStages, false,
                 BwdPipe<kMode>::kStride, kGather>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
@@ -566,12 +583,11 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
   if (kMode == kSwigluSave && lane == 0) bulk_wait_all();  // the TMA stores done before exit
 }
 
-// kGather (modes kSwigluRecompute and kSwigluSave only): the gate / up k-loop's A rows gathered
-// from SwigluBwdKernelArgs::gather_x by the producer warpgroup (bwd_producer_gather).
+// kGather: the k-loops' A rows gathered from SwigluBwdKernelArgs::gather_x (gate / up) and
+// gather_dy (dh) by the producer warpgroup (bwd_producer_gather).
 template <int kMode, bool kGather = false>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     swiglu_bwd_kernel(const __grid_constant__ SwigluBwdKernelArgs k) {
-  static_assert(!kGather || !dh_only(kMode), "the dh-only modes load no A rows to gather");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const int n_blocks = k.inter / tile_cols(kMode);
   if (threadIdx.x < 32) count_tiles(k);
@@ -591,9 +607,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   if (wg == 0) {
     setmaxnreg_dec<56>();
     if constexpr (kGather) {
-      if (threadIdx.x == 0) {
-        tma_prefetch_map(&k.map_w);
-        if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
+      if (threadIdx.x == 0) {  // the maps it loads by TMA (the gathered ones are not encoded)
+        if (!dh_only(kMode)) tma_prefetch_map(&k.map_w);
+        if (kMode != kSwigluSave) tma_prefetch_map(&k.map_wd);
+        if (kMode != kSwigluSave && k.gather_dy == nullptr) tma_prefetch_map(&k.map_dy);
         if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st);
         if (kMode == kSwigluSave && k.gu32 != nullptr) tma_prefetch_map(&k.map_gu_st);
       }
