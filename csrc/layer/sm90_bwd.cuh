@@ -25,7 +25,9 @@
 //
 // Roles per block (384 threads): one producer thread (TMA loads of the stages), two consumer
 // warpgroups, each running wgmma on 64 of the tile's rows and writing its epilogue straight to
-// global memory (the saving forward's through shared memory and TMA stores, save_epilogue).
+// global memory (the saving forward's through shared memory and TMA stores, save_epilogue). The
+// gathering variants (kGather: at one rank, rows read from the tokens instead of a dispatched
+// copy) run the producer on the whole first warpgroup (bwd_producer_gather).
 // Waits are on this block's own pipeline barriers only (nothing waits for another block), so
 // none can stall unless the kernel itself is broken.
 #pragma once
