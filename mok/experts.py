@@ -313,8 +313,8 @@ def swiglu_backward_gathered(
     saved_gu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`swiglu_backward` (mok's kernels, g / u recomputed or read from ``saved_gu``, one
-    kernel per GEMM) of the receive rows one rank
-    would dispatch to itself, read straight from the tokens: row r's input is
+    kernel per GEMM) of the receive rows one rank would dispatch to itself, read straight from
+    the tokens: row r's input is
     ``x[row_src[r] // num_topk]`` and its output gradient ``grad_out[...]`` (``row_src``: the
     schedule's ``src_index``, -1 for padding rows, which are zeros), ``rows`` of them. The
     experts' kernel and both weight-gradient kernels gather them in their operand loads, so no
