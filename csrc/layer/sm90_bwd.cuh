@@ -259,8 +259,10 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
 // (j < 8) of each k-block by cp.async, into the place the 128-row TMA box in the 128-byte swizzle
 // would put it (chunk c of row r at r x 128 + (c ^ (r % 8)) x 16), each 8 consecutive threads one
 // row's 128 contiguous bytes; the dh k-blocks' dy rows too where gather_dy is set (else thread 0
-// loads them by TMA). Thread 0 loads the weights by TMA as bwd_producer does. Every stage's full barrier then takes 129 arrivals: thread 0's with the TMA
-// bytes and one per thread (cp_async_mbar_arrive once its copies landed, or a plain arrive).
+// loads them by TMA). Thread 0 loads the weights by TMA as bwd_producer does. Every stage's full
+// barrier then takes 129 arrivals: thread 0's with the TMA bytes and one per thread
+// (cp_async_mbar_arrive once its copies landed, or a plain arrive). Tiles claimed from the counter
+// (the dh-only modes) go from thread 0 to the others through bsh.claim and a named barrier.
 // (One one-row TMA load per row instead, 128 per k-block, ran the fused layer's gate / up at a
 // quarter of its speed: docs/perf-notes.md.)
 constexpr int kGatherThreads = 128;
