@@ -203,7 +203,8 @@ def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group,
     # unwritten, so a wrong bound must stop the call rather than feed garbage to the combine.
     torch._assert_async(sched.group_ends[-1] <= rows, "mok: receive rows past the host bound")
     keep = _saved is not None
-    if gathers_rows(ws, x, weights):
+    kernel = kernel_forward_fits(x, weights)
+    if kernel and gathers_rows(ws, x):
         # one rank: the experts' kernel reads each receive row from x itself (no dispatch);
         # its outputs have the receive buffer's rows, as the combine takes them
         y, gu32 = grouped_swiglu_saving_gathered(
@@ -218,7 +219,7 @@ def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group,
         )
     else:
         recv = dispatch(x, sched)
-        if keep or kernel_forward_fits(x, weights):
+        if keep or kernel:
             # mok's kernel for gate / up and SwiGLU (with recompute=False, mok.autograd, it
             # keeps the fp32 gate / up for the backward), torch's grouped GEMM for down
             y, gu32 = grouped_swiglu_saving(
@@ -246,17 +247,12 @@ def kernel_forward_fits(x: torch.Tensor, weights: MoEWeights) -> bool:
     )
 
 
-def gathers_rows(ws, x: torch.Tensor, weights: MoEWeights) -> bool:
-    """Whether :func:`moe_forward`'s unfused forward takes its receive rows straight from ``x``
+def gathers_rows(ws, x: torch.Tensor) -> bool:
+    """Whether :func:`moe_forward`'s unfused forward, where the experts' kernel runs it
+    (:func:`kernel_forward_fits`), takes its receive rows straight from ``x``
     (:func:`mok.experts.grouped_swiglu_saving_gathered`): at one rank (every row is a row of
-    x), with :data:`GATHER_AT_ONE_RANK`, where the kernel runs the forward
-    (:func:`kernel_forward_fits`). The same bits as the kernel on the dispatched rows."""
-    return (
-        GATHER_AT_ONE_RANK
-        and ws.num_ranks == 1
-        and x.is_contiguous()
-        and kernel_forward_fits(x, weights)
-    )
+    x), with :data:`GATHER_AT_ONE_RANK`. The same bits as the kernel on the dispatched rows."""
+    return GATHER_AT_ONE_RANK and ws.num_ranks == 1 and x.is_contiguous()
 
 
 def _shared_expert(x: torch.Tensor, weights: MoEWeights, saved: list | None):
