@@ -63,10 +63,12 @@ from mok.experts import (
 from mok.layer import (
     as_config,
     moe_forward,
+    resolve_path,
     unfused_config,
     unfused_row_tile,
 )
 from mok.ops import TAGS, traced
+from mok.path_choice import check_fused_arg
 from mok.reference_layer import check_reference_inputs, group_size, reference_grads, reference_layer
 from mok.schedule import build_schedule, routed_rows_bound
 from mok.sms import budget_sms, sm_budget
@@ -96,7 +98,7 @@ def moe(
     num_experts: int,
     config: MoKConfig | dict | str | Path | None = None,
     group=None,
-    fused: bool = False,
+    fused: bool | str = False,
     recompute: bool = True,
     main_grad: bool = False,
 ) -> torch.Tensor:
@@ -158,7 +160,7 @@ def moe_on_leaves(
     num_experts: int,
     config: MoKConfig | dict | str | Path | None = None,
     group=None,
-    fused: bool = False,
+    fused: bool | str = False,
     recompute: bool = True,
     main_grad: bool = False,
 ) -> torch.Tensor:
@@ -177,6 +179,12 @@ def moe_on_leaves(
         leaves, into = _main_grad_leaves(leaves, x.is_cuda)
         tensors = [x, topk_weights, *leaves]
     tracing = traced([topk_idx, *tensors])
+    if x.is_cuda:  # "auto": the faster forward of this layer, measured once (mok.path_choice)
+        fused = resolve_path(fused, x, topk_idx, topk_weights, weights, num_experts,
+                             as_config(config), group, not recompute, tracing)  # fmt: skip
+    else:
+        check_fused_arg(fused)
+        fused = fused is True  # the reference layer runs: fused is ignored
     if not x.is_cuda and not tracing:
         check_reference_inputs(x, topk_idx, topk_weights, weights, num_experts)
     if tracing or not x.is_cuda:

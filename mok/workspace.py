@@ -600,7 +600,9 @@ _RECOVERABLE = (
 )
 
 
-def _group_key(group) -> tuple:
+def group_key(group) -> tuple:
+    """What identifies ``group`` in the caches keyed by it (its name and size; ``("local",)``
+    without torch.distributed)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -666,7 +668,7 @@ def get_workspace(
         device = torch.device("cuda", torch.cuda.current_device())
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise MoKInputError(f"num_tokens must be an int >= 0 (found {num_tokens!r})")
-    key = (_group_key(group), device.index, hidden, num_topk, num_experts, dtype, config, fused)
+    key = (group_key(group), device.index, hidden, num_topk, num_experts, dtype, config, fused)
     ws = _cache.get(key)
     floor = 1
     if ws is not None and num_tokens > ws.max_tokens and ws.num_ranks == 1:

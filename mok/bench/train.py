@@ -54,6 +54,10 @@ and the printed header says so too. Implementations:
   run under :func:`mok.functional.unfused_config`; the row records the SMs and mode that ran)
   or ``fused=True`` for each ``--sms`` (the communication SMs; the rest of the config is
   :class:`mok.MoKConfig`'s defaults, which are ``mok.bench layer``'s).
+- ``mok-auto`` / ``mok-auto-saved``: ``fused="auto"`` (:mod:`mok.path_choice`) with the default
+  config, recomputing / keeping g / u: the layer's first call times the fused and the unfused
+  forward and keeps the faster; the row's ``mode`` is ``auto:fused`` or ``auto:unfused`` and its
+  ``note`` the logged choice with both times (also printed). Not in the default ``--impls``.
 
 The mok rows share the backward of :mod:`mok.autograd`: ``mok-unfused`` and ``mok-fused`` save
 only the inputs and recompute the gate / up GEMMs (in the experts' backward kernel on Hopper, with
@@ -131,6 +135,7 @@ from mok.bench.train_layers import (  # noqa: F401 - swiglu, shared_expert: this
     torch_best_train_layer,
 )
 from mok.experts import clear_cache
+from mok.path_choice import AUTO, choices, clear_choices
 from mok.ranks import shared_gpu
 from mok.spec.limits import (
     nearest_ep_sizes,  # noqa: F401 - this module's API too
@@ -141,7 +146,14 @@ from mok.spec.workload import ModelShape, get_shape
 
 ONE_RANK_IMPLS = ("torch-best",)  # every expert local: one GPU only
 EP_IMPLS = ("torch-best+nccl", "torch-best+deepep")  # EP > 1, one GPU per rank (NCCL) only
-MOK_IMPLS = ("mok-unfused", "mok-fused", "mok-saved", "mok-fused-saved")
+MOK_IMPLS = (
+    "mok-unfused",
+    "mok-fused",
+    "mok-saved",
+    "mok-fused-saved",
+    "mok-auto",
+    "mok-auto-saved",
+)
 IMPLS = ONE_RANK_IMPLS + EP_IMPLS + MOK_IMPLS
 # --impls by world: one GPU, EP > 1
 DEFAULT_IMPLS = (
@@ -339,13 +351,22 @@ def run_model(
     def weights() -> dict:
         return train_weights(shape, device, seed=7 + rank, num_local_experts=num_local)
 
-    def add(impl, mode, sms_count, build, recomputed):
+    def add(impl, mode, sms_count, build, recomputed, chosen=False):
         """Time, check and record one implementation; ``build()`` makes its weights and returns
-        (forward, {name: leaf}), or None to drop the row. Its weights are freed on return."""
+        (forward, {name: leaf}), or None to drop the row. Its weights are freed on return.
+        ``chosen``: a ``fused="auto"`` layer, whose row names the path its first call kept."""
         made = build()
         if made is None:
             return
         fwd, leaves = made
+        note = SHARED_GPU_NOTE if shared else ""
+        if chosen:
+            fwd()  # the first call times both paths and keeps one (mok.path_choice)
+            choice = list(choices().values())[-1]
+            mode, sms_count = f"auto:{choice.path}", 0
+            note = "; ".join(t for t in (choice.text, note) if t)
+            if is_rank0():
+                print(choice.text)
         what = f"{impl} ({mode})"
 
         def step():
@@ -381,7 +402,7 @@ def run_model(
             step_mem_gib=round(added, 3),
             sm_mhz=ts.sm_mhz,
             shared_gpu=shared,
-            note=SHARED_GPU_NOTE if shared else "",
+            note=note,
         )
 
     def torch_layer(layer, mode="eager"):
@@ -475,6 +496,14 @@ def run_model(
             again = flops_again if recompute else shared_again
             add(impl, cfg.dispatch_mode, s, mok_layer(True, cfg, recompute), again)
             mok.clear_workspaces()
+    for impl, recompute in (("mok-auto", True), ("mok-auto-saved", False)):
+        if impl not in impls:
+            continue
+        again = flops_again if recompute else shared_again
+        # fused="auto" with the default config: the path its first call timed and kept
+        add(impl, "auto", 0, mok_layer(AUTO, unfused_cfg, recompute), again, chosen=True)
+        mok.clear_workspaces()
+        clear_choices()
     clear_cache()  # the next model's weights replace these
 
 
