@@ -23,7 +23,14 @@ from mok.experts import (
     shared_kept,
 )
 from mok.fused import forward
-from mok.path_choice import AUTO, check_fused_arg, choice_key, fused_refusals, measured_choice
+from mok.path_choice import (
+    AUTO,
+    check_fused_arg,
+    choice_key,
+    file_key,
+    fused_refusals,
+    measured_choice,
+)
 from mok.path_choice import resolve_fused as _resolve
 from mok.reference_layer import check_reference_inputs, reference_layer
 from mok.schedule import build_schedule, received_rows_bound
@@ -215,7 +222,8 @@ def resolve_path(
 
         return measured_choice(run, refusals, group, text)
 
-    return _resolve(fused, key, measure, tracing)
+    name = None if tracing else file_key(key, torch.cuda.get_device_name(x.device))
+    return _resolve(fused, key, measure, tracing, name, group)
 
 
 def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused, _saved):

@@ -16,7 +16,11 @@ logged on the ``mok`` logger at INFO with both times (:attr:`PathChoice.text`) a
 
 The two paths do not give the same bits (their GEMMs sum in different orders), and a choice made
 from timings may differ between runs, so ``"auto"`` is opt-in: pin the logged choice
-(``fused=True`` / ``False``) where runs must be bitwise repeatable. The choice costs one
+(``fused=True`` / ``False``), or keep the choices in a file: with ``MOK_PATH_CHOICES`` naming a
+JSON file, a layer whose key (:func:`file_key`: the GPU's name, the EP size, the sizes, the
+config, ``recompute``) is in it takes the stored path without timing (when every rank of its
+group finds the same one), and each new choice is added to it by the group's first rank, so
+later runs repeat the first one's bits. The choice costs one
 workspace of each path (both stay cached) and ``2 * (WARMUP + ITERS)`` forward calls, once.
 Under ``torch.compile`` the choice must already have been made by an eager call of that key;
 otherwise the unfused path runs (and a warning says so).
@@ -24,11 +28,14 @@ otherwise the unfused path runs (and a warning says so).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import statistics
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,8 +51,10 @@ __all__ = [
     "MARGIN",
     "WARMUP",
     "PathChoice",
+    "CHOICES_ENV",
     "check_fused_arg",
     "choice_key",
+    "file_key",
     "choices",
     "clear_choices",
     "fused_refusals",
@@ -56,6 +65,7 @@ __all__ = [
 ]
 
 AUTO = "auto"
+CHOICES_ENV = "MOK_PATH_CHOICES"  # a JSON file of choices kept across runs
 WARMUP = 2  # untimed calls of each path first
 ITERS = 5  # timed calls of each path, alternating; the median is kept
 MARGIN = 0.02  # the fused path is chosen when it is this much faster (ties: the unfused path)
@@ -109,6 +119,45 @@ def choice_key(x, weights, num_experts: int, num_topk: int, config: MoKConfig, g
     )
 
 
+def file_key(key: tuple, device_name: str) -> str:
+    """:func:`choice_key` as the text a ``MOK_PATH_CHOICES`` file keeps it under: the GPU's name
+    and the EP size instead of the device index and the group's name (which differ between
+    runs and hosts)."""
+    group, _, hidden, inter, shared, topk, experts, dtype, config, recompute = key
+    ranks = group[1] if len(group) > 1 else 1
+    cfg = json.dumps(asdict(config), sort_keys=True, separators=(",", ":"))
+    return (
+        f"{device_name}|ep={ranks}|hidden={hidden}|intermediate={inter}|shared={shared}|"
+        f"topk={topk}|experts={experts}|{str(dtype).removeprefix('torch.')}|"
+        f"recompute={recompute}|{cfg}"
+    )
+
+
+def _stored(path: str, name: str) -> PathChoice | None:
+    """The choice kept under ``name`` in the JSON file at ``path`` (None: no file or no entry)."""
+    try:
+        entry = json.loads(Path(path).read_text()).get(name)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise MoKInputError(f"{CHOICES_ENV}={path} is not a readable JSON object ({e})") from e
+    if entry is None:
+        return None
+    why = f"{entry['why']} (stored in {path})"
+    return PathChoice(bool(entry["fused"]), entry.get("unfused_ms"), entry.get("fused_ms"), why)
+
+
+def _store(path: str, name: str, got: PathChoice) -> None:
+    """Add ``got`` under ``name`` to the JSON file at ``path`` (written whole, then renamed)."""
+    p = Path(path)
+    data = json.loads(p.read_text()) if p.exists() else {}
+    data[name] = {"fused": got.fused, "unfused_ms": got.unfused_ms, "fused_ms": got.fused_ms,
+                  "why": got.why}  # fmt: skip
+    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, p)
+
+
 def choices() -> dict[tuple, PathChoice]:
     """Every choice made in this process, by :func:`choice_key` (a copy)."""
     return dict(_choices)
@@ -145,25 +194,36 @@ def pick(unfused_ms: float, fused_ms: float, margin: float = MARGIN) -> bool:
     return fused_ms < unfused_ms * (1.0 - margin)
 
 
-def resolve_fused(fused, key: tuple, measure: Callable[[], PathChoice], tracing: bool) -> bool:
-    """``fused`` as a bool: itself unless ``"auto"``; then the choice kept under ``key``, made
-    now by ``measure`` (collective over the layer's group: every rank of the layer calls this
-    at the same call) when there is none. Under tracing a missing choice runs the unfused path,
-    with a warning."""
+def resolve_fused(fused, key: tuple, measure: Callable[[], PathChoice], tracing: bool,
+                  name: str | None = None, group=None) -> bool:  # fmt: skip
+    """``fused`` as a bool: itself unless ``"auto"``; then the choice kept under ``key``, else
+    the one stored under ``name`` in the ``MOK_PATH_CHOICES`` file (where every rank of
+    ``group`` finds the same), else one made now by ``measure`` (collective over the layer's
+    group: every rank of the layer calls this at the same call) and stored there. Under
+    tracing a missing choice runs the unfused path, with a warning."""
     check_fused_arg(fused)
     if fused != AUTO:
         return bool(fused)
     got = _choices.get(key)
+    if got is not None:
+        return got.fused
+    if tracing:
+        warnings.warn(
+            "mok: fused='auto' under torch.compile before any eager call of this layer: "
+            "the unfused forward runs (call the layer once eagerly first, or pin fused)",
+            stacklevel=3,
+        )
+        return False
+    path = os.environ.get(CHOICES_ENV) if name is not None else None
+    got = _stored(path, name) if path else None
+    if path and not _agreed(got, group):
+        got = None  # some rank has no entry, or another one: every rank measures
     if got is None:
-        if tracing:
-            warnings.warn(
-                "mok: fused='auto' under torch.compile before any eager call of this layer: "
-                "the unfused forward runs (call the layer once eagerly first, or pin fused)",
-                stacklevel=3,
-            )
-            return False
-        got = _choices[key] = measure()
-        _log.info(got.text)
+        got = measure()
+        if path and _first_rank(group):
+            _store(path, name, got)
+    _choices[key] = got
+    _log.info(got.text)
     return got.fused
 
 
@@ -207,6 +267,19 @@ def time_paths(run: Callable[[bool], object], warmup: int = WARMUP, iters: int =
                 events[fused].append((s, e))
         torch.cuda.synchronize()
     return [statistics.median(s.elapsed_time(e) for s, e in events[f]) for f in (False, True)]
+
+
+def _agreed(got: PathChoice | None, group) -> bool:
+    """Whether every rank of ``group`` found a stored choice, and the same path."""
+    mine = -1.0 if got is None else float(got.fused)
+    lo, hi = _max_over([-mine, mine], group)
+    return mine >= 0 and -lo == hi == mine
+
+
+def _first_rank(group) -> bool:
+    import torch.distributed as dist
+
+    return _ranks(group) == 1 or dist.get_rank(group) == 0
 
 
 def _ranks(group) -> int:

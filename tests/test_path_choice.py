@@ -5,6 +5,7 @@ tests/test_mok_autograd_gpu.py."""
 
 from __future__ import annotations
 
+import json
 import types
 import warnings
 
@@ -143,3 +144,40 @@ def test_auto_off_cuda_is_the_reference_layer():
         assert torch.equal(out, mf.moe_forward(x, idx, tw, w, E, fused="auto"))
     assert torch.equal(out, mok.MoE.from_weights(E, m.gate_up, m.down)(x, idx, tw))
     assert pc.choices() == {}  # nothing to choose off CUDA
+
+
+def _key(**kw):
+    w = types.SimpleNamespace(w_gate=torch.zeros(E, INTER, H), shared_w_gate=None)
+    return pc.choice_key(torch.zeros(N, H), w, E, K, MoKConfig(**kw), None, True)
+
+
+def test_a_choices_file_keeps_the_first_runs_choice(tmp_path, monkeypatch):
+    path = tmp_path / "choices.json"
+    monkeypatch.setenv(pc.CHOICES_ENV, str(path))
+    name = pc.file_key(_key(), "GPU X")
+    assert name.startswith("GPU X|ep=1|hidden=16|intermediate=8|shared=0|topk=2|experts=4|")
+    made = pc.PathChoice(True, 2.0, 1.0, "timed")
+    assert pc.resolve_fused("auto", _key(), lambda: made, False, name) is True
+    stored = json.loads(path.read_text())[name]
+    assert stored == {"fused": True, "unfused_ms": 2.0, "fused_ms": 1.0, "why": "timed"}
+    pc.clear_choices()  # a new run: the file answers, nothing is timed
+
+    def measure():
+        raise AssertionError("measured again")
+
+    assert pc.resolve_fused("auto", _key(), measure, False, name) is True
+    (got,) = pc.choices().values()
+    assert got.why == f"timed (stored in {path})"
+    # another config is another entry, measured and added
+    other = pc.file_key(_key(num_comm_sms=8), "GPU X")
+    later = pc.PathChoice(False, 1.0, 2.0, "timed 2")
+    assert pc.resolve_fused("auto", _key(num_comm_sms=8), lambda: later, False, other) is False
+    assert set(json.loads(path.read_text())) == {name, other}
+
+
+def test_a_broken_choices_file_is_named(tmp_path, monkeypatch):
+    path = tmp_path / "choices.json"
+    path.write_text("not json")
+    monkeypatch.setenv(pc.CHOICES_ENV, str(path))
+    with pytest.raises(MoKInputError, match="MOK_PATH_CHOICES=.*not a readable JSON"):
+        pc.resolve_fused("auto", _key(), lambda: None, False, "k")
