@@ -318,8 +318,9 @@ def gathers_rows(ws, x: torch.Tensor) -> bool:
     """Whether :func:`moe_forward`'s unfused forward, where the experts' kernel runs it
     (:func:`kernel_forward_fits`), takes its receive rows straight from ``x``
     (:func:`mok.experts.grouped_swiglu_saving_gathered`): at one rank (every row is a row of
-    x), with :data:`GATHER_AT_ONE_RANK`. The same bits as the kernel on the dispatched rows."""
-    return GATHER_AT_ONE_RANK and ws.num_ranks == 1 and x.is_contiguous()
+    x), with :data:`GATHER_AT_ONE_RANK`, where x has rows (the kernel's gather source must not
+    be empty). The same bits as the kernel on the dispatched rows."""
+    return GATHER_AT_ONE_RANK and ws.num_ranks == 1 and x.shape[0] > 0 and x.is_contiguous()
 
 
 def _shared_expert(x: torch.Tensor, weights: MoEWeights, saved: list | None):
