@@ -560,7 +560,7 @@ def _launch_bwd_fused(
         peers = (0, 0, 0)
     else:
         # the transfers' signals count the backward's own epochs; its rank's tokens are x's
-        params = ws.params("bwd", xfer[1].shape[0], advance=True)
+        params = bytes(ws.params("bwd", xfer[1].shape[0], advance=True))
         peers = (1, ws.sym_off["dy"], ws.sym_off["row_grads"])
     ext = _ext.load()
     n_counters = ext.bwd_fused_counters(rows, L)

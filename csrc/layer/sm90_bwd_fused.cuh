@@ -29,8 +29,8 @@
 // With peers (BwdTransfers::row_rank set: several ranks, a workspace in Params) the rows travel
 // between ranks inside the launch, in the forward's manner (layer/sm90_fwd.cuh), through
 // signals of the backward's own epochs (Params::epoch):
-//   block 0      raises every rank's "slots free" at its start (this rank's stream finished
-//                every earlier read of its slots, whichever kernel made them);
+//   task 0's     claimer raises every rank's "slots free" before anything else (this rank's
+//                stream finished every earlier read of its slots, whichever kernel made them);
 //   stage tasks  numbered first: copy 32 of this rank's tokens' x and grad_out rows into its
 //                symmetric staging regions, once every peer's "slots filled" of the previous
 //                call says it finished reading them;
@@ -352,9 +352,11 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
     seen |= 1u << bit;
     return true;
   };
-  if (t.peers && blockIdx.x == 0) peers_store(c, kSigBwdSlotsFree, epoch);
   for (;;) {
     const int i = ok ? static_cast<int>(atomicAdd(cnt.next, 1u)) : t.n_tasks;
+    // NOTE: raised by the block that claims the first task, before any wait of its own: a
+    // block that runs (not block 0, which the launch does not promise to be resident).
+    if (t.peers && i == 0) peers_store(c, kSigBwdSlotsFree, epoch);
     if (dgrad && i >= t.n_dgrad) {
       fused_dgrad_end(stage, phase);
       dgrad = false;

@@ -165,6 +165,10 @@ def _measure(args, path: str, dev) -> tuple[FlagCount, float]:
     torch.cuda.synchronize()
     dist.barrier()
     before = _snapshot()
+    # NOTE: every rank's snapshot before any rank's first counted call, whose first signals
+    # would otherwise land in a slower rank's "before" (seen from EP16 up: a rank short of a
+    # few flags over the calls)
+    dist.barrier()
     times = []
     for _ in range(args.calls):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
