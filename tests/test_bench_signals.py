@@ -83,3 +83,21 @@ def test_parser_defaults_and_every_path_named():
 def test_signals_is_a_command_allowed_on_shared_gpu_ranks():
     assert "signals" in bench_main.COMMANDS
     assert "signals" in bench_main.SHARED_GPU_COMMANDS
+
+
+def test_the_measured_counts_are_the_construction():
+    """The committed EP2..EP64 run (2 communication SMs): the max over ranks is k x (R - 1)
+    with k = flags_per_peer, every path, every EP size."""
+    import csv
+
+    from mok.bench.signals import flags_per_peer
+    from sim.measured import measured_path
+
+    path = measured_path("h100x1-shared-signals-2026-12-07.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert {int(r["ep"]) for r in rows} == {2, 8, 16, 32, 64}
+    for r in rows:
+        want = flags_per_peer(r["path"], 2)
+        assert float(r["remote_flags"]) == want * (int(r["ep"]) - 1), r
+        assert float(r["own_flags"]) == want, r

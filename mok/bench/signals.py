@@ -32,7 +32,15 @@ from mok import _ext
 from mok.bench.common import OneGpuRecorder, close_dist, init_dist, max_over_ranks, provenance
 from mok.ranks import shared_gpu
 
-__all__ = ["PATHS", "FlagCount", "SignalRecorder", "build_parser", "count_flags", "main"]
+__all__ = [
+    "PATHS",
+    "FlagCount",
+    "SignalRecorder",
+    "build_parser",
+    "count_flags",
+    "flags_per_peer",
+    "main",
+]
 
 # name -> (MoKConfig fields, fused forward, training step with the backward in its launch)
 PATHS: dict[str, tuple[dict, bool, bool]] = {
@@ -41,6 +49,17 @@ PATHS: dict[str, tuple[dict, bool, bool]] = {
     "fused": (dict(dispatch_mode="pull", combine_mode="push"), True, False),
     "train in-launch": (dict(dispatch_mode="pull", combine_mode="push"), True, True),
 }
+
+
+def flags_per_peer(path: str, comm_blocks: int) -> int:
+    """The flags one call of ``path`` sends from each rank to each rank, by construction:
+    the unfused forward's five handshakes (routing, x ready, slots free; x consumed and slots
+    filled stored once per call by the last block); the fused forward's four plus x consumed
+    once per communication block; the training step adds the backward's schedule build and its
+    three (staged, slots free, slots filled)."""
+    _, fused, train = PATHS[path]
+    forward = 4 + comm_blocks if fused else 5
+    return forward + (4 if train else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +99,8 @@ class SignalRecorder(OneGpuRecorder):
     def describe(self, row: dict) -> str:
         return (
             f"EP{row['ep']:<3} {row['path']:<16} flags per call from peers "
-            f"{row['remote_flags']:>7.1f} (max over ranks), own {row['own_flags']:>4.1f}, "
+            f"{row['remote_flags']:>7.1f} (max over ranks; by construction {row['expected']}), "
+            f"own {row['own_flags']:>4.1f}, "
             f"all-rank handshakes {row['handshakes']:>2}, {row['median_us']:>10.1f} us per call"
         )
 
@@ -206,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         count, us = _measure(args, path, dev)
         remote, own, hs = max_over_ranks([count.remote, count.own, count.handshakes])
         low = -max_over_ranks([-count.remote])[0]
-        rec.add(ep=ranks, path=path, remote_flags=remote, remote_flags_min=low, own_flags=own,
+        want = flags_per_peer(path, args.comm_sms)
+        rec.add(ep=ranks, path=path, expected=want * (ranks - 1), remote_flags=remote,
+                remote_flags_min=low, own_flags=own,
                 handshakes=int(hs), kinds="+".join(count.kinds), median_us=us,
                 shared_gpu=int(shared_gpu()), tokens=args.tokens, calls=args.calls)  # fmt: skip
     rec.write()
