@@ -22,15 +22,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
 from mok import _ext
-from mok.bench.common import OneGpuRecorder, close_dist, init_dist, max_over_ranks, provenance
+from mok.bench.common import (
+    OneGpuRecorder,
+    close_dist,
+    draw_routing,
+    init_dist,
+    max_over_ranks,
+    provenance,
+    time_cuda_local,
+)
 from mok.ranks import shared_gpu
+from mok.spec.rows import bench_routing_seed
 
 __all__ = [
     "PATHS",
@@ -141,16 +149,14 @@ def _step(args, path: str, dev):
     import mok
     import mok.autograd as ma
     from mok import functional as mf
-    from mok.spec.workload import ModelShape, make_routing
+    from mok.spec.workload import ModelShape
     from reference.weights import MoEWeights
 
     rank, ranks = dist.get_rank(), dist.get_world_size()
     experts = (args.experts_per_rank or -(-args.topk // ranks)) * ranks
     shape = ModelShape("signals", experts, args.hidden, args.intermediate, args.topk)
     w = MoEWeights.random(shape, seed=rank, dtype=torch.bfloat16, device=dev).shard(rank, ranks)
-    t = make_routing(args.tokens, experts, args.topk, 1, "uniform", seed=rank)
-    idx = torch.from_numpy(t.topk_idx).long().to(dev)
-    tw = torch.from_numpy(t.topk_weights).float().to(dev)
+    idx, tw, _ = draw_routing(args.tokens, experts, args.topk, "uniform")
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16).to(dev)
     fields, fused, train = PATHS[path]
@@ -161,12 +167,14 @@ def _step(args, path: str, dev):
         with torch.no_grad():
             mf.moe(x, idx, tw, w, experts, cfg, None, fused, True)
 
+    if train:  # leaves once: the gradients accumulate across calls, which the count ignores
+        for t in vars(w).values():
+            if t is not None:
+                t.requires_grad_(True)
+        x.requires_grad_(True)
+
     def step():
-        leaves = dataclasses.replace(
-            w, **{k: v.detach().clone().requires_grad_(True) for k, v in vars(w).items()
-                  if v is not None})  # fmt: skip
-        xx = x.clone().requires_grad_(True)
-        out = mf.moe(xx, idx, tw, leaves, experts, cfg, None, fused, False)
+        out = mf.moe(x, idx, tw, w, experts, cfg, None, fused, False)
         ma.TRANSFERS_IN_LAUNCH = True
         try:
             out.backward(torch.ones_like(out))
@@ -189,18 +197,9 @@ def _measure(args, path: str, dev) -> tuple[FlagCount, float]:
     # would otherwise land in a slower rank's "before" (seen from EP16 up: a rank short of a
     # few flags over the calls)
     dist.barrier()
-    times = []
-    for _ in range(args.calls):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    torch.cuda.synchronize()
+    us = time_cuda_local(fn, args.calls, 0)  # ends with a device synchronise
     dist.barrier()
     count = count_flags(before, _snapshot(), rank, ranks, args.calls)
-    us = max_over_ranks([statistics.median(times)])[0]
     mok.clear_workspaces()
     return count, us
 
@@ -224,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mok.bench signals: EP{ranks} on {where}, {args.tokens} tokens/rank", flush=True)
     for path in paths:
         count, us = _measure(args, path, dev)
-        remote, own, hs = max_over_ranks([count.remote, count.own, count.handshakes])
-        low = -max_over_ranks([-count.remote])[0]
+        remote, own, hs, low, us = max_over_ranks(
+            [count.remote, count.own, count.handshakes, -count.remote, us]
+        )
         want = flags_per_peer(path, args.comm_sms)
         rec.add(ep=ranks, path=path, expected=want * (ranks - 1), remote_flags=remote,
-                remote_flags_min=low, own_flags=own,
+                remote_flags_min=-low, own_flags=own,
                 handshakes=int(hs), kinds="+".join(count.kinds), median_us=us,
-                shared_gpu=int(shared_gpu()), tokens=args.tokens, calls=args.calls)  # fmt: skip
+                shared_gpu=int(shared_gpu()), tokens=args.tokens, calls=args.calls,
+                routing_seed=bench_routing_seed(args.tokens))  # fmt: skip
     rec.write()
     return close_dist()
