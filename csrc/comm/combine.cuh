@@ -7,8 +7,9 @@
 //   pull:       the home rank reads the k rows of each token straight from the owners'
 //               symmetric expert-output buffers while it reduces (no slots).
 //   dedup pull: two kernels. dedup_partials_kernel (the expert stage's epilogue in the fused
-//               layer; one 4-byte NVLink store per dedup row, its index): the owner sums its rows of each dedup row in k order (fp32,
-//               rounded to bf16) into its symmetric partials buffer, one row per dedup row
+//               layer; one 4-byte NVLink store per dedup row, its index): the owner sums
+//               its rows of each dedup row in k order (fp32, rounded to bf16) into its
+//               symmetric partials buffer, one row per dedup row
 //               (so the buffer is bounded by the receive capacity, not by R * N), and stores
 //               that row's index into the home rank's partials index (slot token * K + j).
 //               dedup_sum_kernel (the transfer, comparable with other libraries' combine): the
