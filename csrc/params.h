@@ -27,7 +27,7 @@ enum Signal : int {
   kSigPartConsumed = 10,  // peer finished reading my partials of epoch <value> (stored)
   // The fused layer (layer/sm90_fwd.cuh) counts its own epochs, so it has its own signals.
   kSigLayerXReady = 11,      // peer's x buffer holds this layer call's tokens (once per call)
-  kSigLayerXConsumed = 12,   // peer finished reading my x buffer (per communication block)
+  kSigLayerXConsumed = 12,   // peer finished reading my x buffer (epoch x communication blocks)
   kSigLayerSlotsFree = 13,   // peer's combine slots may be pushed into (once per call)
   kSigLayerSlotsFilled = 14, // peer finished pushing into my combine slots (epoch, last block)
   // The fused backward with peers (layer/sm90_bwd_fused.cuh): stored epochs of its own family.

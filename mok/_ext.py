@@ -109,6 +109,7 @@ STORED_SIGNALS = frozenset(
         "y_consumed",
         "partials_ready",
         "partials_consumed",
+        "layer_x_consumed",
         "layer_slots_filled",
         "bwd_staged",
         "bwd_slots_free",

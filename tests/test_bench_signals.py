@@ -26,15 +26,15 @@ def _pad() -> torch.Tensor:
 def test_added_kinds_count_their_increase_and_stored_ones_once_per_call():
     ranks, calls, me = 4, 3, 1
     a, b = _pad(), _pad()
-    added = _ext.SIGNALS.index("layer_x_consumed")
+    added = _ext.SIGNALS.index("y_ready")
     stored = _ext.SIGNALS.index("layer_slots_filled")
     a[stored, :ranks] = 7
-    b[added, :ranks] = 5 * calls  # five comm blocks of every rank, per call
+    b[added, :ranks] = 5 * calls  # raised five times by every rank, per call
     b[stored, :ranks] = 7 + calls  # the epoch moved on
     c = count_flags(a, b, me, ranks, calls)
     assert c.own == 5 + 1
     assert c.remote == (ranks - 1) * (5 + 1)
-    assert c.handshakes == 2 and c.kinds == ("layer_x_consumed", "layer_slots_filled")
+    assert c.handshakes == 2 and c.kinds == ("y_ready", "layer_slots_filled")
 
 
 def test_a_kind_not_every_rank_raised_is_no_handshake_and_entries_past_the_ranks_are_ignored():
@@ -86,8 +86,9 @@ def test_signals_is_a_command_allowed_on_shared_gpu_ranks():
 
 
 def test_the_measured_counts_are_the_construction():
-    """The committed EP2..EP64 run (2 communication SMs): the max over ranks is k x (R - 1)
-    with k = flags_per_peer, every path, every EP size."""
+    """The committed EP2..EP64 run (2 communication SMs, git ef0fa73: the fused layer's x
+    consumed still once per communication block): the max over ranks is k x (R - 1) with k =
+    flags_per_peer, every path, every EP size."""
     import csv
 
     from mok.bench.signals import flags_per_peer
@@ -98,6 +99,6 @@ def test_the_measured_counts_are_the_construction():
         rows = list(csv.DictReader(f))
     assert {int(r["ep"]) for r in rows} == {2, 8, 16, 32, 64}
     for r in rows:
-        want = flags_per_peer(r["path"], 2)
+        want = flags_per_peer(r["path"], 2, x_consumed_per_block=True)
         assert float(r["remote_flags"]) == want * (int(r["ep"]) - 1), r
         assert float(r["own_flags"]) == want, r

@@ -248,6 +248,7 @@ def test_a_refused_kernel_launch_raises_with_its_shape():
         ext.launch_swiglu_bwd(*([0] * 12), 0, 512, 256, 1, 1, stream)
     params = record.record_for(torch.device("cuda")).params()
     with pytest.raises(RuntimeError, match=r"fused experts' backward \(0 rows, hidden 512"):
-        ext.launch_bwd_fused(params, *([0] * 18), 0, 512, 256, 1, *([0] * 10), 1, stream)
+        # 18 operand words, the shape, then the 13 transfer words (grad_out .. off_row_grads)
+        ext.launch_bwd_fused(params, *([0] * 18), 0, 512, 256, 1, *([0] * 13), 1, stream)
     w, x, idx, tw = layer_problem(SHAPE, 64, SEED)
     _check_rule(_layer(w, x, idx, tw, _cfg("pull", "push"), False), w, x, idx, tw)

@@ -11,7 +11,7 @@ import csv
 import pytest
 
 from mok.bench import signals
-from tests.dist.launch import skip_unless_gpus, torchrun
+from tests.dist.launch import skip_unless_gpu_memory_for, skip_unless_gpus, torchrun
 
 EP_SIZES = [2, 4, 8]
 
@@ -57,6 +57,7 @@ WIDE_EP_SIZES = [16, 32, 64]
 def test_training_above_eight_ranks_on_shared_gpu(nproc):
     """Forward and backward (unfused, dedup, fused, the backward's transfers in its launch)
     against the reference and bitwise against EP1; bad routing on one rank."""
+    skip_unless_gpu_memory_for(nproc)
     _train(nproc, "--wide")
 
 

@@ -36,8 +36,12 @@ BF16_ABS_FLOOR = 1e-6
 # With few outputs (a call of one or a few tokens) the bf16 reference's maximum error is a small
 # sample and can fall well below its usual half-ulp of the output scale, while a correct result
 # whose fp32 value lies on the other side of one rounding boundary is a whole bf16 ulp (2^-7
-# relative) off on that element. Below this many elements the rule's bound is at least one bf16
-# ulp of max |oracle|; larger outputs keep the plain rule.
+# relative) off on that element, on top of the error its fp32 value already carries (the
+# rounded SwiGLU output before the down GEMM, as in the reference). Below this many elements the
+# rule's bound is at least the reference's error plus one bf16 ulp of max |oracle|; larger
+# outputs keep the plain rule. Measured: the EP32 forward on one rank's 16 tokens (4096
+# outputs, max |oracle| 2.48) was 2.03e-2 off against the reference's 8.6e-3, while the other
+# 31 ranks' outputs were bitwise those of EP1 (2026-12-07, one H100).
 BF16_SMALL_SAMPLE = 1 << 16
 BF16_ULP = 2.0**-7
 
@@ -48,14 +52,14 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def assert_bf16_rule(got: torch.Tensor, ref_bf16: torch.Tensor, oracle: torch.Tensor) -> None:
     """``got`` is within BF16_ERROR_RATIO x the error of ``ref_bf16`` against ``oracle`` (at
-    least one bf16 ulp of the output scale for outputs of fewer than BF16_SMALL_SAMPLE
-    elements)."""
+    least that error plus one bf16 ulp of the output scale for outputs of fewer than
+    BF16_SMALL_SAMPLE elements)."""
     assert got.shape == oracle.shape, f"shape {tuple(got.shape)} != {tuple(oracle.shape)}"
     err = max_abs_err(got, oracle)
     ref_err = max_abs_err(ref_bf16, oracle)
     bound = BF16_ERROR_RATIO * ref_err + BF16_ABS_FLOOR
     if 0 < oracle.numel() < BF16_SMALL_SAMPLE:
-        bound = max(bound, BF16_ULP * oracle.abs().max().item())
+        bound = max(bound, ref_err + BF16_ULP * oracle.abs().max().item())
     assert err <= bound, (
         f"bf16 error {err:.3e} exceeds {BF16_ERROR_RATIO} x reference {ref_err:.3e} "
         f"(bound {bound:.3e})"

@@ -108,7 +108,20 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
       tr.add(kEvReady, 0, mb);
     }
   }
-  block_signal_all(c, kSigLayerXConsumed);
+  // x consumed: the last communication block out stores epoch x C on every rank (the value C
+  // blocks' increments used to reach; the waits are unchanged), so a call sends each peer one
+  // flag, not one per communication block.
+  __shared__ int last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counters + cnt.consumed, 1u) == static_cast<uint32_t>(C - 1);
+    __threadfence_system();
+  }
+  __syncthreads();
+  if (last)
+    for (int r = threadIdx.x; r < p.num_ranks; r += blockDim.x)
+      st_release_sys(c.peer_signal(r, kSigLayerXConsumed), static_cast<uint64_t>(p.epoch) * C);
   // NOTE: one read of the abort word for the block (ok is shared), after the barrier above.
   if (threadIdx.x == 0) ok = !c.aborted();
   __syncthreads();

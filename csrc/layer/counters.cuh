@@ -10,7 +10,7 @@ namespace mok {
 
 // Word offsets of the counters (LayerArgs::counters).
 struct Counters {
-  int ready, gu_mb, dn_mb, gu_rb, sh_rb, staged, pulled, next_tile, total;
+  int ready, gu_mb, dn_mb, gu_rb, sh_rb, staged, pulled, next_tile, consumed, total;
   __host__ __device__ explicit Counters(const Params& p) {
     const int mbs = p.num_minibatches;
     ready = 0;
@@ -21,7 +21,8 @@ struct Counters {
     staged = sh_rb + (p.max_tokens + kTileM - 1) / kTileM;  // fixed layout: any call's count
     pulled = staged + 1;
     next_tile = pulled + 1;  // workers claim tiles in order from here
-    total = next_tile + 1;
+    consumed = next_tile + 1;  // communication blocks done reading the peers' x
+    total = consumed + 1;
   }
 };
 

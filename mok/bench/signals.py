@@ -59,14 +59,16 @@ PATHS: dict[str, tuple[dict, bool, bool]] = {
 }
 
 
-def flags_per_peer(path: str, comm_blocks: int) -> int:
+def flags_per_peer(path: str, comm_blocks: int, x_consumed_per_block: bool = False) -> int:
     """The flags one call of ``path`` sends from each rank to each rank, by construction:
     the unfused forward's five handshakes (routing, x ready, slots free; x consumed and slots
-    filled stored once per call by the last block); the fused forward's four plus x consumed
-    once per communication block; the training step adds the backward's schedule build and its
-    three (staged, slots free, slots filled)."""
+    filled stored once per call by the last block); the fused forward's five (x consumed stored
+    once per call by its last communication block); the training step adds the backward's
+    schedule build and its three (staged, slots free, slots filled).
+    ``x_consumed_per_block``: the fused layer before 2026-12-07 (git 99fe444 and earlier), whose
+    ``comm_blocks`` communication blocks each raised x consumed (4 + ``comm_blocks``)."""
     _, fused, train = PATHS[path]
-    forward = 4 + comm_blocks if fused else 5
+    forward = 4 + comm_blocks if fused and x_consumed_per_block else 5
     return forward + (4 if train else 0)
 
 

@@ -7,6 +7,7 @@ backend); :mod:`sim.app.plots` re-exports them and draws them from the command l
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -213,7 +214,8 @@ def train_loss(
             + " vs ".join(curves)
             + " from the same seed"
         )
-    top.set_title(title, fontsize=9)
+    chars = int((fig.get_figwidth() - 0.5) * 72 / (9 * 0.55))  # ~0.55 em per character
+    top.set_title("\n".join(textwrap.fill(ln, chars) for ln in title.split("\n")), fontsize=9)
     return fig
 
 

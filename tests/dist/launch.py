@@ -22,6 +22,40 @@ def skip_unless_gpus(n: int) -> None:
         pytest.skip(f"needs {n} CUDA GPUs (found {found})")
 
 
+# What one rank of the tests/dist workers holds on its GPU at the tiny shapes (CUDA context,
+# torch, cuBLAS, mok's workspaces): up to 1.42 GiB per process, measured when 64 ranks on one
+# 80 GB H100 ran out of memory in the EP64 --wide training worker (2026-12-07).
+GIB_PER_SHARED_RANK = 1.5
+
+
+def skip_unless_gpu_memory_for(nproc: int, gib_per_rank: float = GIB_PER_SHARED_RANK) -> None:
+    """Skip the calling test when the shared-GPU ranks' GPU (the first of CUDA_VISIBLE_DEVICES,
+    else 0) has too little free memory for ``nproc`` ranks of ``gib_per_rank`` each (read with
+    nvidia-smi, so this process makes no CUDA context)."""
+    import pytest
+
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"  # the ranks' GPU
+    q = [
+        "nvidia-smi",
+        f"--id={gpu}",
+        "--query-gpu=memory.free,name",
+        "--format=csv,noheader,nounits",
+    ]
+    try:
+        free_mib, name = subprocess.run(q, capture_output=True, text=True, timeout=30).stdout.split(
+            ",", 1
+        )
+        free = float(free_mib) / 1024
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return  # no nvidia-smi answer: let the run itself find out
+    need = nproc * gib_per_rank
+    if free < need:
+        pytest.skip(
+            f"{nproc} ranks on one GPU need about {need:.0f} GiB ({gib_per_rank} GiB each); "
+            f"{name.strip()} has {free:.0f} GiB free: run it on a larger GPU (an H200 holds EP64)"
+        )
+
+
 def torchrun(
     worker: str,
     nproc: int,
