@@ -15,8 +15,30 @@ namespace mok {
 // enough outstanding bytes to cover the ~1 us NVLink load latency from a few dozen SMs.
 constexpr int kUnroll = 8;
 
+// One row by one warp: steps of kUnroll 16-byte chunks per lane, the last step predicated so
+// that all of its loads are in flight at once (a row shorter than 32 x kUnroll chunks, 4 KiB,
+// e.g. hidden 1536 in bf16, is one step, not one load round trip per chunk).
 __device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4* __restrict__ src,
                                               int n16, int lane) {
+  for (int i = lane; i < n16; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + 32 * u < n16) v[u] = src[i + 32 * u];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + 32 * u < n16) dst[i + 32 * u] = v[u];
+  }
+}
+
+// warp_copy_row with the rest of the row after the full steps copied one chunk per lane at a
+// time (one load round trip each): fewer registers. The fused forward kernel stages x and pulls
+// dedup rows with it (the predicated tail there as well makes ptxas serialise the consumers'
+// wgmma, C7511), and the fused backward's producer warpgroup, which runs on 56 registers
+// (with the predicated tail its spills grow from 8 / 16 to 324 / 408 bytes).
+__device__ __forceinline__ void warp_copy_row_lean(int4* __restrict__ dst,
+                                                   const int4* __restrict__ src, int n16,
+                                                   int lane) {
   int i = lane;
   for (; i + 32 * (kUnroll - 1) < n16; i += 32 * kUnroll) {
     int4 v[kUnroll];

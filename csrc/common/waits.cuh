@@ -140,24 +140,30 @@ __device__ __forceinline__ void block_store_all(const Ctx& c, int kind, uint64_t
     st_release_sys(c.peer_signal(r, kind), value);
 }
 
+// Last of `n` blocks out (all threads of each call it once, after their work): true in the block
+// whose arrival on the local `count` is the n-th, when every arriving block's earlier memory
+// operations are visible at system scope (each thread's system fence before its block arrives).
+__device__ __forceinline__ bool last_arrival(uint32_t* count, uint32_t n) {
+  __shared__ int last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(count, 1u) + 1 == n;
+  __syncthreads();
+  return last != 0;
+}
+
 // Last block out: every block calls it once after its work (all threads). It is true in the
 // block that arrives last, when every block's earlier memory operations are visible at system
 // scope (each thread's system fence before its block arrives), so that block alone can signal
 // the peers. Nobody waits; the count resets for the next launch.
 static __device__ __noinline__ bool last_block(const Ctx& c) {
-  __shared__ int last;
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t* count = reinterpret_cast<uint32_t*>(c.meta() + kMetaLastCount);
-    last = atomicAdd(count, 1u) + 1 == gridDim.x;
-    if (last) {
-      __threadfence();
-      atomicExch(count, 0u);
-    }
+  uint32_t* count = reinterpret_cast<uint32_t*>(c.meta() + kMetaLastCount);
+  const bool last = last_arrival(count, gridDim.x);
+  if (last && threadIdx.x == 0) {
+    __threadfence();
+    atomicExch(count, 0u);
   }
-  __syncthreads();
-  return last != 0;
+  return last;
 }
 
 // Every block of the grid calls it once after its work (all threads): the last block to arrive

@@ -32,8 +32,8 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
   uint8_t* xs = c.sym(p.rank, p.off_x);
   const uint8_t* x = static_cast<const uint8_t*>(p.in0);
   for (int t = gwarp; t < p.num_tokens; t += nwarps)
-    warp_copy_row(reinterpret_cast<int4*>(xs + t * p.row_bytes),
-                  reinterpret_cast<const int4*>(x + t * p.row_bytes), n16, lane);
+    warp_copy_row_lean(reinterpret_cast<int4*>(xs + t * p.row_bytes),
+                       reinterpret_cast<const int4*>(x + t * p.row_bytes), n16, lane);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -55,9 +55,9 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
       const int row = remote_dedup_row(p, i);
       const int s = p.sched[p.o_dedup_src_rank + row];
       const int token = p.sched[p.o_dedup_src_token + row];
-      warp_copy_row(reinterpret_cast<int4*>(dbuf + row * p.row_bytes),
-                    reinterpret_cast<const int4*>(c.sym(s, p.off_x) + token * p.row_bytes), n16,
-                    lane);
+      warp_copy_row_lean(reinterpret_cast<int4*>(dbuf + row * p.row_bytes),
+                         reinterpret_cast<const int4*>(c.sym(s, p.off_x) + token * p.row_bytes),
+                         n16, lane);
     }
     __threadfence();
     __syncthreads();
@@ -111,17 +111,8 @@ __device__ __forceinline__ bool layer_comm(const Ctx& c, const LayerArgs& a,
   // x consumed: the last communication block out stores epoch x C on every rank (the value C
   // blocks' increments used to reach; the waits are unchanged), so a call sends each peer one
   // flag, not one per communication block.
-  __shared__ int last;
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(counters + cnt.consumed, 1u) == static_cast<uint32_t>(C - 1);
-    __threadfence_system();
-  }
-  __syncthreads();
-  if (last)
-    for (int r = threadIdx.x; r < p.num_ranks; r += blockDim.x)
-      st_release_sys(c.peer_signal(r, kSigLayerXConsumed), static_cast<uint64_t>(p.epoch) * C);
+  if (last_arrival(counters + cnt.consumed, C))
+    block_store_all(c, kSigLayerXConsumed, static_cast<uint64_t>(p.epoch) * C);
   // NOTE: one read of the abort word for the block (ok is shared), after the barrier above.
   if (threadIdx.x == 0) ok = !c.aborted();
   __syncthreads();

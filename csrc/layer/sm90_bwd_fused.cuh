@@ -464,10 +464,10 @@ __device__ __forceinline__ void fused_stage_tokens(const FusedBwdKernelArgs& f, 
   uint16_t* dys = sym_rows(c, c.p.rank, x.off_dy);
   const int last = min(t0 + kSumTokens, x.num_tokens);
   for (int64_t t = t0 + cw; t < last; t += kConsumerWarps) {
-    warp_copy_row(reinterpret_cast<int4*>(xs + t * H),
-                  reinterpret_cast<const int4*>(x.x + t * H), n16, lane);
-    warp_copy_row(reinterpret_cast<int4*>(dys + t * H),
-                  reinterpret_cast<const int4*>(x.grad_out + t * H), n16, lane);
+    warp_copy_row_lean(reinterpret_cast<int4*>(xs + t * H),
+                       reinterpret_cast<const int4*>(x.x + t * H), n16, lane);
+    warp_copy_row_lean(reinterpret_cast<int4*>(dys + t * H),
+                       reinterpret_cast<const int4*>(x.grad_out + t * H), n16, lane);
   }
 }
 
@@ -493,8 +493,8 @@ __device__ __forceinline__ void fused_copy_rows(const FusedBwdKernelArgs& f, con
         go = sym_rows(c, src, x.off_dy);
         xr = sym_rows(c, src, c.p.off_x);
       }
-      warp_copy_row(dy, reinterpret_cast<const int4*>(go + token * H), n16, lane);
-      warp_copy_row(a, reinterpret_cast<const int4*>(xr + token * H), n16, lane);
+      warp_copy_row_lean(dy, reinterpret_cast<const int4*>(go + token * H), n16, lane);
+      warp_copy_row_lean(a, reinterpret_cast<const int4*>(xr + token * H), n16, lane);
     } else {
       for (int q = lane; q < n16; q += 32) dy[q] = a[q] = make_int4(0, 0, 0, 0);
     }

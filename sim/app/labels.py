@@ -7,7 +7,8 @@ Nothing here imports matplotlib or a simulator model: it is plain data and strin
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import textwrap
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "AXIS_LABELS",
@@ -20,6 +21,7 @@ __all__ = [
     "policy_color",
     "topology_title",
     "workload_title",
+    "wrap_lines",
     "TABLE_LEGEND",
     "SWEEP_LEGEND",
     "FUSED_TABLE_LEGEND",
@@ -144,3 +146,10 @@ def ink_for(rgba: tuple[float, ...]) -> str:
 
     r, g, b = (lin(float(c)) for c in rgba[:3])
     return "k" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.179 else "w"
+
+
+def wrap_lines(lines: Sequence[str], width_in: float, fontsize: float) -> str:
+    """``lines`` joined by newlines, each wrapped to about ``width_in`` inches of text at
+    ``fontsize`` points (about 0.55 em a character)."""
+    chars = max(20, int(width_in * 72 / (0.55 * fontsize)))
+    return "\n".join(textwrap.fill(ln, chars) for ln in lines if ln)

@@ -7,7 +7,6 @@ backend); :mod:`sim.app.plots` re-exports them and draws them from the command l
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from sim.app.labels import LOWER_IS_BETTER  # noqa: E402
+from sim.app.labels import LOWER_IS_BETTER, wrap_lines  # noqa: E402
 
 __all__ = [
     "best_train_rows",
@@ -214,8 +213,7 @@ def train_loss(
             + " vs ".join(curves)
             + " from the same seed"
         )
-    chars = int((fig.get_figwidth() - 0.5) * 72 / (9 * 0.55))  # ~0.55 em per character
-    top.set_title("\n".join(textwrap.fill(ln, chars) for ln in title.split("\n")), fontsize=9)
+    top.set_title(wrap_lines(title.split("\n"), fig.get_figwidth() - 0.5, 9), fontsize=9)
     return fig
 
 

@@ -14,7 +14,6 @@ overwritten unless asked): ``train-steps`` (``mok.bench train``, :func:`train_st
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from sim.app.labels import (  # noqa: E402
     policy_color,
     topology_title,
     workload_title,
+    wrap_lines,
 )
 from sim.app.measured_plots import (  # noqa: E402  (re-exported: their home before the split)
     best_train_rows,
@@ -327,14 +327,8 @@ def sweep_heatmap(
         lines.append(", ".join(f"{axis_label(k)} {v}" for k, v in where.items()))
     cell = f"each cell: the best of {per_cell} configs over {', '.join(over)}; " if over else ""
     lines.append(cell + "red box: the best cell")
-    ax.set_title(_wrap(lines, fig.get_figwidth() - 1.4, 8), fontsize=8)
+    ax.set_title(wrap_lines(lines, fig.get_figwidth() - 1.4, 8), fontsize=8)
     return fig
-
-
-def _wrap(lines: Sequence[str], width_in: float, fontsize: float) -> str:
-    """``lines`` joined by newlines, each wrapped to about ``width_in`` inches of text."""
-    chars = max(20, int(width_in * 72 / (0.55 * fontsize)))
-    return "\n".join(textwrap.fill(ln, chars) for ln in lines if ln)
 
 
 AXIS_SHORT = {"num_comm_sms": "comm SMs", "minibatch_size": "minibatch"}
@@ -413,7 +407,7 @@ def sweep_heatmap_panels(
         f"{axis_label(value)} per {AXIS_SHORT.get(x, x)} x {AXIS_SHORT.get(y, y)}"
         f" ({_value_note(value) or 'colour: value'}; red box: each panel's best{note})"
     )
-    fig.suptitle(_wrap([heading, what], fig.get_figwidth() - 0.5, 9), fontsize=9)
+    fig.suptitle(wrap_lines([heading, what], fig.get_figwidth() - 0.5, 9), fontsize=9)
     return fig
 
 

@@ -42,9 +42,8 @@ def skip_unless_gpu_memory_for(nproc: int, gib_per_rank: float = GIB_PER_SHARED_
         "--format=csv,noheader,nounits",
     ]
     try:
-        free_mib, name = subprocess.run(q, capture_output=True, text=True, timeout=30).stdout.split(
-            ",", 1
-        )
+        answer = subprocess.run(q, capture_output=True, text=True, timeout=30).stdout
+        free_mib, name = answer.split(",", 1)
         free = float(free_mib) / 1024
     except (OSError, ValueError, subprocess.SubprocessError):
         return  # no nvidia-smi answer: let the run itself find out
