@@ -278,16 +278,15 @@ class Workspace:
         """Dedup partials that this rank's experts produced for the dedup pull combine.
 
         Returns:
-            [num_ranks * max_tokens, hidden] bf16 (row ``src_rank * max_tokens + token``): a
-            view into the symmetric allocation, rewritten by every
-            :func:`mok.functional.dedup_partials`.
+            [dedup_rows, hidden] bf16 (row ``i``: the partial of dedup row ``i``, the home rank
+            finds it through its ``partials_index`` region): a view into the symmetric
+            allocation, rewritten by every :func:`mok.functional.dedup_partials`.
 
         Raises:
             MoKInputError: a workspace of the fused layer only (``fused=True``).
         """
         self._standalone("dedup partials buffer")
-        R, N, H = self.num_ranks, self.shapes.max_tokens, self.shapes.hidden
-        return self.sym_view("partials", torch.bfloat16, (R * N, H))
+        return self.sym_view("partials", torch.bfloat16, (self.dedup_rows, self.shapes.hidden))
 
     @property
     def dedup_rows(self) -> int:
