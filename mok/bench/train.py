@@ -125,6 +125,7 @@ from mok.bench.common import (
     run_cases,
     time_cuda,
 )
+from mok.bench.kernel_times import KernelRecorder, kernel_times, kernels_csv, summary_lines
 from mok.bench.layer import DEEPEP_MAX_LOCAL_EXPERTS, MODELS, emulated_shape
 from mok.bench.sonicmoe import SONICMOE_H100, comparison_lines
 from mok.bench.train_ep import DeepEPTrainLayer, nccl_train_layer
@@ -322,13 +323,15 @@ def _deepep_layers(hidden: int, num_experts: int, sms: Sequence[int], world: int
 
 def run_model(
     rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, device="cuda", warm_s=0.0,
-    group=None, deepep_sms=(), shared=False,
+    group=None, deepep_sms=(), shared=False, kernels=None,
 ):  # fmt: skip
     """The rows of one (model, tokens, skew) case: every implementation of ``impls`` (mok-fused
     once per comm-SM count of ``sms``, torch-best+deepep once per ``deepep_sms``) on the same
     routing, x, grad_out and weight values. ``group`` None: one GPU (the per-rank work of EP
     ``emulate_ep``); else EP = its ranks, each holding the model's experts / ranks.
-    ``shared``: the ranks share one GPU (the rows are a smoke test, labelled so)."""
+    ``shared``: the ranks share one GPU (the rows are a smoke test, labelled so).
+    ``kernels``: a :class:`~mok.bench.kernel_times.KernelRecorder` (one GPU): each row's step
+    profiled again, its kernels' device time per step recorded and the largest printed."""
     import mok
 
     world = 1 if group is None else dist.get_world_size(group)
@@ -380,6 +383,11 @@ def run_model(
         check_gradients(what, leaves, world)
         if impl.startswith("mok"):
             check_repeatable(what, step, x, tw, world)
+        if kernels is not None:
+            times = kernel_times(step)
+            kernels.add_step({**base, "impl": impl, "mode": mode, "sms": sms_count}, times)
+            if is_rank0():
+                print("\n".join(summary_lines(times)), flush=True)
         for t in leaves.values():
             t.grad = None
         bwd = ts.median_us - tf.median_us
@@ -559,6 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_warm_s(ap, default=None)
     ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="one GPU: after each row, profile 3 more steps (torch.profiler) and write each "
+        "kernel's device time per step to <csv stem>-kernels.csv, printing the largest",
+    )
+    ap.add_argument(
         "--csv",
         default=None,
         help="default mok-bench-train.csv (one GPU), mok-bench-train-epR.csv (EP R), "
@@ -593,6 +607,11 @@ def resolve_args(ap, args, world: int, shared: bool) -> argparse.Namespace:
         ap.error(
             f"torch-best runs at one rank (every expert local); at EP{world} its rows are "
             f"{' / '.join(EP_IMPLS)}"
+        )
+    if args.kernels and world > 1:
+        ap.error(
+            f"--kernels profiles one GPU's step (python -m mok.bench train --kernels), not a "
+            f"world of {world}"
         )
     if args.suite and world > 1:
         ap.error(f"--suite {args.suite} runs on one GPU (python -m mok.bench train --suite ...)")
@@ -657,6 +676,7 @@ def main(argv: list[str]) -> int:
     dev = init_dist("mok.bench train")
     group = dist.group.WORLD if world > 1 else None
     rec = TrainRecorder(args.csv, provenance())
+    krec = KernelRecorder(kernels_csv(args.csv), provenance()) if args.kernels else None
     sms = tuple(int(v) for v in args.sms.split(","))
     deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
     if is_rank0():
@@ -667,8 +687,10 @@ def main(argv: list[str]) -> int:
         with one_rank_gather(args.emulate_ep if world == 1 else world):
             run_model(
                 rec, model, n, skew, args.impls, sms, args.iters, args.warmup, args.emulate_ep,
-                dev, args.warm_s, group, deepep_sms, shared,
+                dev, args.warm_s, group, deepep_sms, shared, krec,
             )  # fmt: skip
+        if krec is not None:
+            krec.write()
 
     if args.suite:
         jobs = [(p.model, p.tokens, "uniform") for p in SONICMOE_H100]
