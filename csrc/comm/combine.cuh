@@ -60,6 +60,31 @@ __device__ __forceinline__ void warp_weighted_sum(uint4* out, const void* init, 
   }
 }
 
+// One warp at one rank: the dedup push combine's two sums in one pass, the same bits.
+// out[:] = bf16(init + 1 * bf16(sum_k w_k * src_k)): the token's partial (what the slot would
+// hold: its rows' weighted sum in k order from zero, rounded to bf16) then added onto `init`
+// as reduce_tokens adds the one partial of a one-rank token, without the slot's write and read.
+__device__ __forceinline__ void warp_weighted_sum_one_rank(uint4* out, const void* init,
+                                                           bool init_fp32, const uint64_t* s_src,
+                                                           const float* s_w, int n, int n16,
+                                                           int lane) {
+  for (int c = lane; c < n16; c += 32) {
+    OrderedSum8 part;
+    part.start(nullptr, false, c);
+    add_in_k_order<8>(
+        part, n,
+        [&](int k, bool valid) {
+          const uint64_t src = valid ? s_src[k] : 0;
+          return src ? reinterpret_cast<const uint4*>(src)[c] : make_uint4(0, 0, 0, 0);
+        },
+        [&](int k) { return s_w[k]; });
+    OrderedSum8 acc;
+    acc.start(init, init_fp32, c);
+    acc.add(1.0f, part.bf16());
+    out[c] = acc.bf16();
+  }
+}
+
 struct WarpTerms {
   uint64_t src[kCommWarps][kMaxTopk];
   float w[kCommWarps][kMaxTopk];

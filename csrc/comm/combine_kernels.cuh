@@ -45,6 +45,13 @@ __global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const __grid
     const int32_t* fan_rows = p.sched + p.o_fan_rows;
     const float* fan_w = reinterpret_cast<const float*>(p.sched + p.o_fan_w);
     const int num_dedup = p.sched[p.o_meta + kMetaNumDedup];
+    // NOTE: at one rank every token is a dedup row whose only partial is this rank's: its sum
+    // goes straight to out (warp_weighted_sum_one_rank, the same bits as the slot and the
+    // reduce below), which is then skipped.
+    const bool one_rank = p.num_ranks == 1;
+    const int32_t* d_src_token = p.sched + p.o_dedup_src_token;
+    const bool has_shared = (p.flags & kFlagHasShared) != 0;
+    const bool shared_fp32 = (p.flags & kFlagSharedFp32) != 0;
     for (int row = gwarp; row < num_dedup; row += nwarps) {
       const int fr = lane < K ? fan_rows[row * K + lane] : -1;
       const int n = warp_list_length(fr);  // entries past the -1 terminator are stale
@@ -53,14 +60,25 @@ __global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const __grid
         terms.w[warp][lane] = fan_w[row * K + lane];
       }
       __syncwarp();
-      uint8_t* slot = c.sym(d_src_rank[row], p.off_slots) + d_slot[row] * row_bytes;
-      warp_weighted_sum(reinterpret_cast<uint4*>(slot), nullptr, false, terms.src[warp],
-                        terms.w[warp], n, n16, lane);
+      if (one_rank) {
+        const int64_t t = d_src_token[row];
+        const void* init =
+            has_shared ? static_cast<const uint8_t*>(p.in2) + t * row_bytes * (shared_fp32 ? 2 : 1)
+                       : nullptr;
+        warp_weighted_sum_one_rank(
+            reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out0) + t * row_bytes), init,
+            shared_fp32, terms.src[warp], terms.w[warp], n, n16, lane);
+      } else {
+        uint8_t* slot = c.sym(d_src_rank[row], p.off_slots) + d_slot[row] * row_bytes;
+        warp_weighted_sum(reinterpret_cast<uint4*>(slot), nullptr, false, terms.src[warp],
+                          terms.w[warp], n, n16, lane);
+      }
       __syncwarp();
     }
   }
   grid_signal_all(c, kSigSlotsFilled);
   if (!block_wait_all(c, kSigSlotsFilled, static_cast<uint64_t>(p.epoch))) return;
+  if (kDedup && p.num_ranks == 1) return;  // every token's sum written above
   __shared__ WarpTerms terms;
   reduce_tokens(c, kDedup ? 1 : 0, terms);
 }
