@@ -38,24 +38,30 @@
 
 namespace mok {
 
+// acc += w_k * src_k[c] for k = 0..n-1 in k order: vector c of each term's row (src_k / w_k
+// from the warp's shared slots; src 0: the term is w_k * 0).
+__device__ __forceinline__ void add_terms(OrderedSum8& acc, const uint64_t* s_src,
+                                          const float* s_w, int n, int c) {
+  // Loads in flight per lane before the ordered adds: all 8 of a top-8 token at once (the
+  // final sum of the fused layer ran at ~53% of the HBM rate with 4; the adds keep k order).
+  add_in_k_order<8>(
+      acc, n,
+      [&](int k, bool valid) {
+        const uint64_t src = valid ? s_src[k] : 0;
+        return src ? reinterpret_cast<const uint4*>(src)[c] : make_uint4(0, 0, 0, 0);
+      },
+      [&](int k) { return s_w[k]; });
+}
+
 // One warp: out[:] = bf16(init + sum_k w_k * src_k) over a row of `hidden` bf16 (n16 vectors).
-// src_k / w_k come from the warp's shared slots (src 0: the term is w_k * 0). `init` is bf16 or
-// fp32 (init_fp32) or null.
+// `init` is bf16 or fp32 (init_fp32) or null.
 __device__ __forceinline__ void warp_weighted_sum(uint4* out, const void* init, bool init_fp32,
                                                   const uint64_t* s_src, const float* s_w, int n,
                                                   int n16, int lane) {
   for (int c = lane; c < n16; c += 32) {
     OrderedSum8 acc;
     acc.start(init, init_fp32, c);
-    // Loads in flight per lane before the ordered adds: all 8 of a top-8 token at once (the
-    // final sum of the fused layer ran at ~53% of the HBM rate with 4; the adds keep k order).
-    add_in_k_order<8>(
-        acc, n,
-        [&](int k, bool valid) {
-          const uint64_t src = valid ? s_src[k] : 0;
-          return src ? reinterpret_cast<const uint4*>(src)[c] : make_uint4(0, 0, 0, 0);
-        },
-        [&](int k) { return s_w[k]; });
+    add_terms(acc, s_src, s_w, n, c);
     out[c] = acc.bf16();
   }
 }
@@ -71,13 +77,7 @@ __device__ __forceinline__ void warp_weighted_sum_one_rank(uint4* out, const voi
   for (int c = lane; c < n16; c += 32) {
     OrderedSum8 part;
     part.start(nullptr, false, c);
-    add_in_k_order<8>(
-        part, n,
-        [&](int k, bool valid) {
-          const uint64_t src = valid ? s_src[k] : 0;
-          return src ? reinterpret_cast<const uint4*>(src)[c] : make_uint4(0, 0, 0, 0);
-        },
-        [&](int k) { return s_w[k]; });
+    add_terms(part, s_src, s_w, n, c);
     OrderedSum8 acc;
     acc.start(init, init_fp32, c);
     acc.add(1.0f, part.bf16());
