@@ -141,25 +141,52 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   // ---- phase 2: scans over chunks ------------------------------------------------------
   int32_t* counts = s + p.o_counts;
   int32_t* dcount = s + p.o_dcount;
-  for (int i = gtid; i < E * R + R; i += gthreads) {
-    if (i < E * R) {
-      const int e = i / R, r = i % R;
+  if (NC < 32) {  // one thread per column ((expert, rank) of hist, then rank of dhist)
+    for (int i = gtid; i < E * R + R; i += gthreads) {
+      const bool d = i >= E * R;
+      const int e = d ? 0 : i / R, r = d ? i - E * R : i % R;
       int run = 0;
       for (int ch = 0; ch < NC; ++ch) {
-        const int h = hist[(r * NC + ch) * E + e];
-        hist[(r * NC + ch) * E + e] = run;
+        int32_t* at = d ? dhist + r * NC + ch : hist + static_cast<int64_t>(r * NC + ch) * E + e;
+        const int h = *at;
+        *at = run;
         run += h;
       }
-      counts[e * R + r] = run;
-    } else {
-      const int r = i - E * R;
+      if (d)
+        dcount[r] = run;
+      else
+        counts[e * R + r] = run;
+    }
+  } else {
+    // One warp per column, 32 chunks a step: each lane loads one chunk's count, a warp scan
+    // gives the exclusive prefix (integer sums: the same table in any order). One thread per
+    // column walking the chunks one after another was a chain of dependent L2 round trips (NC
+    // of them: 384 at 24576 tokens); with few chunks (many ranks, few tokens) that chain is
+    // short and the columns many, so a thread per column stays.
+    const int gwarp = gtid / 32, nwarps = gthreads / 32, lane = threadIdx.x % 32;
+    for (int q = gwarp; q < E * R + R; q += nwarps) {
+      const bool d = q >= E * R;
+      const int e = d ? 0 : q / R, r = d ? q - E * R : q % R;
       int run = 0;
-      for (int ch = 0; ch < NC; ++ch) {
-        const int h = dhist[r * NC + ch];
-        dhist[r * NC + ch] = run;
-        run += h;
+      for (int ch0 = 0; ch0 < NC; ch0 += 32) {
+        const int ch = ch0 + lane;
+        int32_t* at = d ? dhist + r * NC + ch : hist + static_cast<int64_t>(r * NC + ch) * E + e;
+        const int h = ch < NC ? *at : 0;
+        int incl = h;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int v = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += v;
+        }
+        if (ch < NC) *at = run + incl - h;
+        run += __shfl_sync(0xffffffffu, incl, 31);
       }
-      dcount[r] = run;
+      if (lane == 0) {
+        if (d)
+          dcount[r] = run;
+        else
+          counts[e * R + r] = run;
+      }
     }
   }
   if (!grid_sync(c)) return;
