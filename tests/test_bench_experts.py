@@ -65,6 +65,7 @@ def test_piece_flops_count_the_routed_rows_gemms():
     g = 2 * 10 * 7168 * 2048
     want = dict(dW_gate_up=2 * g, dW_down=g, gate_up_dgrad=2 * g, bwd_recompute=3 * g)
     want.update(bwd_from_saved=g, bwd_saved_all=6 * g, fwd_saving=3 * g)
+    want.update(fwd_gate_up=2 * g, fwd_down=g)
     assert {p: experts.piece_flops(p, 10, 7168, 2048) for p in experts.PIECES} == want
 
 
@@ -100,6 +101,11 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     monkeypatch.setattr(ops, "wgrad_sm90", wgrad)
     monkeypatch.setattr(me, "_swiglu_backward_sm90", bwd)
     monkeypatch.setattr(me, "grouped_swiglu_saving", saving)
+
+    def saving_kernel(a, wgu, wd, ends):
+        calls["mok"].append(("saving kernel", a.shape, ends.tolist()))
+
+    monkeypatch.setattr(me, "_saving", saving_kernel)
     monkeypatch.setattr(me, "gate_up_dgrad", dgrad)
     monkeypatch.setattr(me, "swiglu_backward", whole)
     rec = experts.ExpertsRecorder(str(tmp_path / "experts.csv"), META)
@@ -119,6 +125,11 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         ("bwd_saved_all", "mok-serial"),
         ("fwd_saving", "mok"),
         ("fwd_saving", "torch"),
+        ("fwd_gate_up", "mok"),
+        ("fwd_gate_up", "torch"),
+        ("fwd_gate_up", "torch-dense"),
+        ("fwd_down", "torch"),
+        ("fwd_down", "torch-dense"),
     ]
     tiny = get_shape("tiny")  # 16 experts (8 at EP2), 256 x 128, top-4
     E, H, inter = tiny.num_experts // 2, tiny.hidden, tiny.intermediate
@@ -143,6 +154,7 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     ]
     assert ("wgrad", (total, H), (total, inter), ends.tolist(), (E, H, inter)) in calls["mok"]
     assert ("bwd", True, ends.tolist()) in calls["mok"]  # from the saved g / u
+    assert ("saving kernel", (total, H), ends.tolist()) in calls["mok"]
     assert ("dgrad", (total, 2 * inter), (E, 2 * inter, H)) in calls["mok"]
     tile = unfused_row_tile(mok.MoKConfig())
     for fused in (True, False):  # the whole backward, from the saved g / u, aligned groups

@@ -21,9 +21,18 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
   backward, the gate / up dgrad, both weight gradients): mok's fused kernel, one launch
   (``swiglu_backward(..., fused=True)``), against mok's kernels one launch per GEMM
   (``mok-serial``, the same bits); torch has no counterpart;
+- ``fwd_gate_up``: the forward's gate / up GEMM with h = bf16(silu(g) u): mok's saving kernel
+  (which writes the fp32 g / u too) against torch's grouped GEMM on the fused weight and the
+  elementwise SwiGLU (``mok.experts.grouped_swiglu``'s first half);
+- ``fwd_down``: the forward's down projection h @ W_down^T per expert, torch's grouped GEMM
+  (what every mok path but the fused kernel runs);
 - ``fwd_saving``: the forward that keeps g / u (the kernel's gate / up, torch's down) against
   torch-best's forward experts: bf16 grouped GEMMs on the fused gate / up weight, prepared once
   (``mok.experts.grouped_swiglu``, ``exact=False``).
+
+``fwd_gate_up`` and ``fwd_down`` also have a ``torch-dense`` row: the same rows through one
+dense ``torch.mm`` with the first expert's weight (the same FLOPs and operand shapes without the
+grouping; not the layer's result), the rate a dense GEMM of that shape reaches on this GPU.
 
 Each piece is timed after ``--warm-s`` seconds of the same calls (default 1: the sustained,
 power-capped clock of a training step; a burst of a few calls runs faster, docs/perf-notes.md).
@@ -63,6 +72,8 @@ PIECES = (
     "bwd_from_saved",
     "bwd_saved_all",
     "fwd_saving",
+    "fwd_gate_up",
+    "fwd_down",
 )
 
 
@@ -95,6 +106,8 @@ def piece_flops(piece: str, rows: int, hidden: int, inter: int) -> int:
         "bwd_from_saved": gemm,
         "bwd_saved_all": 6 * gemm,
         "fwd_saving": 3 * gemm,
+        "fwd_gate_up": 2 * gemm,
+        "fwd_down": gemm,
     }[piece]
 
 
@@ -163,6 +176,15 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
             "torch": lambda: me.grouped_swiglu(
                 x, wgu[:, :inter], wgu[:, inter:], wd, offs, exact=False, w_gate_up=wgu
             ),
+        },
+        "fwd_gate_up": {
+            "mok": lambda: me._saving(x, wgu, wd, offs),
+            "torch": lambda: me._swiglu(me._mm(x, wgu.transpose(1, 2), offs), inter),
+            "torch-dense": lambda: me._swiglu(x @ wgu[0].T, inter),
+        },
+        "fwd_down": {
+            "torch": lambda: torch._grouped_mm(hw, wd.transpose(1, 2), offs=offs),
+            "torch-dense": lambda: hw @ wd[0].T,
         },
     }
     for piece in pieces:
