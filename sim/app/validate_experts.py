@@ -50,6 +50,8 @@ EXPERTS_PIECES = {
 EXPERTS_UNMODELLED = {
     "fwd_saving": "fwd_saving: a forward piece (the layer model times the forward's GEMMs "
     "inside its schedule, not alone)",
+    "fwd_gate_up": "fwd_gate_up: a forward piece (as fwd_saving)",
+    "fwd_down": "fwd_down: a forward piece (as fwd_saving)",
 }
 # (piece, impl) rows the model's piece does not describe
 EXPERTS_UNMODELLED_IMPL = {
