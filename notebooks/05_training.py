@@ -134,6 +134,24 @@ for model in dict.fromkeys(r["model"] for r in train_rows):
     )
     print(f"{model}: torch-best {ref:.2f} ms, best mok {mok_best:.2f} ms ({ref / mok_best:.2f}x)")
 
+# %% [markdown]
+# ## Against SonicMoE's published H100 figures
+#
+# `python -m mok.bench train --suite sonicmoe` runs SonicMoE's four throughput shapes on one GPU
+# and counts FLOPs as SonicMoE does (6 T K d n forward, twice that backward). The committed run is
+# from one H100; SonicMoE's bars are read off its paper's figure (about +-5 %).
+
+# %%
+from mok.bench.sonicmoe import SONICMOE_H100  # noqa: E402
+from sim.app.plots import published_comparison  # noqa: E402
+
+SONIC_CSV = measured_path("h100x1-train-sonicmoe-2026-12-07.csv")
+shown = ("torch-best", "mok-unfused", "mok-saved")
+sonic_rows = [r for r in read_rows(SONIC_CSV) if r["impl"] in shown]
+published = {p.model: (p.tokens, p.fwd_tflops, p.bwd_tflops) for p in SONICMOE_H100}
+fig = published_comparison(sonic_rows, published, "SonicMoE", title=SONIC_CSV.name)
+plt.show()
+
 # %%
 tail = 20
 gap = max(abs(a - b) for a, b in zip(curves["mok"][-tail:], curves["torch"][-tail:], strict=True))

@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from mok.bench.sonicmoe import SONICMOE_H100  # noqa: E402
 from sim.app import plots  # noqa: E402
 from sim.app.labels import LOWER_IS_BETTER, ink_for, topology_title  # noqa: E402
 from sim.config import SimConfig, Workload  # noqa: E402
@@ -92,10 +93,13 @@ def data() -> SimpleNamespace:
         layer_records=layer_records,
         train=read_rows(measured_path("h200x1-train.csv")),
         experts=read_rows(measured_path("h200x1-experts.csv")),
+        sonic=read_rows(measured_path("h100x1-train-sonicmoe-2026-12-07.csv")),
         lm=lm,
         sensitivity=sensitivity,
     )
 
+
+SONIC = {p.model: (p.tokens, p.fwd_tflops, p.bwd_tflops) for p in SONICMOE_H100}
 
 # chart function -> (its figure from the small inputs, whether its values are times)
 CHARTS = {
@@ -110,6 +114,10 @@ CHARTS = {
     "policy_comparison": (lambda d: plots.policy_comparison(d.summary), True),
     "train_steps": (lambda d: plots.train_steps(d.train, target=1.5), True),
     "expert_pieces": (lambda d: plots.expert_pieces(d.experts, "uniform", 790.0), False),
+    "published_comparison": (
+        lambda d: plots.published_comparison(d.sonic, SONIC, "SonicMoE"),
+        False,
+    ),
     "train_loss": (lambda d: plots.train_loss(d.lm), False),
     "scaling_summary": (lambda d: plots.scaling_summary(d.summary, {"skew": "uniform"}), True),
     "waves_scatter": (lambda d: plots.waves_scatter(d.sweep), True),
@@ -262,3 +270,20 @@ def test_plots_entry_point_writes_under_build_by_default(tmp_path):
         "build",
         "build/train-step-h200.png",
     ]
+
+
+def test_the_published_comparison_labels_each_bar_with_its_ratio():
+    row = {"model": "sonic-1536x256", "skew": "uniform", "impl": "mine", "tokens_per_rank": 24576,
+           "step_us": 1.0, "fwd_tflops": 182.4, "bwd_tflops": 405.0, "hidden": 1536,
+           "intermediate": 256, "num_experts": 128, "num_topk": 8}  # fmt: skip
+    other = dict(row, tokens_per_rank=4096)  # not the published token count: left out
+    fig = plots.published_comparison([row, other], SONIC, "SonicMoE")
+    try:
+        fwd, bwd = fig.axes
+        assert [t.get_text() for t in fwd.texts] == ["365", "182\n0.50x"]
+        assert [t.get_text() for t in bwd.texts] == ["405", "405\n1.00x"]
+        assert [t.get_text() for t in fwd.get_xticklabels()] == [
+            "T 24576, d 1536\nn 256, E 128, K 8"
+        ]
+    finally:
+        plt.close(fig)

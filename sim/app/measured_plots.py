@@ -24,6 +24,7 @@ __all__ = [
     "best_train_rows",
     "train_steps",
     "expert_pieces",
+    "published_comparison",
     "lm_run_label",
     "train_loss",
     "write_train_loss",
@@ -104,6 +105,71 @@ def train_steps(
     )
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
+
+
+def published_comparison(
+    rows: Sequence[dict],
+    published: dict[str, tuple[int, float, float]],
+    source: str,
+    skew: str = "uniform",
+    title: str | None = None,
+) -> Figure:
+    """Forward and backward TFLOP/s of a ``mok.bench train`` CSV next to another library's
+    published figures at its own shapes: ``published`` maps a model preset to (tokens, forward,
+    backward TFLOP/s) as ``source`` publishes them. Two panels (forward, backward), per shape a
+    hatched bar for ``source`` and one for each implementation's fastest step
+    (:func:`best_train_rows`), labelled with its TFLOP/s and its ratio to ``source``."""
+    best = best_train_rows([r for r in rows if r["skew"] == skew])
+    shapes = [
+        m for m, (t, _, _) in published.items()
+        if any(k[0] == m and int(b["tokens_per_rank"]) == t for k, b in best.items())
+    ]  # fmt: skip
+    impls = list(dict.fromkeys(k[2] for k in best if k[0] in shapes))
+    width = 0.8 / (1 + max(1, len(impls)))
+    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 2.2 * len(shapes) + 3.0), 3.6), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for p, (ax, what) in enumerate(zip(axes[0], ("forward", "backward"), strict=True)):
+        col = "fwd_tflops" if p == 0 else "bwd_tflops"
+        for x, m in enumerate(shapes):
+            theirs = published[m][1 + p]
+            label = f"{source} (published)" if x == 0 else None
+            ax.bar(x - 0.4 + width / 2, theirs, width, color="#c7c7c7", hatch="//",
+                   edgecolor="#7f7f7f", label=label)  # fmt: skip
+            ax.text(x - 0.4 + width / 2, theirs, f"{theirs:.0f}", ha="center", va="bottom",
+                    fontsize=6)  # fmt: skip
+            for j, impl in enumerate(impls):
+                r = best.get((m, skew, impl))
+                if r is None:
+                    continue
+                v = float(r[col])
+                xi = x - 0.4 + width * (j + 1.5)
+                ax.bar(xi, v, width, color=cmap(j), label=impl if x == 0 else None)
+                ax.text(xi, v, f"{v:.0f}\n{v / theirs:.2f}x", ha="center", va="bottom",
+                        fontsize=5.5)  # fmt: skip
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([_shape_text(m, best, skew) for m in shapes], fontsize=6.5)
+        ax.set_ylabel(f"{what} TFLOP/s, higher is better", fontsize=8)
+        ax.set_xlabel(f"{source}'s shapes (T tokens, d hidden, n expert size)", fontsize=8)
+        ax.set_title(what, fontsize=9)
+        ax.margins(y=0.2)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=7)
+    fig.suptitle(
+        (title or f"mok against {source}'s published figures at its shapes")
+        + f"\nbar labels: TFLOP/s and the ratio to {source}; each implementation's fastest step",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
+def _shape_text(model: str, best: dict, skew: str) -> str:
+    """(T, d, n, E, K) of ``model`` from any of its rows."""
+    r = next(b for k, b in best.items() if k[0] == model and k[1] == skew)
+    return (
+        f"T {r['tokens_per_rank']}, d {r['hidden']}\nn {r['intermediate']}, E "
+        f"{r['num_experts']}, K {r['num_topk']}"
+    )
 
 
 def expert_pieces(rows: Sequence[dict], skew: str = "uniform", peak_tflops: float | None = None,

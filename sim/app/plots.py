@@ -7,7 +7,9 @@ Names, units and colours come from :mod:`sim.app.labels`. The figures of measure
 ``python -m sim.app.plots WHAT`` draws the figures of committed or freshly measured CSVs; every
 one writes under ``build/`` unless ``--out`` names another path (so nothing tracked is
 overwritten unless asked): ``train-steps`` (``mok.bench train``, :func:`train_steps`),
-``experts-pieces`` (``mok.bench experts``, :func:`expert_pieces`), ``train-loss --csv a.csv
+``experts-pieces`` (``mok.bench experts``, :func:`expert_pieces`), ``sonicmoe`` (a
+``mok.bench train --suite sonicmoe`` CSV against SonicMoE's published figures,
+:func:`published_comparison`), ``train-loss --csv a.csv
 --csv b.csv`` (``mok.bench lm`` runs, :func:`write_train_loss`) and ``signalling-sensitivity``
 (the push-signalling assumptions, :mod:`sim.app.sensitivity`; docs/sim-validation.md,
 "Push signalling")."""
@@ -42,6 +44,7 @@ from sim.app.measured_plots import (  # noqa: E402  (re-exported: their home bef
     expert_pieces,
     layer_validation,
     lm_run_label,
+    published_comparison,
     train_loss,
     train_steps,
     validation_scatter,
@@ -68,6 +71,7 @@ __all__ = [
     "policy_comparison",
     "train_steps",
     "expert_pieces",
+    "published_comparison",
     "best_train_rows",
     "lm_run_label",
     "train_loss",
@@ -687,6 +691,14 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
     )  # fmt: skip
     ep.add_argument("--skew", default="uniform")
     ep.add_argument("--peak", type=float, default=790.0, help="dense bf16 TFLOP/s of the GPU")
+    cp = sub.add_parser("sonicmoe", help="a mok.bench train --suite sonicmoe CSV against "
+                        "SonicMoE's published H100 figures")  # fmt: skip
+    cp.add_argument("--csv", default="mok/bench/results/h100x1-train-sonicmoe-2026-12-07.csv")
+    cp.add_argument(
+        "--out", default="build/sonicmoe-h100.png",
+        help="PNG (docs/img/sonicmoe-h100.png: the README's figure)",
+    )  # fmt: skip
+    cp.add_argument("--impls", default="torch-best,mok-unfused,mok-saved,mok-fused-saved")
     lp = sub.add_parser("train-loss", help="loss curves of mok.bench lm CSVs (EP R vs EP1)")
     lp.add_argument("--csv", action="append", required=True, help="a mok.bench lm CSV (repeat)")
     lp.add_argument("--out", default="build/lm-loss.png")
@@ -699,6 +711,15 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
         from sim.measured import read_rows
 
         _save(train_steps(read_rows(a.csv), target=1.5, title=a.title), a.out)
+    elif a.what == "sonicmoe":
+        from mok.bench.sonicmoe import SONICMOE_H100
+        from sim.measured import read_rows
+
+        keep = set(a.impls.split(","))
+        pub = {p.model: (p.tokens, p.fwd_tflops, p.bwd_tflops) for p in SONICMOE_H100}
+        rows = [r for r in read_rows(a.csv) if r["impl"] in keep]
+        title = f"{Path(a.csv).name} against SonicMoE's published H100 figures (its Fig. 14)"
+        _save(published_comparison(rows, pub, "SonicMoE", title=title), a.out)
     elif a.what == "experts-pieces":
         from sim.measured import read_rows
 
