@@ -142,14 +142,13 @@ for model in dict.fromkeys(r["model"] for r in train_rows):
 # from one H100; SonicMoE's bars are read off its paper's figure (about +-5 %).
 
 # %%
-from mok.bench.sonicmoe import SONICMOE_H100  # noqa: E402
+from mok.bench.sonicmoe import published  # noqa: E402
 from sim.app.plots import published_comparison  # noqa: E402
 
 SONIC_CSV = measured_path("h100x1-train-sonicmoe-2026-12-07.csv")
 shown = ("torch-best", "mok-unfused", "mok-saved")
 sonic_rows = [r for r in read_rows(SONIC_CSV) if r["impl"] in shown]
-published = {p.model: (p.tokens, p.fwd_tflops, p.bwd_tflops) for p in SONICMOE_H100}
-fig = published_comparison(sonic_rows, published, "SonicMoE", title=SONIC_CSV.name)
+fig = published_comparison(sonic_rows, published(), "SonicMoE", title=SONIC_CSV.name)
 plt.show()
 
 # %%

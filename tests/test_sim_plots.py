@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from mok.bench.sonicmoe import SONICMOE_H100  # noqa: E402
+from mok.bench.sonicmoe import published  # noqa: E402
 from sim.app import plots  # noqa: E402
 from sim.app.labels import LOWER_IS_BETTER, ink_for, topology_title  # noqa: E402
 from sim.config import SimConfig, Workload  # noqa: E402
@@ -99,7 +99,7 @@ def data() -> SimpleNamespace:
     )
 
 
-SONIC = {p.model: (p.tokens, p.fwd_tflops, p.bwd_tflops) for p in SONICMOE_H100}
+SONIC = published()
 
 # chart function -> (its figure from the small inputs, whether its values are times)
 CHARTS = {

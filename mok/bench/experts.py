@@ -183,7 +183,7 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
             "torch-dense": lambda: me._swiglu(x @ wgu[0].T, inter),
         },
         "fwd_down": {
-            "torch": lambda: torch._grouped_mm(hw, wd.transpose(1, 2), offs=offs),
+            "torch": lambda: me._mm(hw, wd.transpose(1, 2), offs),
             "torch-dense": lambda: hw @ wd[0].T,
         },
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SonicPoint", "SONICMOE_H100", "sonicmoe_flops", "comparison_lines"]
+__all__ = ["SonicPoint", "SONICMOE_H100", "published", "sonicmoe_flops", "comparison_lines"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,12 @@ SONICMOE_H100 = (
     SonicPoint("sonic-4096x1024", 32768, 550.0, 555.0),
     SonicPoint("sonic-4096x2048", 32768, 600.0, 585.0),
 )
+
+
+def published() -> dict[str, tuple[int, float, float]]:
+    """:data:`SONICMOE_H100` by preset: (tokens, forward, backward TFLOP/s), the form
+    :func:`sim.app.plots.published_comparison` takes."""
+    return {p.model: (p.tokens, p.fwd_tflops, p.bwd_tflops) for p in SONICMOE_H100}
 
 
 def sonicmoe_flops(tokens: int, hidden: int, inter: int, topk: int) -> tuple[int, int]:

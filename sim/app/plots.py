@@ -698,7 +698,10 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
         "--out", default="build/sonicmoe-h100.png",
         help="PNG (docs/img/sonicmoe-h100.png: the README's figure)",
     )  # fmt: skip
-    cp.add_argument("--impls", default="torch-best,mok-unfused,mok-saved,mok-fused-saved")
+    cp.add_argument(
+        "--impls", default="torch-best,mok-unfused,mok-saved",
+        help="the implementations drawn (the default: the README's figure's)",
+    )  # fmt: skip
     lp = sub.add_parser("train-loss", help="loss curves of mok.bench lm CSVs (EP R vs EP1)")
     lp.add_argument("--csv", action="append", required=True, help="a mok.bench lm CSV (repeat)")
     lp.add_argument("--out", default="build/lm-loss.png")
@@ -712,14 +715,13 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
 
         _save(train_steps(read_rows(a.csv), target=1.5, title=a.title), a.out)
     elif a.what == "sonicmoe":
-        from mok.bench.sonicmoe import SONICMOE_H100
+        from mok.bench.sonicmoe import published
         from sim.measured import read_rows
 
         keep = set(a.impls.split(","))
-        pub = {p.model: (p.tokens, p.fwd_tflops, p.bwd_tflops) for p in SONICMOE_H100}
         rows = [r for r in read_rows(a.csv) if r["impl"] in keep]
         title = f"{Path(a.csv).name} against SonicMoE's published H100 figures (its Fig. 14)"
-        _save(published_comparison(rows, pub, "SonicMoE", title=title), a.out)
+        _save(published_comparison(rows, published(), "SonicMoE", title=title), a.out)
     elif a.what == "experts-pieces":
         from sim.measured import read_rows
 
