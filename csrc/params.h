@@ -163,7 +163,8 @@ struct Params {
   int64_t off_recv;          // [capacity][row_bytes]
   int64_t off_slots;         // bf16 [max_tokens * num_topk][hidden]
   int64_t off_y;             // bf16 [capacity][hidden]
-  int64_t off_partials;      // bf16 [num_ranks * max_tokens][hidden], row src_rank * max + token
+  int64_t off_partials;      // bf16 [partials_rows(p)][hidden], a row per dedup row, then int32
+                             // [max_tokens * num_topk] (comm/combine.cuh: partials_index)
   // Local schedule storage (int32) and element offsets inside it.
   int32_t* sched;
   int64_t o_counts;           // [num_experts][num_ranks] (M, all experts)

@@ -23,6 +23,15 @@ from mok.experts import (
     shared_kept,
 )
 from mok.fused import forward
+from mok.path_choice import (
+    AUTO,
+    check_fused_arg,
+    choice_key,
+    file_key,
+    fused_refusals,
+    measured_choice,
+)
+from mok.path_choice import resolve_fused as _resolve
 from mok.reference_layer import check_reference_inputs, reference_layer
 from mok.schedule import build_schedule, received_rows_bound
 from mok.sms import budget_sms, sm_budget
@@ -33,7 +42,7 @@ from mok.workspace import get_workspace
 if TYPE_CHECKING:
     from reference.weights import MoEWeights
 
-__all__ = ["UNFUSED_ROW_TILE", "as_config", "moe_forward", "unfused_config"]
+__all__ = ["UNFUSED_ROW_TILE", "as_config", "moe_forward", "resolve_path", "unfused_config"]
 
 
 def as_config(config: MoKConfig | dict | str | Path | None) -> MoKConfig:
@@ -100,7 +109,7 @@ def moe_forward(
     num_experts: int,
     config: MoKConfig | dict | str | Path | None = None,
     group=None,
-    fused: bool = False,
+    fused: bool | str = False,
     *,
     _saved: list | None = None,
 ) -> torch.Tensor:
@@ -125,11 +134,13 @@ def moe_forward(
         config: see :func:`as_config`; the same on every rank.
         group: the process group of the expert-parallel ranks; None: the default group (one
             rank without torch.distributed).
-        fused: run :func:`forward` (one kernel; Hopper); else the communication kernels with
+        fused: run :func:`forward` (one kernel; Hopper); False: the communication kernels with
             the routed experts' gate / up and SwiGLU in mok's kernel where the GPU has it
             (Hopper; at one rank it reads the rows from x: no dispatch, :func:`gathers_rows`)
             or ``torch._grouped_mm`` elsewhere, and the down projection by
-            ``torch._grouped_mm`` (:mod:`mok.experts`), under :func:`unfused_config`.
+            ``torch._grouped_mm`` (:mod:`mok.experts`), under :func:`unfused_config`;
+            ``"auto"``: the faster of the two, timed at the first call of this layer's shapes
+            and config (:mod:`mok.path_choice`: opt-in, as the two paths' bits differ).
 
     Returns:
         [num_tokens, hidden] bf16 = shared(x) + sum_k w_k expert_k(x), a new tensor.
@@ -151,12 +162,68 @@ def moe_forward(
             recorded it.
     """
     config = as_config(config)
+    check_fused_arg(fused)
     if not x.is_cuda:  # the reference layer (one device, or reference.ep over the group)
         check_reference_inputs(x, topk_idx, topk_weights, weights, num_experts)
         return reference_layer(x, topk_idx, topk_weights, weights, num_experts, group)
+    if fused == AUTO:
+        fused = resolve_path(
+            fused,
+            x,
+            topk_idx,
+            topk_weights,
+            weights,
+            num_experts,
+            config,
+            group,
+            _saved is not None,
+        )
     with sm_budget(config.num_sms):
         return _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused,
                             _saved)  # fmt: skip
+
+
+def resolve_path(
+    fused: bool | str,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MoEWeights,
+    num_experts: int,
+    config: MoKConfig,
+    group,
+    saving: bool,
+    tracing: bool = False,
+) -> bool:
+    """``fused`` as a bool on CUDA: itself, or for ``"auto"`` the faster forward of this layer,
+    measured at its first call on these inputs (collective over ``group``) and kept
+    (:mod:`mok.path_choice`). ``saving``: the forward keeps g / u (recompute=False), and is
+    timed so. ``tracing``: under torch.compile (nothing is timed)."""
+    if fused != AUTO:
+        check_fused_arg(fused)
+        return bool(fused)
+    n, hidden = x.shape
+    num_local, inter = weights.w_gate.shape[0], weights.w_gate.shape[1]
+    key = choice_key(x, weights, num_experts, topk_idx.shape[1], config, group, not saving)
+
+    def measure():
+        sms = budget_sms(x.device, config.num_sms)
+        refusals = fused_refusals(x, weights, config, num_local, sms)
+        text = (
+            f"hidden {hidden}, intermediate {inter}, top-{topk_idx.shape[1]} of {num_experts} "
+            f"experts ({num_local} on this rank), {n} tokens on this rank"
+            + (", keeping g / u" if saving else "")
+        )
+
+        def run(f: bool):
+            keep = [] if saving else None
+            return moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, f,
+                               _saved=keep)  # fmt: skip
+
+        return measured_choice(run, refusals, group, text)
+
+    name = None if tracing else file_key(key, torch.cuda.get_device_name(x.device))
+    return _resolve(fused, key, measure, tracing, name, group)
 
 
 def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused, _saved):
@@ -251,8 +318,9 @@ def gathers_rows(ws, x: torch.Tensor) -> bool:
     """Whether :func:`moe_forward`'s unfused forward, where the experts' kernel runs it
     (:func:`kernel_forward_fits`), takes its receive rows straight from ``x``
     (:func:`mok.experts.grouped_swiglu_saving_gathered`): at one rank (every row is a row of
-    x), with :data:`GATHER_AT_ONE_RANK`. The same bits as the kernel on the dispatched rows."""
-    return GATHER_AT_ONE_RANK and ws.num_ranks == 1 and x.is_contiguous()
+    x), with :data:`GATHER_AT_ONE_RANK`, where x has rows (the kernel's gather source must not
+    be empty). The same bits as the kernel on the dispatched rows."""
+    return GATHER_AT_ONE_RANK and ws.num_ranks == 1 and x.shape[0] > 0 and x.is_contiguous()
 
 
 def _shared_expert(x: torch.Tensor, weights: MoEWeights, saved: list | None):

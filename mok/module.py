@@ -23,6 +23,7 @@ from torch import nn
 
 from mok.autograd import moe_on_leaves
 from mok.errors import MoKInputError
+from mok.path_choice import check_fused_arg
 from mok.spec.config import MoKConfig
 from reference.weights import MoEWeights
 
@@ -41,7 +42,9 @@ class MoE(nn.Module):
             ``num_experts`` / the group's size).
         config: the :class:`mok.MoKConfig` (or dict / JSON path) of the CUDA path.
         group: the expert-parallel process group (None: one rank).
-        fused: run the fused forward kernel on Hopper (the backward is the same).
+        fused: run the fused forward kernel on Hopper (the backward is the same); ``"auto"``:
+            the faster of the fused and the unfused forward, timed at the layer's first call
+            and kept (:mod:`mok.path_choice`; opt-in: the two paths' bits differ).
         recompute: the backward computes the routed experts' gate / up again (True) or the
             forward keeps them in fp32 (False: Hopper, fused or not; see
             :func:`mok.functional.moe`).
@@ -62,7 +65,7 @@ class MoE(nn.Module):
         num_local_experts: int | None = None,
         config: MoKConfig | dict | str | Path | None = None,
         group=None,
-        fused: bool = False,
+        fused: bool | str = False,
         recompute: bool = True,
         main_grad: bool = False,
         dtype: torch.dtype = torch.bfloat16,
@@ -87,6 +90,7 @@ class MoE(nn.Module):
             raise MoKInputError(
                 f"shared_intermediate must be an int >= 0 ({shared_intermediate!r})"
             )
+        check_fused_arg(fused)
         kw = {"dtype": dtype, "device": device}
         self.num_experts, self.config, self.group, self.fused = num_experts, config, group, fused
         self.recompute, self.main_grad = recompute, main_grad
@@ -133,6 +137,7 @@ class MoE(nn.Module):
         nn.Module.__init__(m)
         m.num_experts = num_experts
         m.config, m.group, m.fused = kw.get("config"), kw.get("group"), kw.get("fused", False)
+        check_fused_arg(m.fused)
         m.recompute, m.main_grad = kw.get("recompute", True), kw.get("main_grad", False)
         m.gate_up = gate_up if isinstance(gate_up, nn.Parameter) else nn.Parameter(gate_up)
         m.down = down if isinstance(down, nn.Parameter) else nn.Parameter(down)

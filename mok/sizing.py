@@ -137,7 +137,9 @@ def plan(shapes: Shapes, config: MoKConfig, num_ranks: int, fused: bool = False)
         "recv": recv_rows * row_bytes,
         "slots": N * K * H * 2,
         "y": 0 if fused else cap * H * 2,
-        "partials": 0 if fused else R * N * H * 2,
+        # the dedup pull combine: an owner's partial row per dedup row, then (int32, per token
+        # and owner term of this rank) the row on that owner (csrc/params.h partials_rows)
+        "partials": 0 if fused else dedup_rows(R, N, cap) * H * 2 + N * K * 4,
         # fp32 per receive row: the backward's router-weight gradient, staged by the expert's
         # owner for the token's home rank to read (no kernel addresses it)
         "row_grads": cap * 4,

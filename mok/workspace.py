@@ -278,16 +278,15 @@ class Workspace:
         """Dedup partials that this rank's experts produced for the dedup pull combine.
 
         Returns:
-            [num_ranks * max_tokens, hidden] bf16 (row ``src_rank * max_tokens + token``): a
-            view into the symmetric allocation, rewritten by every
-            :func:`mok.functional.dedup_partials`.
+            [dedup_rows, hidden] bf16 (row ``i``: the partial of dedup row ``i``, the home rank
+            finds it through its ``partials_index`` region): a view into the symmetric
+            allocation, rewritten by every :func:`mok.functional.dedup_partials`.
 
         Raises:
             MoKInputError: a workspace of the fused layer only (``fused=True``).
         """
         self._standalone("dedup partials buffer")
-        R, N, H = self.num_ranks, self.shapes.max_tokens, self.shapes.hidden
-        return self.sym_view("partials", torch.bfloat16, (R * N, H))
+        return self.sym_view("partials", torch.bfloat16, (self.dedup_rows, self.shapes.hidden))
 
     @property
     def dedup_rows(self) -> int:
@@ -600,7 +599,9 @@ _RECOVERABLE = (
 )
 
 
-def _group_key(group) -> tuple:
+def group_key(group) -> tuple:
+    """What identifies ``group`` in the caches keyed by it (its name and size; ``("local",)``
+    without torch.distributed)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -666,7 +667,7 @@ def get_workspace(
         device = torch.device("cuda", torch.cuda.current_device())
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise MoKInputError(f"num_tokens must be an int >= 0 (found {num_tokens!r})")
-    key = (_group_key(group), device.index, hidden, num_topk, num_experts, dtype, config, fused)
+    key = (group_key(group), device.index, hidden, num_topk, num_experts, dtype, config, fused)
     ws = _cache.get(key)
     floor = 1
     if ws is not None and num_tokens > ws.max_tokens and ws.num_ranks == 1:

@@ -110,6 +110,7 @@ def test_without_a_gpu_it_refuses_and_names_the_command(monkeypatch):
         (["--impls", "torch-best+nccl"], {}, "torch-best+nccl: EP > 1 only, under torchrun"),
         (["--models", "deepseek-v3", "--emulate-ep", "3"], {}, "do not split over EP3"),
         (["--models", "nope"], {}, "unknown model shape 'nope'"),
+        (["--kernels"], {"WORLD_SIZE": "2"}, "--kernels profiles one GPU's step"),
     ],
 )
 def test_bad_arguments_stop_before_any_gpu_work(argv, env, why, monkeypatch, capsys):
@@ -347,6 +348,25 @@ def test_one_case_gives_a_row_per_implementation(no_gpu, tmp_path, capsys):
     rec.write()
     lines = (tmp_path / "train.csv").read_text().splitlines()
     assert lines[0] == TRAIN_COLUMNS and len(lines) == 1 + len(rec.rows)
+
+
+def test_kernels_profiles_each_row_and_prints_the_largest(no_gpu, tmp_path, capsys):
+    from mok.bench.kernel_times import KernelRecorder
+
+    rec = train.TrainRecorder(str(tmp_path / "train.csv"), META)
+    krec = KernelRecorder(str(tmp_path / "train-kernels.csv"), META)
+    impls = ("torch-best", "mok-saved")
+    train.run_model(rec, "tiny", 40, "uniform", impls, (8,), 2, 1, 2, "cpu", kernels=krec)
+    rows = [(r["impl"], r["mode"]) for r in rec.rows]
+    profiled = list(dict.fromkeys((r["impl"], r["mode"]) for r in krec.rows))
+    assert profiled == rows  # every train row, in order; the CPU's ops stand in for kernels
+    for impl, mode in rows:
+        mine = [r for r in krec.rows if (r["impl"], r["mode"]) == (impl, mode)]
+        assert sum(r["share"] for r in mine) == pytest.approx(1.0, abs=1e-3)
+        assert all(r["us_per_step"] >= 0 and r["model"] == "tiny" for r in mine)
+        assert any(r["short"] in ("aten::mm", "aten::bmm", "aten::addmm") for r in mine)
+    out = capsys.readouterr().out
+    assert out.count("us/step calls  share  kernel") == len(rows)
 
 
 def test_a_failing_compile_drops_its_row_and_says_why(no_gpu, monkeypatch, capsys):

@@ -262,8 +262,9 @@ def _sym_extents(ws) -> dict[str, int]:
         # combine_push_kernel: src_index (token * K + k) * hidden * 2
         "slots": NK * H * 2,
         "y": cap * H * 2,
-        # combine.cuh PartialsMeta / DedupSumMeta: row src_rank * N + token
-        "partials": ((R - 1) * N + N - 1 + 1) * H * 2,
+        # combine.cuh PartialsMeta: row < partials_rows = min(R * N, capacity) (the dedup rows);
+        # partials_index: after those rows, int32 [token * K + j]
+        "partials": min(R * N, cap) * H * 2 + ((N - 1) * K + K - 1 + 1) * 4,
         # mok.comm.stage_row_grads / pull_row_grads, sm90_bwd_fused.cuh fused_stage_row_grads:
         # one fp32 per receive row
         "row_grads": cap * 4,
@@ -326,10 +327,11 @@ def test_workspace_layout_covers_every_rank(fake_group, num_ranks):
                 assert getattr(p, f"off_{name}") == off
         for name, off in ws.sched_off.items():
             assert getattr(p, f"o_{name}") == off
-        # Views the Python API hands out span num_ranks * num_tokens rows.
-        assert tuple(ws.partials_buffer.shape) == (num_ranks * N, H)
-        # ... the dedup rows at most the receive rows (a dedup row has one there at least)
-        assert tuple(ws.dedup_buffer.shape) == (min(num_ranks * N, ws.capacity), H)
+        # Views the Python API hands out: a row per dedup row, at most num_ranks * num_tokens
+        # and at most the receive rows (a dedup row has one there at least)
+        rows = min(num_ranks * N, ws.capacity)
+        assert tuple(ws.partials_buffer.shape) == (rows, H)
+        assert tuple(ws.dedup_buffer.shape) == (rows, H)
     assert len(fake_group.allocs) == (2 if num_ranks > 1 else 1)
 
 
@@ -350,8 +352,9 @@ def test_experts_must_split_evenly_at_ep8(fake_group):
 
 
 def test_dedup_rows_reach_num_ranks_times_tokens():
-    # The dedup buffer, the partials buffer and the dedup schedule arrays hold num_ranks *
-    # num_tokens rows: exactly the worst case, every token of every rank routed to one rank.
+    # The dedup schedule arrays hold num_ranks * num_tokens rows (the dedup buffer and the
+    # partials min(that, capacity)): the worst case, every token of every rank on one rank, is
+    # a row for every (rank, token).
     R, N, K, E = 8, 37, 4, 64
     idx = torch.stack([torch.arange(K) for _ in range(R * N)]).view(R, N, K)  # all on rank 0
     s = build_schedule(idx, E, rank=0, row_tile=8)
@@ -533,20 +536,35 @@ def test_remote_dedup_items_cover_the_peers_rows_once(case):
 
 @pytest.mark.parametrize("case", CASES[:5], ids=lambda c: f"ep{c[0]}-n{c[1]}-k{c[2]}-{c[4]}")
 def test_dedup_sum_terms_match_the_owners_partials(case):
-    # dedup_sum on home rank h sums, for token t, partial row h * N + t of every rank in the
-    # token's owner mask (csrc/comm/combine.cuh token_owner_mask), in ascending rank order. Each of
-    # those owners must have written that row (dedup_partials), and no other rank did.
+    # dedup_partials on owner d writes dedup row j's partial into its row j and stores j into
+    # slot dedup_slot[j] (= token * K + d's place among the token's owners) of the home rank's
+    # partials index (csrc/comm/combine_kernels.cuh). dedup_sum on home rank h reads, for token
+    # t, term q of its owner mask (ascending rank) at row index[t * K + q] of that owner
+    # (combine.cuh partials_row). Every entry read must have been written once, by that owner,
+    # naming its row of (h, t); no other entry is written.
     R, N, K, L, skew, _ = case
     idx, E = _routing(R, N, K, L, skew)
     scheds = build_all_schedules(idx, E, 8)
-    written = [set((s.dedup_src_rank * N + s.dedup_src_token).tolist()) for s in scheds]
+    index: list[dict[int, tuple[int, int]]] = [{} for _ in range(R)]  # home: slot -> (owner, row)
+    for d, sd in enumerate(scheds):
+        for j in range(int(sd.num_dedup_rows)):
+            h, slot = int(sd.dedup_src_rank[j]), int(sd.dedup_slot[j])
+            assert slot not in index[h], (h, slot)
+            index[h][slot] = (d, j)
     for h, s in enumerate(scheds):
+        read = set()
         for t in range(N):
             mask = 0
             for d in s.dst_rank[t].tolist():
                 mask |= 1 << d
             owners = [d for d in range(R) if (mask >> d) & 1]
-            assert owners == [d for d in range(R) if h * N + t in written[d]]
+            for q, d in enumerate(owners):
+                owner, j = index[h][t * K + q]
+                assert owner == d
+                sd = scheds[d]
+                assert (int(sd.dedup_src_rank[j]), int(sd.dedup_src_token[j])) == (h, t)
+                read.add(t * K + q)
+        assert read == set(index[h])
         # Dedup push combine: the owners of token t wrote slots t * K + 0 .. t * K + n - 1 of
         # its home rank (n distinct owners), the slots reduce_tokens reads (combine.cuh mode 1).
         for t in range(N):
@@ -603,8 +621,9 @@ def test_mok_worker_problems_fit_at_ep4_ep8(num_ranks):
 
 
 def test_symmetric_bytes_per_rank_grow_with_num_ranks(fake_group):
-    # Partials (symmetric) and the dedup buffer (local) are [num_ranks * num_tokens, hidden];
-    # everything else shrinks or stays as the ranks grow. DeepSeek-V3, 4096 tokens per rank.
+    # Partials (symmetric) and the dedup buffer (local) are [min(num_ranks * num_tokens,
+    # capacity), hidden]; everything else shrinks or stays as the ranks grow. DeepSeek-V3, 4096
+    # tokens per rank.
     N, H, K, E = 4096, 7168, 8, 256
     sizes = {}
     counts = [R for R in RANK_COUNTS if E % R == 0]  # 256 experts: not 72 ranks
@@ -612,7 +631,8 @@ def test_symmetric_bytes_per_rank_grow_with_num_ranks(fake_group):
         ws = fake_group(R, 0, N, H, K, E)
         sizes[R] = ws.sym.numel()
         part, tail = ws.sym_off["partials"], ws.sym_off["row_grads"]
-        assert tail - part == math.ceil(R * N * H * 2 / 256) * 256
+        rows = min(R * N, ws.capacity)
+        assert tail - part == math.ceil((rows * H * 2 + N * K * 4) / 256) * 256
         assert ws.sym.numel() - tail == math.ceil(ws.capacity * 4 / 256) * 256
     # From two ranks on the receive buffer depends on tokens, not ranks (the default factor, 2,
     # is below the cap); the partials add N * H * 2 per rank. One rank receives its own rows

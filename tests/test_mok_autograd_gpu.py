@@ -578,3 +578,28 @@ def test_garbage_in_freed_memory_reaches_no_gradient(fused, recompute):
     for i, (a, b) in enumerate(zip(clean, dirty, strict=True)):
         assert torch.isfinite(b).all(), f"gradient {i} is not finite"
         assert torch.equal(a, b), f"gradient {i} differs from the clean run"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("recompute", [True, False])
+def test_auto_runs_the_path_it_timed_bitwise(recompute):
+    """fused="auto": the first call times both forwards and keeps one (logged, with both times);
+    every result is bitwise that of the kept path pinned, and later calls measure nothing."""
+    from mok import path_choice as pc
+
+    shape, n, skew = CASES[0]
+    x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=3)
+    pc.clear_choices()
+    out, got = _mok_grads(shape, x, idx, tw, w, grad_out, fused="auto", recompute=recompute)
+    (choice,) = pc.choices().values()
+    assert choice.unfused_ms > 0 and choice.fused_ms > 0, choice
+    assert choice.fused == pc.pick(choice.unfused_ms, choice.fused_ms), choice
+    pinned, want = _mok_grads(shape, x, idx, tw, w, grad_out, fused=choice.fused,
+                              recompute=recompute)  # fmt: skip
+    assert torch.equal(out, pinned), choice.text
+    for k in want:
+        assert torch.equal(got[k], want[k]), (k, choice.text)
+    again, _ = _mok_grads(shape, x, idx, tw, w, grad_out, fused="auto", recompute=recompute)
+    assert torch.equal(again, out) and len(pc.choices()) == 1
+    pc.clear_choices()

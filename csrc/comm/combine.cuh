@@ -6,11 +6,15 @@
 //               pushes one row per (token, rank) into slot token * num_topk + j;
 //   pull:       the home rank reads the k rows of each token straight from the owners'
 //               symmetric expert-output buffers while it reduces (no slots).
-//   dedup pull: two kernels. dedup_partials_kernel (local, the expert stage's epilogue in the
-//               fused layer): the owner sums its rows of each dedup row in k order (fp32,
-//               rounded to bf16) into its symmetric partials buffer, row src_rank * N + token.
+//   dedup pull: two kernels. dedup_partials_kernel (the expert stage's epilogue in the fused
+//               layer; one 4-byte NVLink store per dedup row, its index): the owner sums
+//               its rows of each dedup row in k order (fp32, rounded to bf16) into its
+//               symmetric partials buffer, one row per dedup row
+//               (so the buffer is bounded by the receive capacity, not by R * N), and stores
+//               that row's index into the home rank's partials index (slot token * K + j).
 //               dedup_sum_kernel (the transfer, comparable with other libraries' combine): the
-//               home rank bulk-loads its token's partial rows from every owner (ascending rank)
+//               home rank bulk-loads its token's partial rows from every owner (ascending rank,
+//               each row found through its own partials index)
 //               and sums them onto shared_y. Both run the common/rings.cuh reduce pipeline, or one
 //               warp per row with vector loads (kFlagVector); dedup_sum also has a gather
 //               ring (kFlagGather): each warp keeps kGatherStages row chunks of every term
@@ -115,6 +119,21 @@ __device__ __forceinline__ void reduce_tokens(const Ctx& c, int mode, WarpTerms&
   }
 }
 
+// Row, in the partials buffer of its j-th owner (ascending rank), of my token t's partial: the
+// owner's dedup_partials stored it into my partials index before signalling partials ready.
+// Rows of the dedup partials buffer: one per dedup row, so at most one per token of every rank
+// and at most the receive rows (mok.sizing.dedup_rows); the partials index follows them.
+__device__ __forceinline__ int64_t partials_rows(const Params& p) {
+  return min(static_cast<int64_t>(p.num_ranks) * p.max_tokens, static_cast<int64_t>(p.capacity));
+}
+__device__ __forceinline__ int32_t* partials_index(const Ctx& c, int rank) {
+  return reinterpret_cast<int32_t*>(c.sym(rank, c.p.off_partials) +
+                                    partials_rows(c.p) * c.p.hidden * 2);
+}
+__device__ __forceinline__ int64_t partials_row(const Ctx& c, int t, int j) {
+  return partials_index(c, c.p.rank)[static_cast<int64_t>(t) * c.p.num_topk + j];
+}
+
 // Partial row of dedup row `row`: sum over its fan-out rows (k order) of w * y.
 struct PartialsMeta {
   const Ctx* c;
@@ -135,10 +154,8 @@ struct PartialsMeta {
       w[j] = fw[j];
       n = j + 1;
     }
-    const int64_t prow = static_cast<int64_t>(p.sched[p.o_dedup_src_rank + row]) * p.max_tokens +
-                         p.sched[p.o_dedup_src_token + row];
     init = 0;
-    out = reinterpret_cast<uint64_t>(c->sym(p.rank, p.off_partials) + prow * rb);
+    out = reinterpret_cast<uint64_t>(c->sym(p.rank, p.off_partials) + row * rb);
     return n;
   }
 };
@@ -152,10 +169,9 @@ struct DedupSumMeta {
     const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
     const RankMask mask = token_owners(p, t);
     int n = 0;
-    const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + t;
     for (int d = 0; d < p.num_ranks; ++d) {
       if (!mask.has(d)) continue;
-      src[n] = reinterpret_cast<uint64_t>(c->sym(d, p.off_partials) + prow * rb);
+      src[n] = reinterpret_cast<uint64_t>(c->sym(d, p.off_partials) + partials_row(*c, t, n) * rb);
       w[n] = 1.0f;
       ++n;
     }
@@ -275,7 +291,7 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gwarp = blockIdx.x * kCommWarps + warp;
   const int nwarps = gridDim.x * kCommWarps;
-  // NOTE: N counts this rank's tokens (the loop); partial rows are laid out by max_tokens.
+  // NOTE: N counts this rank's tokens (the loop).
   const int N = p.num_tokens, R = p.num_ranks;
   const int T = max_owner_terms(R, p.num_topk);  // term slots of a stage, then shared_y's
   const int64_t rb = static_cast<int64_t>(p.hidden) * 2;
@@ -311,11 +327,10 @@ __device__ __forceinline__ void gather_sum_rows(const Ctx& c, int U, int slots) 
       const int t = gwarp + i * nwarps;
       if (lane == 0) stage_terms[warp][s] = mask.count();
       uint8_t* st = ring + s * stage_bytes + lane * 16;
-      const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + t;
       int q = 0;
       for (int d = 0; d < R; ++d) {
         if (!mask.has(d)) continue;
-        const uint8_t* src = c.sym(d, p.off_partials) + prow * rb;
+        const uint8_t* src = c.sym(d, p.off_partials) + partials_row(c, t, q) * rb;
         for (int u = 0; u < U; ++u) {
           const int v = ch * per + u * 32 + lane;
           if (v < n16) cp_async16(st + (q * U + u) * 512, src + v * 16);
@@ -420,8 +435,7 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
   static_assert(kMaxRanks <= 256, "SumRing::owner holds ranks in 8 bits");
   // Term k of ring slot `slot`: its owner's partial row of the slot's token.
   auto term_row = [&](int slot, int k) -> const uint8_t* {
-    const int64_t prow = static_cast<int64_t>(p.rank) * p.max_tokens + ring.token[slot];
-    return c.sym(ring.owner[slot][k], p.off_partials) + prow * rb;
+    return c.sym(ring.owner[slot][k], p.off_partials) + partials_row(c, ring.token[slot], k) * rb;
   };
   ring_barriers_init<true>(ring, stages);
   if (warp == 0) {

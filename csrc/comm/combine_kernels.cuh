@@ -99,6 +99,12 @@ __global__ void __launch_bounds__(kCommThreads) dedup_partials_kernel(const __gr
   else
     tma_reduce_rows(meta, num_dedup, rb, p.num_topk, false, false, reduce_stages(rb, slots),
                     dyn_smem);
+  // Each dedup row's partial lies in row `row` here: its home rank finds it at slot
+  // token * K + j of its partials index (j: my place among the token's owners).
+  const int32_t* home = p.sched + p.o_dedup_src_rank;
+  const int32_t* slot = p.sched + p.o_dedup_slot;
+  for (int row = blockIdx.x * blockDim.x + threadIdx.x; row < num_dedup; row += gridDim.x * blockDim.x)
+    partials_index(c, home[row])[slot[row]] = row;
   if (last_block(c)) block_store_all(c, kSigPartReady, static_cast<uint64_t>(p.epoch));
 }
 

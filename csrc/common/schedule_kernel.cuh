@@ -9,6 +9,36 @@
 
 namespace mok {
 
+// Phase 0 of the schedule: my routing (n entries of ids and weights) into my slot of every rank's
+// route buffers (parity p.epoch & 1). 16-byte stores where the operands allow (the row stride
+// N * K a multiple of 4, the inputs 16-byte aligned): a quarter of the remote stores of one per
+// entry, which grow with the rank count. A warp writes 512 contiguous bytes into one rank, and
+// the ranks are visited starting after mine, so the ranks' first stores go to different peers.
+__device__ __forceinline__ void all_gather_routing(const Ctx& c, const int32_t* idx, const float* w,
+                                                   int n) {
+  const Params& p = c.p;
+  const int R = p.num_ranks, NK = p.max_tokens * p.num_topk, me = p.rank;
+  const int gtid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int gthreads = gridDim.x * blockDim.x;
+  const int64_t slot = static_cast<int64_t>((p.epoch & 1) * R + me) * NK;
+  const bool vec = NK % 4 == 0 && (reinterpret_cast<uintptr_t>(idx) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(w) & 15) == 0;
+  const int units = vec ? n / 4 : 0;
+  for (int q = gtid; q < R * units; q += gthreads) {
+    const int r = (me + 1 + q / units) % R, u = q % units;
+    reinterpret_cast<int4*>(reinterpret_cast<int32_t*>(c.sym(r, p.off_route_idx)) + slot)[u] =
+        reinterpret_cast<const int4*>(idx)[u];
+    reinterpret_cast<int4*>(reinterpret_cast<float*>(c.sym(r, p.off_route_w)) + slot)[u] =
+        reinterpret_cast<const int4*>(w)[u];
+  }
+  const int rest = n - 4 * units;  // the entries past the last whole unit (all when not vec)
+  for (int q = gtid; q < R * rest; q += gthreads) {
+    const int r = (me + 1 + q / rest) % R, i = 4 * units + q % rest;
+    reinterpret_cast<int32_t*>(c.sym(r, p.off_route_idx))[slot + i] = idx[i];
+    reinterpret_cast<float*>(c.sym(r, p.off_route_w))[slot + i] = w[i];
+  }
+}
+
 // in0: topk_idx [num_tokens, num_topk] int32; in1: topk_weights [num_tokens, num_topk] fp32.
 // num_tokens may exceed max_tokens: then nothing is read and every rank reports the count.
 // Dynamic shared memory: kScheduleWarps * num_experts int32.
@@ -33,7 +63,6 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   const float* topk_w = static_cast<const float*>(p.in1);
   for (int i = gtid; i < my_nk; i += gthreads) {
     const int32_t e = topk_idx[i];
-    const float w = topk_w[i];
     int bad = (e < 0 || e >= E) ? kErrBadExpert : kErrNone;
     const int k = i % K;
     for (int q = 0; q < k && !bad; ++q) bad = (topk_idx[i - k + q] == e) ? kErrDuplicateExpert : 0;
@@ -42,11 +71,8 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
       atomicMin(meta + kMetaBadDetail, i);
       atomicMax(meta + kMetaBadInput, bad);
     }
-    for (int r = 0; r < R; ++r) {
-      reinterpret_cast<int32_t*>(c.sym(r, p.off_route_idx))[(par * R + me) * NK + i] = e;
-      reinterpret_cast<float*>(c.sym(r, p.off_route_w))[(par * R + me) * NK + i] = w;
-    }
   }
+  all_gather_routing(c, topk_idx, topk_w, my_nk);
   if (!grid_sync(c)) return;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     const int bad = too_many ? kErrTooManyTokens : meta[kMetaBadInput];

@@ -54,6 +54,10 @@ and the printed header says so too. Implementations:
   run under :func:`mok.functional.unfused_config`; the row records the SMs and mode that ran)
   or ``fused=True`` for each ``--sms`` (the communication SMs; the rest of the config is
   :class:`mok.MoKConfig`'s defaults, which are ``mok.bench layer``'s).
+- ``mok-auto`` / ``mok-auto-saved``: ``fused="auto"`` (:mod:`mok.path_choice`) with the default
+  config, recomputing / keeping g / u: the layer's first call times the fused and the unfused
+  forward and keeps the faster; the row's ``mode`` is ``auto:fused`` or ``auto:unfused`` and its
+  ``note`` the logged choice with both times (also printed). Not in the default ``--impls``.
 
 The mok rows share the backward of :mod:`mok.autograd`: ``mok-unfused`` and ``mok-fused`` save
 only the inputs and recompute the gate / up GEMMs (in the experts' backward kernel on Hopper, with
@@ -121,6 +125,7 @@ from mok.bench.common import (
     run_cases,
     time_cuda,
 )
+from mok.bench.kernel_times import KernelRecorder, kernel_times, kernels_csv, summary_lines
 from mok.bench.layer import DEEPEP_MAX_LOCAL_EXPERTS, MODELS, emulated_shape
 from mok.bench.sonicmoe import SONICMOE_H100, comparison_lines
 from mok.bench.train_ep import DeepEPTrainLayer, nccl_train_layer
@@ -131,6 +136,7 @@ from mok.bench.train_layers import (  # noqa: F401 - swiglu, shared_expert: this
     torch_best_train_layer,
 )
 from mok.experts import clear_cache
+from mok.path_choice import AUTO, choices, clear_choices
 from mok.ranks import shared_gpu
 from mok.spec.limits import (
     nearest_ep_sizes,  # noqa: F401 - this module's API too
@@ -141,7 +147,14 @@ from mok.spec.workload import ModelShape, get_shape
 
 ONE_RANK_IMPLS = ("torch-best",)  # every expert local: one GPU only
 EP_IMPLS = ("torch-best+nccl", "torch-best+deepep")  # EP > 1, one GPU per rank (NCCL) only
-MOK_IMPLS = ("mok-unfused", "mok-fused", "mok-saved", "mok-fused-saved")
+MOK_IMPLS = (
+    "mok-unfused",
+    "mok-fused",
+    "mok-saved",
+    "mok-fused-saved",
+    "mok-auto",
+    "mok-auto-saved",
+)
 IMPLS = ONE_RANK_IMPLS + EP_IMPLS + MOK_IMPLS
 # --impls by world: one GPU, EP > 1
 DEFAULT_IMPLS = (
@@ -310,13 +323,15 @@ def _deepep_layers(hidden: int, num_experts: int, sms: Sequence[int], world: int
 
 def run_model(
     rec, model, n, skew, impls, sms, iters, warmup, emulate_ep=0, device="cuda", warm_s=0.0,
-    group=None, deepep_sms=(), shared=False,
+    group=None, deepep_sms=(), shared=False, kernels=None,
 ):  # fmt: skip
     """The rows of one (model, tokens, skew) case: every implementation of ``impls`` (mok-fused
     once per comm-SM count of ``sms``, torch-best+deepep once per ``deepep_sms``) on the same
     routing, x, grad_out and weight values. ``group`` None: one GPU (the per-rank work of EP
     ``emulate_ep``); else EP = its ranks, each holding the model's experts / ranks.
-    ``shared``: the ranks share one GPU (the rows are a smoke test, labelled so)."""
+    ``shared``: the ranks share one GPU (the rows are a smoke test, labelled so).
+    ``kernels``: a :class:`~mok.bench.kernel_times.KernelRecorder` (one GPU): each row's step
+    profiled again, its kernels' device time per step recorded and the largest printed."""
     import mok
 
     world = 1 if group is None else dist.get_world_size(group)
@@ -339,13 +354,22 @@ def run_model(
     def weights() -> dict:
         return train_weights(shape, device, seed=7 + rank, num_local_experts=num_local)
 
-    def add(impl, mode, sms_count, build, recomputed):
+    def add(impl, mode, sms_count, build, recomputed, chosen=False):
         """Time, check and record one implementation; ``build()`` makes its weights and returns
-        (forward, {name: leaf}), or None to drop the row. Its weights are freed on return."""
+        (forward, {name: leaf}), or None to drop the row. Its weights are freed on return.
+        ``chosen``: a ``fused="auto"`` layer, whose row names the path its first call kept."""
         made = build()
         if made is None:
             return
         fwd, leaves = made
+        note = SHARED_GPU_NOTE if shared else ""
+        if chosen:
+            fwd()  # the first call times both paths and keeps one (mok.path_choice)
+            choice = list(choices().values())[-1]
+            mode, sms_count = f"auto:{choice.path}", 0
+            note = "; ".join(t for t in (choice.text, note) if t)
+            if is_rank0():
+                print(choice.text)
         what = f"{impl} ({mode})"
 
         def step():
@@ -359,6 +383,11 @@ def run_model(
         check_gradients(what, leaves, world)
         if impl.startswith("mok"):
             check_repeatable(what, step, x, tw, world)
+        if kernels is not None:
+            times = kernel_times(step)
+            kernels.add_step({**base, "impl": impl, "mode": mode, "sms": sms_count}, times)
+            if is_rank0():
+                print("\n".join(summary_lines(times)), flush=True)
         for t in leaves.values():
             t.grad = None
         bwd = ts.median_us - tf.median_us
@@ -381,7 +410,7 @@ def run_model(
             step_mem_gib=round(added, 3),
             sm_mhz=ts.sm_mhz,
             shared_gpu=shared,
-            note=SHARED_GPU_NOTE if shared else "",
+            note=note,
         )
 
     def torch_layer(layer, mode="eager"):
@@ -475,6 +504,14 @@ def run_model(
             again = flops_again if recompute else shared_again
             add(impl, cfg.dispatch_mode, s, mok_layer(True, cfg, recompute), again)
             mok.clear_workspaces()
+    for impl, recompute in (("mok-auto", True), ("mok-auto-saved", False)):
+        if impl not in impls:
+            continue
+        again = flops_again if recompute else shared_again
+        # fused="auto" with the default config: the path its first call timed and kept
+        add(impl, "auto", 0, mok_layer(AUTO, unfused_cfg, recompute), again, chosen=True)
+        mok.clear_workspaces()
+        clear_choices()
     clear_cache()  # the next model's weights replace these
 
 
@@ -530,6 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_warm_s(ap, default=None)
     ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="one GPU: after each row, profile 3 more steps (torch.profiler) and write each "
+        "kernel's device time per step to <csv stem>-kernels.csv, printing the largest",
+    )
+    ap.add_argument(
         "--csv",
         default=None,
         help="default mok-bench-train.csv (one GPU), mok-bench-train-epR.csv (EP R), "
@@ -564,6 +607,11 @@ def resolve_args(ap, args, world: int, shared: bool) -> argparse.Namespace:
         ap.error(
             f"torch-best runs at one rank (every expert local); at EP{world} its rows are "
             f"{' / '.join(EP_IMPLS)}"
+        )
+    if args.kernels and world > 1:
+        ap.error(
+            f"--kernels profiles one GPU's step (python -m mok.bench train --kernels), not a "
+            f"world of {world}"
         )
     if args.suite and world > 1:
         ap.error(f"--suite {args.suite} runs on one GPU (python -m mok.bench train --suite ...)")
@@ -628,6 +676,7 @@ def main(argv: list[str]) -> int:
     dev = init_dist("mok.bench train")
     group = dist.group.WORLD if world > 1 else None
     rec = TrainRecorder(args.csv, provenance())
+    krec = KernelRecorder(kernels_csv(args.csv), provenance()) if args.kernels else None
     sms = tuple(int(v) for v in args.sms.split(","))
     deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
     if is_rank0():
@@ -638,8 +687,10 @@ def main(argv: list[str]) -> int:
         with one_rank_gather(args.emulate_ep if world == 1 else world):
             run_model(
                 rec, model, n, skew, args.impls, sms, args.iters, args.warmup, args.emulate_ep,
-                dev, args.warm_s, group, deepep_sms, shared,
+                dev, args.warm_s, group, deepep_sms, shared, krec,
             )  # fmt: skip
+        if krec is not None:
+            krec.write()
 
     if args.suite:
         jobs = [(p.model, p.tokens, "uniform") for p in SONICMOE_H100]

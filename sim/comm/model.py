@@ -22,7 +22,7 @@ combine push                owner: read N y rows, NVLink out remote rows, write 
 combine pull                reduce: NVLink in remote (token, k) rows, read self rows, write T
 combine dedup_push          owner: read N y rows, NVLink out remote D, write self D; barrier;
                             reduce: read the home's D slot rows, write T
-combine dedup_partials      read N y rows, write D partial rows (local only)
+combine dedup_partials      read N y rows, write D partial rows; NVLink out one 4-byte index per row
 combine dedup_pull_sum      NVLink in: remote partials of my tokens; read self partials; write T
 combine dedup_pull          dedup_partials, then dedup_pull_sum (two launches, no new knob);
                             mok.bench comm's end-to-end row runs the vector partials and
