@@ -89,6 +89,11 @@ __all__ = ["moe", "moe_backward"]
 # on NVLink yet.
 TRANSFERS_IN_LAUNCH = False
 
+# Whether the backward at one rank reads its rows from the tokens inside the experts' kernels
+# (_gathers_backward) instead of dispatching x and grad_out first; also needs the forward's
+# switch, mok.layer.GATHER_AT_ONE_RANK. Its own switch so that one build times both.
+GATHER_BACKWARD = True
+
 
 def moe(
     x: torch.Tensor,
@@ -542,10 +547,11 @@ def _backward_on(
 def _gathers_backward(ws, x, w_gate_up, w_down, cfg) -> bool:
     """Whether the backward reads its rows from the tokens
     (:func:`mok.experts.swiglu_backward_gathered`) instead of dispatching them: at one rank,
-    with :data:`mok.layer.GATHER_AT_ONE_RANK` (the forward's switch), where the kernels take the
-    operands (:func:`mok.experts.gathered_backward_fits`)."""
+    with :data:`GATHER_BACKWARD` and :data:`mok.layer.GATHER_AT_ONE_RANK` (the forward's
+    switch), where the kernels take the operands (:func:`mok.experts.gathered_backward_fits`)."""
     return (
-        layer.GATHER_AT_ONE_RANK
+        GATHER_BACKWARD
+        and layer.GATHER_AT_ONE_RANK
         and ws.num_ranks == 1
         and gathered_backward_fits(x, w_gate_up, w_down, cfg.row_tile)
     )

@@ -690,9 +690,6 @@ __device__ __forceinline__ uint8_t* wgrad_zero() {
 
 // Loads weight-gradient tile (e, mb, nb) of problem `prob` (its operands in k) into the stages
 // from `stage` on, the tile's fields in the first one's stage_tile.
-// kSkip: 0 or 1, the operand (A or B) this thread does not load (wgrad_gatherer fills it); -1:
-// both.
-template <int kSkip = -1>
 __device__ __forceinline__ void wgrad_load_tile(const WgradKernelArgs& k, int prob, int e, int mb,
                                                 int nb, int& stage, uint32_t& phase) {
   uint8_t* stages = bwd_stages();
@@ -716,20 +713,14 @@ __device__ __forceinline__ void wgrad_load_tile(const WgradKernelArgs& k, int pr
     if (kb > 0) mbar_wait(&gsh.empty[stage], phase ^ 1);
     uint8_t* sa = stages + stage * kStageBytes;
     const int row = start + kb * 64;
-    mbar_arrive_expect_tx(&gsh.full[stage], kSkip == 0   ? kStageBytes - kStageA
-                                            : kSkip == 1 ? kStageA
-                                                         : kStageBytes);
-    if (kSkip != 0) {
+    mbar_arrive_expect_tx(&gsh.full[stage], kStageBytes);
 #pragma unroll
-      for (int q = 0; q < 2; ++q)
-        tma_load_2d(sa + q * kBoxNB, &k.map_a, &gsh.full[stage], mb * kTileM + 64 * q, row);
-    }
-    if (kSkip != 1) {
+    for (int q = 0; q < 2; ++q)
+      tma_load_2d(sa + q * kBoxNB, &k.map_a, &gsh.full[stage], mb * kTileM + 64 * q, row);
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
-        tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_b, &gsh.full[stage], nb * kTileN + 64 * q,
-                    row);
-    }
+    for (int q = 0; q < 4; ++q)
+      tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_b, &gsh.full[stage], nb * kTileN + 64 * q,
+                  row);
     if (++stage == kWgradStages) stage = 0, phase ^= 1;
   }
 }
@@ -741,15 +732,14 @@ __device__ __forceinline__ void wgrad_load_end(int stage, uint32_t phase) {
   mbar_arrive(&gsh.full[stage]);
 }
 
-template <int kSkip = -1>
 __device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_tiles) {
   const int m_blocks = k.m / kTileM, n_blocks = k.n / kTileN;
   const int per_expert = m_blocks * n_blocks;
   int stage = 0;
   uint32_t phase = 0;
   for (int i = blockIdx.x; i < n_tiles; i += gridDim.x)
-    wgrad_load_tile<kSkip>(k, 0, i / per_expert, (i % per_expert) / n_blocks, i % n_blocks,
-                           stage, phase);
+    wgrad_load_tile(k, 0, i / per_expert, (i % per_expert) / n_blocks, i % n_blocks, stage,
+                    phase);
   wgrad_load_end(stage, phase);
 }
 
@@ -765,21 +755,30 @@ struct WgradGatherKernelArgs {
   WgradKernelArgs k;
   WgradGather g;
 };
-constexpr int kWgradGatherThreads = 32;  // warp 3 of the producer warpgroup
+constexpr int kWgradGatherThreads = 128;  // the producer warpgroup
 
-// Warp 3's half of wgrad_producer<kOperand> (the same tiles, the same stages): operand kOperand
-// (0: A, 128 columns, two boxes; 1: B, 256 columns, four boxes) of every k-block by cp.async, into
-// the places its 64-row TMA boxes in the 128-byte swizzle would put it (k-row r of a box at
-// 128 r, 16-byte unit u at (u ^ (r % 8)) x 16). Each warp instruction copies whole rows (one
-// 512-byte row of B, or two 256-byte rows of A); each lane holds the tokens of rows lane and
-// lane + 32 of the k-block and hands them round by shuffles. One arrival per lane and stage (the
-// full barriers take 1 + 32).
+// The producer warpgroup of the gathering weight-gradient kernel, all 128 threads (the kernel
+// has no store warps: its consumers store their own chunks, wgrad_stage<.., true>). Thread 0
+// does wgrad_producer's part for the other operand (each tile's fields in its first stage, the
+// TMA loads); every thread copies its share of operand kOperand (0: A, 128 columns, two boxes;
+// 1: B, 256 columns, four boxes) of each k-block by cp.async, into the places its 64-row TMA
+// boxes in the 128-byte swizzle would put it (k-row r of a box at 128 r, 16-byte unit u at
+// (u ^ (r % 8)) x 16). A warp instruction copies whole rows (one 512-byte row of B, or two
+// 256-byte rows of A), the four warps taking turns by row, so each warp has 16 rows per
+// k-block (B: 16 instructions a thread, A: 8) and the copies come from all four of the SM's
+// schedulers. Lane l < 16 reads the token of the warp's l-th row and hands it round by
+// shuffles. The full barriers take 1 + 128 arrivals (thread 0's with the TMA bytes, then one
+// per thread once its copies landed). (With warp 3 alone copying, 64 instructions a thread per
+// k-block of B, the gathering weight gradients ran at a fraction of the TMA kernel's speed:
+// docs/perf-notes.md.)
 template <int kOperand>
-__device__ __forceinline__ void wgrad_gatherer(const WgradKernelArgs& k, const WgradGather& g,
-                                               int n_tiles) {
+__device__ __forceinline__ void wgrad_gather_producer(const WgradKernelArgs& k,
+                                                      const WgradGather& g, int n_tiles) {
   constexpr int kChunks = kOperand == 0 ? 16 : 32;  // 16-byte units of a row in the tile
-  constexpr int kRowsPerStep = 32 / kChunks;
-  const int lane = threadIdx.x % 32;
+  constexpr int kRowsPerStep = 32 / kChunks;        // rows one warp instruction copies
+  constexpr int kRowsPerTurn = 4 * kRowsPerStep;    // the four warps' rows of one step
+  constexpr int kSteps = 64 / kRowsPerTurn;         // instructions per thread and k-block
+  const int t = threadIdx.x, warp = t / 32, lane = t % 32;
   const int c = lane % kChunks, sub = lane / kChunks;
   const int m_blocks = k.m / kTileM, n_blocks = k.n / kTileN;
   const int per_expert = m_blocks * n_blocks;
@@ -789,42 +788,131 @@ __device__ __forceinline__ void wgrad_gatherer(const WgradKernelArgs& k, const W
   for (int i = blockIdx.x; i < n_tiles; i += gridDim.x) {
     const int e = i / per_expert, mb = (i % per_expert) / n_blocks, nb = i % n_blocks;
     const int start = e == 0 ? 0 : k.ends[e - 1], end = k.ends[e];
-    const int k_blocks = end > start ? (end - start + 63) / 64 : 0;
-    if (k_blocks == 0) {
-      mbar_wait(&gsh.empty[stage], phase ^ 1);
+    const int rows = end - start;
+    const int k_blocks = rows > 0 ? (rows + 63) / 64 : 0;
+    mbar_wait(&gsh.empty[stage], phase ^ 1);
+    if (t == 0) {
+      vol(gsh.stage_tile[stage][0]) = e;
+      vol(gsh.stage_tile[stage][1]) = mb;
+      vol(gsh.stage_tile[stage][2]) = nb;
+      vol(gsh.stage_tile[stage][3]) = k_blocks;
+      vol(gsh.stage_tile[stage][4]) = k_blocks > 0 ? (rows - (k_blocks - 1) * 64 + 15) / 16 : 0;
+      vol(gsh.stage_tile[stage][5]) = 0;
+    }
+    if (k_blocks == 0) {  // a zero tile: the stage says so and carries nothing
+      if (t == 0) mbar_arrive(&gsh.full[stage]);
       mbar_arrive(&gsh.full[stage]);
       if (++stage == kWgradStages) stage = 0, phase ^= 1;
       continue;
     }
     const int64_t col = (kOperand == 0 ? mb * kTileM : nb * kTileN) + c * 8;
     for (int kb = 0; kb < k_blocks; ++kb) {
-      mbar_wait(&gsh.empty[stage], phase ^ 1);
-      uint8_t* base = stages + stage * kStageBytes + (kOperand == 0 ? 0 : kStageA);
+      if (kb > 0) mbar_wait(&gsh.empty[stage], phase ^ 1);
+      uint8_t* sa = stages + stage * kStageBytes;
       const int row0 = start + kb * 64;
-      int tok[2];
+      if (t == 0) {  // the other operand by TMA
+        mbar_arrive_expect_tx(&gsh.full[stage], kOperand == 0 ? kStageBytes - kStageA : kStageA);
+        if (kOperand == 0) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + lane + 32 * h;
-        const int s = row < end ? g.src[row] : -1;
-        tok[h] = s >= 0 ? s / g.topk : -1;
+          for (int q = 0; q < 4; ++q)
+            tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_b, &gsh.full[stage],
+                        nb * kTileN + 64 * q, row0);
+        } else {
+#pragma unroll
+          for (int q = 0; q < 2; ++q)
+            tma_load_2d(sa + q * kBoxNB, &k.map_a, &gsh.full[stage], mb * kTileM + 64 * q,
+                        row0);
+        }
       }
-#pragma unroll 4
-      for (int p = 0; p < 64 / kRowsPerStep; ++p) {
-        const int r = p * kRowsPerStep + sub;
-        const int h = (p * kRowsPerStep) / 32;  // the same for the warp's rows of this step
-        const int t = __shfl_sync(~0u, h ? tok[1] : tok[0], r % 32);
+      int tok = -1;  // lane l < 16: the token of the warp's l-th row of this k-block
+      if (lane < 16) {
+        const int r = (lane / kRowsPerStep) * kRowsPerTurn + warp * kRowsPerStep +
+                      lane % kRowsPerStep;
+        const int s = row0 + r < end ? g.src[row0 + r] : -1;
+        tok = s >= 0 ? s / g.topk : -1;
+      }
+      uint8_t* base = sa + (kOperand == 0 ? 0 : kStageA);
+#pragma unroll
+      for (int q = 0; q < kSteps; ++q) {
+        const int r = q * kRowsPerTurn + warp * kRowsPerStep + sub;
+        const int tk = __shfl_sync(~0u, tok, q * kRowsPerStep + sub);
         uint8_t* dst = base + (c / 8) * kBoxNB + r * 128 + (((c % 8) ^ (r % 8)) << 4);
-        cp_async16_zfill(dst, g.rows + (t >= 0 ? static_cast<int64_t>(t) * g.cols + col : 0),
-                         t >= 0 ? 16 : 0);
+        cp_async16_zfill(dst, g.rows + (tk >= 0 ? static_cast<int64_t>(tk) * g.cols + col : 0),
+                         tk >= 0 ? 16 : 0);
       }
       cp_async_mbar_arrive(&gsh.full[stage]);
       if (++stage == kWgradStages) stage = 0, phase ^= 1;
     }
   }
-  mbar_wait(&gsh.empty[stage], phase ^ 1);  // the end of the work (wgrad_load_end's stage)
+  mbar_wait(&gsh.empty[stage], phase ^ 1);  // the end of the work: a stage whose expert is -1
+  if (t == 0) {
+    vol(gsh.stage_tile[stage][0]) = -1;
+    mbar_arrive(&gsh.full[stage]);
+  }
   mbar_arrive(&gsh.full[stage]);
   cp_async_commit();
   cp_async_wait<0>();
+}
+
+// A TMA reduce-add of one box from shared memory onto the map's coordinates (the map's type:
+// fp32 here), in the thread's current bulk group.
+__device__ __forceinline__ void tma_add_2d(const CUtensorMap* map, const void* smem_src, int col,
+                                          int row) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], "
+      "[%1];" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(smem_src)), "r"(col), "r"(row)
+      : "memory");
+}
+
+// One staged chunk of consumer warpgroup wg (its two boxes at `epi`, or the zero block for an
+// expert without rows) into C by TMA, as one bulk group: stored, or for kWgradF32Add added onto
+// C (nothing for a zero chunk: the group is then empty).
+template <int kOut>
+__device__ __forceinline__ void wgrad_store_chunk(const WgradKernelArgs& k, const uint8_t* epi,
+                                                  bool zero, int e, int mb, int col0, int wg) {
+  constexpr int kBoxCols = kOut == kWgradBf16 ? 64 : 32;
+  const int row = e * k.m + mb * kTileM + wg * 64;
+  if (kOut == kWgradF32Add) {
+    if (!zero) {
+      tma_add_2d(&k.map_c, epi, col0, row);
+      tma_add_2d(&k.map_c, epi + kWgradBoxBytes, col0 + kBoxCols, row);
+    }
+  } else {
+    tma_store_2d(&k.map_c, epi, col0, row);
+    tma_store_2d(&k.map_c, zero ? epi : epi + kWgradBoxBytes, col0 + kBoxCols, row);
+  }
+  bulk_commit();
+}
+
+// Buffer b free for the next chunk: its last chunk read by its store. `self` (the gathering
+// kernel, no store warps): thread 0 stored the chunks itself, one bulk group each in buffer
+// order, so the group before the latest is this buffer's; else the store warp says so.
+template <bool kSelf>
+__device__ __forceinline__ void wgrad_epi_free(int wg, int b, uint32_t uses, int tid) {
+  if constexpr (kSelf) {
+    if (tid == 0) bulk_wait_read<1>();
+    named_sync(1 + wg, 128);
+  } else {
+    mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);
+  }
+}
+
+// The staged chunk handed on: to the store warp (a job), or with kSelf stored by thread 0 from
+// `self` (the one problem of the gathering kernel).
+template <int kOut, bool kSelf>
+__device__ __forceinline__ void wgrad_epi_hand(const WgradKernelArgs* self, bool zero, int e,
+                                               int mb, int col0, int prob, int wg, int b,
+                                               int tid) {
+  named_sync(1 + wg, 128);
+  if (tid != 0) return;
+  if constexpr (kSelf) {
+    wgrad_store_chunk<kOut>(*self, zero ? wgrad_zero() : wgrad_epi(wg, b), zero, e, mb, col0, wg);
+  } else {
+    vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
+    vol(gsh.jobs[wg][b][3]) = zero, vol(gsh.jobs[wg][b][4]) = prob;
+    mbar_arrive(&gsh.epi_full[wg][b]);
+  }
 }
 
 // Warpgroup wg's 64 x 128 output chunk (columns col0.. of its rows) from `acc` into its buffer b
@@ -834,10 +922,11 @@ __device__ __forceinline__ void wgrad_gatherer(const WgradKernelArgs& k, const W
 // buffer's earlier chunks. `zero`: an expert without rows, whose chunk the store warp writes from
 // the zero block (the accumulators are never written by anything but wgmma: ptxas serialises
 // every wgmma of a kernel that does).
+template <int kOut, bool kSelf>
 __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, int e, int mb,
                                             int col0, int prob, int wg, int b, uint32_t uses,
-                                            int tid) {
-  mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);  // the store warp's TMA has read the last one
+                                            int tid, const WgradKernelArgs* self) {
+  wgrad_epi_free<kSelf>(wg, b, uses, tid);  // the last chunk's TMA has read the buffer
   if (!zero) {
     const int warp = tid / 32, lane = tid % 32, x = lane / 4;  // rows warp * 16 + x (+ 8)
     uint8_t* row = wgrad_epi(wg, b) + (warp * 16 + x) * 128 + (lane % 4) * 4;
@@ -851,21 +940,18 @@ __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, i
     }
     fence_proxy_async_shared();  // these writes before the TMA's reads
   }
-  named_sync(1 + wg, 128);
-  if (tid == 0) {
-    vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
-    vol(gsh.jobs[wg][b][3]) = zero, vol(gsh.jobs[wg][b][4]) = prob;
-    mbar_arrive(&gsh.epi_full[wg][b]);
-  }
+  wgrad_epi_hand<kOut, kSelf>(self, zero, e, mb, col0, prob, wg, b, tid);
 }
 
 // The fp32 form: columns 64 hh.. of the chunk in `acc` (its 128 columns col0 - 64 hh..) as two
 // 64 x 32 fp32 boxes in the same swizzle, into buffer b for the store warp, which writes it to
 // columns col0.. of C (or adds it there).
+template <int kOut, bool kSelf>
 __device__ __forceinline__ void wgrad_stage_f32(const float (&acc)[64], int hh, bool zero, int e,
                                                 int mb, int col0, int prob, int wg, int b,
-                                                uint32_t uses, int tid) {
-  mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);
+                                                uint32_t uses, int tid,
+                                                const WgradKernelArgs* self) {
+  wgrad_epi_free<kSelf>(wg, b, uses, tid);
   if (!zero) {
     const int warp = tid / 32, lane = tid % 32, x = lane / 4;
     uint8_t* row = wgrad_epi(wg, b) + (warp * 16 + x) * 128 + 8 * (lane % 2);
@@ -880,23 +966,7 @@ __device__ __forceinline__ void wgrad_stage_f32(const float (&acc)[64], int hh, 
     }
     fence_proxy_async_shared();
   }
-  named_sync(1 + wg, 128);
-  if (tid == 0) {
-    vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
-    vol(gsh.jobs[wg][b][3]) = zero, vol(gsh.jobs[wg][b][4]) = prob;
-    mbar_arrive(&gsh.epi_full[wg][b]);
-  }
-}
-
-// A TMA reduce-add of one box from shared memory onto the map's coordinates (the map's type:
-// fp32 here), in the thread's current bulk group.
-__device__ __forceinline__ void tma_add_2d(const CUtensorMap* map, const void* smem_src, int col,
-                                          int row) {
-  asm volatile(
-      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], "
-      "[%1];" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(smem_addr(smem_src)), "r"(col), "r"(row)
-      : "memory");
+  wgrad_epi_hand<kOut, kSelf>(self, zero, e, mb, col0, prob, wg, b, tid);
 }
 
 // Store warp of consumer warpgroup wg (its lane 0): takes the chunks in order (buffers 0, 1, 0,
@@ -906,7 +976,6 @@ __device__ __forceinline__ void tma_add_2d(const CUtensorMap* map, const void* s
 // an expert without rows.
 template <int kOut>
 static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs* probs, int wg) {
-  constexpr int kBoxCols = kOut == kWgradBf16 ? 64 : 32;
   for (uint32_t n = 0;; ++n) {
     const int b = n & 1;
     mbar_wait(&gsh.epi_full[wg][b], (n >> 1) & 1);
@@ -915,27 +984,18 @@ static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs* probs, i
     const int mb = vol(gsh.jobs[wg][b][1]), col0 = vol(gsh.jobs[wg][b][2]);
     const bool zero = vol(gsh.jobs[wg][b][3]) != 0;
     const WgradKernelArgs& k = probs[vol(gsh.jobs[wg][b][4])];
-    const uint8_t* epi = zero ? wgrad_zero() : wgrad_epi(wg, b);
-    const int row = e * k.m + mb * kTileM + wg * 64;
-    if (kOut == kWgradF32Add) {
-      if (!zero) {
-        tma_add_2d(&k.map_c, epi, col0, row);
-        tma_add_2d(&k.map_c, epi + kWgradBoxBytes, col0 + kBoxCols, row);
-      }
-    } else {
-      tma_store_2d(&k.map_c, epi, col0, row);
-      tma_store_2d(&k.map_c, zero ? epi : epi + kWgradBoxBytes, col0 + kBoxCols, row);
-    }
-    bulk_commit();
+    wgrad_store_chunk<kOut>(k, zero ? wgrad_zero() : wgrad_epi(wg, b), zero, e, mb, col0, wg);
     bulk_wait_read<0>();
     mbar_arrive(&gsh.epi_empty[wg][b]);
   }
   bulk_wait_all();  // C written before the block exits
 }
 
-// kProxyFence: stages filled in part by cp.async (wgrad_gatherer).
-template <int kOut, bool kProxyFence = false>
-__device__ __forceinline__ void wgrad_consumer(int wg) {
+// kGathered: the gathering kernel's consumers: stages filled in part by cp.async
+// (wgrad_gather_producer), so a proxy fence before each k-block's MMAs; no store warps, so
+// thread 0 stores each staged chunk itself from `self` (its one problem).
+template <int kOut, bool kGathered = false>
+__device__ __forceinline__ void wgrad_consumer(int wg, const WgradKernelArgs* self = nullptr) {
   const int tid = threadIdx.x % 128;
   int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
@@ -956,22 +1016,27 @@ __device__ __forceinline__ void wgrad_consumer(int wg) {
       mbar_arrive(&gsh.empty[stage]);
       if (++stage == kWgradStages) stage = 0, phase ^= 1;
     } else {
-      mma_kloop_wgrad<OperandBf16, kWgradStages, kProxyFence>(
+      mma_kloop_wgrad<OperandBf16, kWgradStages, kGathered>(
           acc0, acc1, bwd_stages(), gsh.full, gsh.empty, k_blocks, last_steps, zero_a, zero_b,
           wg, stage, prev_stage, phase);
     }
     const bool zero = k_blocks == 0;
     const int col0 = nb * kTileN;
     if (kOut == kWgradBf16) {
-      wgrad_stage(acc0, zero, e, mb, col0, prob, wg, 0, n >> 1, tid);
-      wgrad_stage(acc1, zero, e, mb, col0 + 128, prob, wg, 1, n >> 1, tid);
+      wgrad_stage<kOut, kGathered>(acc0, zero, e, mb, col0, prob, wg, 0, n >> 1, tid, self);
+      wgrad_stage<kOut, kGathered>(acc1, zero, e, mb, col0 + 128, prob, wg, 1, n >> 1, tid,
+                                   self);
       n += 2;
     } else {
 #pragma unroll
       for (int q = 0; q < 4; ++q, ++n)  // 64-column quarters: acc0's halves, then acc1's
-        wgrad_stage_f32(q < 2 ? acc0 : acc1, q % 2, zero, e, mb, col0 + 64 * q, prob, wg, n & 1,
-                        n >> 1, tid);
+        wgrad_stage_f32<kOut, kGathered>(q < 2 ? acc0 : acc1, q % 2, zero, e, mb, col0 + 64 * q,
+                                         prob, wg, n & 1, n >> 1, tid, self);
     }
+  }
+  if constexpr (kGathered) {  // C written before the block exits
+    if (tid == 0) bulk_wait_all();
+    return;
   }
   // The store warp's last job: it stops once it has written everything before it.
   mbar_wait(&gsh.epi_empty[wg][n & 1], ((n >> 1) & 1) ^ 1);
@@ -1002,8 +1067,8 @@ __device__ __forceinline__ void wgrad_init(uint32_t full_arrivals = 1) {
   }
 }
 
-// The weight-gradient kernels' body. kGather: -1, or the operand (0: A, 1: B) whose rows warp 3
-// gathers (wgrad_gatherer, from g) while thread 0 loads the other.
+// The weight-gradient kernels' body. kGather: -1, or the operand (0: A, 1: B) whose rows the
+// producer warpgroup gathers (wgrad_gather_producer, from g; thread 0 also loads the other).
 template <int kOut, int kGather>
 __device__ __forceinline__ void wgrad_run(const WgradKernelArgs& k, const WgradGather& g) {
   wgrad_init(kGather < 0 ? 1 : 1 + kWgradGatherThreads);
@@ -1014,19 +1079,21 @@ __device__ __forceinline__ void wgrad_run(const WgradKernelArgs& k, const WgradG
   if (wg == 0) {
     setmaxnreg_dec<56>();
     const int warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) {
-      if (kGather != 0) tma_prefetch_map(&k.map_a);
-      if (kGather != 1) tma_prefetch_map(&k.map_b);
-      wgrad_producer<kGather>(k, n_tiles);
+    if constexpr (kGather >= 0) {
+      if (threadIdx.x == 0) tma_prefetch_map(kGather == 0 ? &k.map_b : &k.map_a);
+      wgrad_gather_producer<kGather>(k, g, n_tiles);
+    } else if (threadIdx.x == 0) {
+      tma_prefetch_map(&k.map_a);
+      tma_prefetch_map(&k.map_b);
+      wgrad_producer(k, n_tiles);
     } else if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
       tma_prefetch_map(&k.map_c);
       wgrad_storer<kOut>(&k, warp - 1);
-    } else if (warp == 3) {
-      if constexpr (kGather >= 0) wgrad_gatherer<kGather>(k, g, n_tiles);
     }
   } else {
     setmaxnreg_inc<224>();
-    wgrad_consumer<kOut, (kGather >= 0)>(wg - 1);
+    if (kGather >= 0 && threadIdx.x == 128) tma_prefetch_map(&k.map_c);
+    wgrad_consumer<kOut, (kGather >= 0)>(wg - 1, &k);
   }
 }
 
@@ -1038,7 +1105,8 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
 #endif
 }
 
-// wgrad_kernel with operand kOperand (0: A, 1: B) gathered by warp 3 (wgrad_gatherer).
+// wgrad_kernel with operand kOperand (0: A, 1: B) gathered by the producer warpgroup
+// (wgrad_gather_producer) and the chunks stored by the consumers themselves.
 template <int kOut, int kOperand>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     wgrad_gather_kernel(const __grid_constant__ WgradGatherKernelArgs a) {
