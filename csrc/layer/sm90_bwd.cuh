@@ -832,7 +832,7 @@ __device__ __forceinline__ void wgrad_gather_producer(const WgradKernelArgs& k,
         tok = s >= 0 ? s / g.topk : -1;
       }
       uint8_t* base = sa + (kOperand == 0 ? 0 : kStageA);
-#pragma unroll
+#pragma unroll 4  // a few copies' addresses live at a time: the warpgroup has 56 registers
       for (int q = 0; q < kSteps; ++q) {
         const int r = q * kRowsPerTurn + warp * kRowsPerStep + sub;
         const int tk = __shfl_sync(~0u, tok, q * kRowsPerStep + sub);
