@@ -101,6 +101,20 @@ def data() -> SimpleNamespace:
 
 SONIC = published()
 
+# a mok.bench train --kernels CSV's rows, made up: two implementations of one shape
+KERNEL_ROWS = [
+    {"model": "sonic-1536x256", "impl": impl, "mode": "dedup_pull", "short": short,
+     "us_per_step": us}
+    for impl, kernels in (
+        ("mok-saved", (("mok::bwd_fused_kernel<0>", 2306.0), ("mok::schedule_kernel", 335.0),
+                       ("mok::dispatch_dedup_pull_kernel", 704.0),
+                       ("mok::combine_push_kernel<true>", 654.0), ("Memcpy DtoD", 10.0))),
+        ("mok-unfused", (("mok::swiglu_bwd_kernel<0>", 3000.0),
+                         ("mok::zero_padding_kernel", 81.0))),
+    )
+    for short, us in kernels
+]  # fmt: skip
+
 # chart function -> (its figure from the small inputs, whether its values are times)
 CHARTS = {
     "gantt": (lambda d: plots.gantt(d.layer, ranks=range(4)), False),
@@ -118,6 +132,7 @@ CHARTS = {
         lambda d: plots.published_comparison(d.sonic, SONIC, "SonicMoE"),
         False,
     ),
+    "kernel_breakdown": (lambda d: plots.kernel_breakdown(KERNEL_ROWS), True),
     "train_loss": (lambda d: plots.train_loss(d.lm), False),
     "scaling_summary": (lambda d: plots.scaling_summary(d.summary, {"skew": "uniform"}), True),
     "waves_scatter": (lambda d: plots.waves_scatter(d.sweep), True),
@@ -285,5 +300,38 @@ def test_the_published_comparison_labels_each_bar_with_its_ratio():
         assert [t.get_text() for t in fwd.get_xticklabels()] == [
             "T 24576, d 1536\nn 256, E 128, K 8"
         ]
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize(
+    ("short", "category"),
+    [
+        ("mok::bwd_fused_kernel<0>", "experts' GEMMs"),
+        ("mok::wgrad_gather_kernel<0, 1>", "experts' GEMMs"),
+        (
+            "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_s...",
+            "experts' GEMMs",
+        ),
+        ("mok::dispatch_dedup_pull_kernel", "row dispatch"),
+        ("mok::combine_push_kernel<true>", "combine"),
+        ("mok::dedup_sum_kernel", "combine"),
+        ("mok::schedule_kernel", "schedule"),
+        ("mok::zero_padding_kernel", "padding rows"),
+        ("at::native::vectorized_elementwise_kernel", "other"),
+    ],
+)
+def test_kernels_fall_into_their_categories(short, category):
+    from sim.app.measured_plots import kernel_category
+
+    assert kernel_category(short) == category
+
+
+def test_the_kernel_breakdown_sums_each_bar():
+    fig = plots.kernel_breakdown(KERNEL_ROWS)
+    try:
+        texts = [t.get_text() for t in fig.axes[0].texts]
+        assert " 4.01 ms" in texts and " 3.08 ms" in texts  # the two bars' totals
+        assert "2.31" in texts and "0.70" in texts  # segments of at least 4 %
     finally:
         plt.close(fig)

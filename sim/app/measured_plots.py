@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from sim.app.labels import LOWER_IS_BETTER, wrap_lines  # noqa: E402
 
@@ -160,6 +161,69 @@ def published_comparison(
         fontsize=9,
     )
     fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
+# kernel categories of a step's profile (mok.bench train --kernels): the first pattern a kernel's
+# short name contains decides; the rest is "other"
+KERNEL_CATEGORIES = (
+    ("experts' GEMMs", ("swiglu_bwd_kernel", "bwd_fused_kernel", "wgrad", "cutlass", "gemm")),
+    ("row dispatch", ("dispatch", "fanout")),
+    ("combine", ("combine", "dedup_sum", "dedup_partials")),
+    ("schedule", ("schedule",)),
+    ("padding rows", ("zero_padding",)),
+)
+
+
+def kernel_category(short: str) -> str:
+    """The category (:data:`KERNEL_CATEGORIES`) of a kernel's short name, or "other"."""
+    low = short.lower()
+    for name, patterns in KERNEL_CATEGORIES:
+        if any(p in low for p in patterns):
+            return name
+    return "other"
+
+
+def kernel_breakdown(rows: Sequence[dict], title: str | None = None) -> Figure:
+    """Where a training step's device time goes, from a ``mok.bench train --kernels`` CSV: per
+    (model, implementation) one horizontal bar of ms per step, stacked by kernel category
+    (:func:`kernel_category`), each segment of at least 4 % labelled with its ms."""
+    groups: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        key = (r["model"], f"{r['impl']} ({r['mode']})")
+        cats = groups.setdefault(key, {})
+        cat = kernel_category(r["short"])
+        cats[cat] = cats.get(cat, 0.0) + float(r["us_per_step"]) / 1e3
+    names = [c for c, _ in KERNEL_CATEGORIES] + ["other"]
+    keys = list(groups)
+    fig, ax = plt.subplots(figsize=(8.0, 0.45 * len(keys) + 1.8))
+    cmap = plt.get_cmap("tab10")
+    for i, key in enumerate(keys):
+        left, total = 0.0, sum(groups[key].values())
+        for j, cat in enumerate(names):
+            ms = groups[key].get(cat, 0.0)
+            if ms <= 0:
+                continue
+            ax.barh(i, ms, left=left, color=cmap(j))
+            if ms >= 0.04 * total:
+                ax.text(left + ms / 2, i, f"{ms:.2f}", ha="center", va="center", fontsize=6)
+            left += ms
+        ax.text(left, i, f" {total:.2f} ms", ha="left", va="center", fontsize=6.5)
+    ax.set_yticks(range(len(keys)))
+    ax.set_yticklabels([f"{m}\n{impl}" for m, impl in keys], fontsize=6.5)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"device time per step, ms ({LOWER_IS_BETTER})", fontsize=8)
+    ax.set_ylabel("shape, implementation", fontsize=8)
+    ax.margins(x=0.12)
+    present = [(j, c) for j, c in enumerate(names) if any(c in g for g in groups.values())]
+    fig.legend([Patch(color=cmap(j)) for j, _ in present], [c for _, c in present],
+               loc="lower center", ncol=len(present), fontsize=7)  # fmt: skip
+    fig.suptitle(
+        (title or "Where a training step's time goes")
+        + "\nkernels' device time per step under torch.profiler, by category; labels in ms",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
 

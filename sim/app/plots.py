@@ -9,7 +9,8 @@ one writes under ``build/`` unless ``--out`` names another path (so nothing trac
 overwritten unless asked): ``train-steps`` (``mok.bench train``, :func:`train_steps`),
 ``experts-pieces`` (``mok.bench experts``, :func:`expert_pieces`), ``sonicmoe`` (a
 ``mok.bench train --suite sonicmoe`` CSV against SonicMoE's published figures,
-:func:`published_comparison`), ``train-loss --csv a.csv
+:func:`published_comparison`), ``kernels --csv x-kernels.csv`` (``mok.bench train --kernels``:
+where a step's time goes, :func:`kernel_breakdown`), ``train-loss --csv a.csv
 --csv b.csv`` (``mok.bench lm`` runs, :func:`write_train_loss`) and ``signalling-sensitivity``
 (the push-signalling assumptions, :mod:`sim.app.sensitivity`; docs/sim-validation.md,
 "Push signalling")."""
@@ -42,6 +43,7 @@ from sim.app.labels import (  # noqa: E402
 from sim.app.measured_plots import (  # noqa: E402  (re-exported: their home before the split)
     best_train_rows,
     expert_pieces,
+    kernel_breakdown,
     layer_validation,
     lm_run_label,
     published_comparison,
@@ -72,6 +74,7 @@ __all__ = [
     "train_steps",
     "expert_pieces",
     "published_comparison",
+    "kernel_breakdown",
     "best_train_rows",
     "lm_run_label",
     "train_loss",
@@ -704,6 +707,11 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
         "--impls", default="torch-best,mok-unfused,mok-saved",
         help="the implementations drawn (the default: the README's figure's)",
     )  # fmt: skip
+    kp = sub.add_parser("kernels", help="where a step's time goes: a mok.bench train --kernels "
+                        "CSV (<csv>-kernels.csv) by kernel category")  # fmt: skip
+    kp.add_argument("--csv", required=True, help="the -kernels.csv of mok.bench train --kernels")
+    kp.add_argument("--out", default="build/kernels.png")
+    kp.add_argument("--title", default=None)
     lp = sub.add_parser("train-loss", help="loss curves of mok.bench lm CSVs (EP R vs EP1)")
     lp.add_argument("--csv", action="append", required=True, help="a mok.bench lm CSV (repeat)")
     lp.add_argument("--out", default="build/lm-loss.png")
@@ -724,6 +732,10 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
         rows = [r for r in read_rows(a.csv) if r["impl"] in keep]
         title = f"{Path(a.csv).name} against SonicMoE's published H100 figures (its Fig. 14)"
         _save(published_comparison(rows, published(), "SonicMoE", title=title), a.out)
+    elif a.what == "kernels":
+        from sim.measured import read_rows
+
+        _save(kernel_breakdown(read_rows(a.csv), title=a.title), a.out)
     elif a.what == "experts-pieces":
         from sim.measured import read_rows
 
