@@ -105,6 +105,15 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     monkeypatch.setattr(experts, "time_cuda", time_cuda)
     monkeypatch.setattr(ops, "wgrad_sm90", wgrad)
     monkeypatch.setattr(ops, "wgrad_gather_sm90", wgrad_gather)
+
+    def dh_gather(x, dy, src, topk, wgu, wd, ends, row_w, hw, dgu, part, gu32):
+        calls["mok"].append(("dh gather", x.shape, src.shape, hw.shape, gu32 is not None))
+
+    def whole_gather(x, dy, src, topk, rows, wgu, wd, row_w, ends, into, saved):
+        calls["mok"].append(("whole gather", x.shape, rows, saved))
+
+    monkeypatch.setattr(ops, "swiglu_backward_gather_sm90", dh_gather)
+    monkeypatch.setattr(me, "swiglu_backward_gathered", whole_gather)
     monkeypatch.setattr(me, "_swiglu_backward_sm90", bwd)
     monkeypatch.setattr(me, "grouped_swiglu_saving", saving)
 
@@ -128,9 +137,12 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         ("gate_up_dgrad", "torch"),
         ("bwd_recompute", "mok"),
         ("bwd_recompute", "torch"),
+        ("bwd_recompute", "mok-gather"),
         ("bwd_from_saved", "mok"),
+        ("bwd_from_saved", "mok-gather"),
         ("bwd_saved_all", "mok"),
         ("bwd_saved_all", "mok-serial"),
+        ("bwd_saved_all", "mok-gather"),
         ("fwd_saving", "mok"),
         ("fwd_saving", "torch"),
         ("fwd_gate_up", "mok"),
@@ -164,6 +176,9 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     # the gathering kernels: x's rows (operand B) and dy's (operand A) from 40 tokens
     assert ("gather", 1, (40, H), (total,), (E, 2 * inter, H)) in calls["mok"]
     assert ("gather", 0, (40, H), (total,), (E, H, inter)) in calls["mok"]
+    for kept in (False, True):  # the gathering experts' kernel, g / u recomputed or read back
+        assert ("dh gather", (40, H), (total,), (total, inter), kept) in calls["mok"]
+    assert ("whole gather", (40, H), total, "saved") in calls["mok"]
     assert ("bwd", True, ends.tolist()) in calls["mok"]  # from the saved g / u
     assert ("saving kernel", (total, H), ends.tolist()) in calls["mok"]
     assert ("dgrad", (total, 2 * inter), (E, 2 * inter, H)) in calls["mok"]

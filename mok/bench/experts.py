@@ -11,7 +11,9 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
   as they lie were its fastest; K-major copies were slower, docs/perf-notes.md);
   ``mok-gather`` rows (at one rank's backward): the same GEMM with x's (dy's) rows gathered from
   the tokens inside the kernel (``mok.experts._wgrad_gathered``), where the others read the
-  dispatched copy;
+  dispatched copy; ``bwd_recompute``, ``bwd_from_saved`` and ``bwd_saved_all`` have such rows too
+  (the experts' kernel gathering x and dy, ``mok.ops.swiglu_backward_gather_sm90``; the whole
+  gathered backward, ``mok.experts.swiglu_backward_gathered``, one launch per GEMM);
 - ``gate_up_dgrad`` = dgu @ W_gu: mok's GEMM (``mok.experts.gate_up_dgrad``, the fused
   backward's d_a tiles alone) against torch's grouped GEMM on the fused [L, 2I, H] weight;
 - ``bwd_recompute``: mok's experts' backward kernel (dh and gate / up recomputed, the SwiGLU
@@ -162,6 +164,15 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
     # row_src[r] // K of `tokens`), each group's entries in token order, padding rows -1
     row_src = gathered_rows(idx, offs, R)
     tokens, dy_tokens = rnd(n, H), rnd(n, H)
+    row_w32 = row_w.float().contiguous()
+
+    def dh_gathered(gu32):  # the experts' kernel with x's / dy's rows gathered from the tokens
+        hw_g, dgu_g = torch.empty_like(hw), torch.empty_like(dgu)
+        part = torch.empty(inter // 128, R, device=device)
+        ops.swiglu_backward_gather_sm90(
+            tokens, dy_tokens, row_src, K, wgu, wd, offs, row_w32, hw_g, dgu_g, part, gu32
+        )
+
     c_gu = torch.empty(E, 2 * inter, H, device=device, dtype=torch.bfloat16)
     c_d = torch.empty(E, H, inter, device=device, dtype=torch.bfloat16)
     saved = None
@@ -186,14 +197,19 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
         "bwd_recompute": {
             "mok": lambda: me._swiglu_backward_sm90(x, wgu, wd, dy, row_w, offs),
             "torch": lambda: me._swiglu_backward_torch(x, wgu, wd, dy, row_w, offs),
+            "mok-gather": lambda: dh_gathered(None),
         },
         "bwd_from_saved": {
             "mok": lambda: me._swiglu_backward_sm90(x, wgu, wd, dy, row_w, offs, saved),
+            "mok-gather": lambda: dh_gathered(saved),
         },
         "bwd_saved_all": {
             "mok": lambda: me.swiglu_backward(x, wgu, wd, dy, row_w, offs, fused=True, **saving),
             "mok-serial": lambda: me.swiglu_backward(
                 x, wgu, wd, dy, row_w, offs, fused=False, **saving
+            ),
+            "mok-gather": lambda: me.swiglu_backward_gathered(
+                tokens, dy_tokens, row_src, K, R, wgu, wd, row_w, offs, None, saved
             ),
         },
         "fwd_saving": {
