@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from mok.errors import MoKInputError
+from mok.reference_layer import group_size
 from mok.spec.arch import arch_paths
 from mok.spec.config import MoKConfig
 from mok.spec.limits import why_unsupported
@@ -238,7 +239,7 @@ def measured_choice(run: Callable[[bool], object], refusals: list, group, shape_
                           f"it ({'; '.join(refusals)})")  # fmt: skip
     unfused_ms, fused_ms = _max_over((timer or time_paths)(run), group)
     chosen = pick(unfused_ms, fused_ms)
-    ranks = _ranks(group)
+    ranks = group_size(group)
     return PathChoice(
         chosen,
         unfused_ms,
@@ -279,15 +280,7 @@ def _agreed(got: PathChoice | None, group) -> bool:
 def _first_rank(group) -> bool:
     import torch.distributed as dist
 
-    return _ranks(group) == 1 or dist.get_rank(group) == 0
-
-
-def _ranks(group) -> int:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+    return group_size(group) == 1 or dist.get_rank(group) == 0
 
 
 def _max_over(values: list[float], group) -> list[float]:
@@ -295,7 +288,7 @@ def _max_over(values: list[float], group) -> list[float]:
     takes: the CPU for gloo, as ranks sharing one GPU use)."""
     import torch.distributed as dist
 
-    if _ranks(group) == 1:
+    if group_size(group) == 1:
         return list(values)
     dev = "cpu" if dist.get_backend(group) == "gloo" else "cuda"
     q = torch.tensor(values, dtype=torch.float64, device=dev)

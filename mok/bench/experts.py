@@ -35,9 +35,12 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
   torch-best's forward experts: bf16 grouped GEMMs on the fused gate / up weight, prepared once
   (``mok.experts.grouped_swiglu``, ``exact=False``).
 
-``fwd_gate_up`` and ``fwd_down`` also have a ``torch-dense`` row: the same rows through one
-dense ``torch.mm`` with the first expert's weight (the same FLOPs and operand shapes without the
-grouping; not the layer's result), the rate a dense GEMM of that shape reaches on this GPU.
+Their ``torch`` rows take the weights as torch-best does (``mok.bench.train_layers``: the fused
+[L, 2I, H] gate / up weight and [L, H, I] down weight, prepared once, passed as their
+transposed views, no copy; bf16). ``fwd_gate_up`` and ``fwd_down`` also have a ``torch-dense``
+row: the same rows through one dense ``torch.mm`` with the first expert's weight (the same FLOPs
+and operand shapes without the grouping; not the layer's result), the rate a dense GEMM of that
+shape reaches on this GPU.
 
 Each piece is timed after ``--warm-s`` seconds of the same calls (default 1: the sustained,
 power-capped clock of a training step; a burst of a few calls runs faster, docs/perf-notes.md).

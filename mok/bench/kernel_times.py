@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from mok.bench.common import OneGpuRecorder
+from mok.bench.common import Recorder
 
 # steps profiled per row (after the row's own timed steps, so nothing is cold)
 PROFILED_STEPS = 3
@@ -100,13 +100,11 @@ def kernels_csv(train_csv: str) -> str:
     return str(p.with_name(f"{p.stem}-kernels{p.suffix or '.csv'}"))
 
 
-class KernelRecorder(OneGpuRecorder):
+class KernelRecorder(Recorder):
     """The ``-kernels`` CSV: per (case, implementation) row of the train CSV, one row per kernel
     (``kernel`` its full name, ``short`` :func:`short_name`, ``calls_per_step``,
     ``us_per_step``, ``share`` of the profiled total), then the run's provenance. Prints
     :func:`summary_lines` per implementation instead of a line per kernel."""
-
-    times = ("us_per_step",)
 
     def add_step(self, case: dict, times: list[KernelTime]) -> None:
         total = sum(k.us for k in times) or 1.0

@@ -675,8 +675,9 @@ def main(argv: list[str]) -> int:
     args = resolve_args(ap, ap.parse_args(argv), world, shared)
     dev = init_dist("mok.bench train")
     group = dist.group.WORLD if world > 1 else None
-    rec = TrainRecorder(args.csv, provenance())
-    krec = KernelRecorder(kernels_csv(args.csv), provenance()) if args.kernels else None
+    meta = provenance()
+    rec = TrainRecorder(args.csv, meta)
+    krec = KernelRecorder(kernels_csv(args.csv), meta) if args.kernels else None
     sms = tuple(int(v) for v in args.sms.split(","))
     deepep_sms = tuple(int(v) for v in args.deepep_sms.split(","))
     if is_rank0():
