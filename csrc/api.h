@@ -46,6 +46,9 @@ struct SwigluBwdLaunch {
   // (null: from `a`, which is then unused by the gate / up GEMM): bf16 [gather_tokens, hidden]
   // tokens and, per row, gather_src = token * gather_topk + k, or -1 for a padding row (zeros).
   const void* gather_x;
+  // Modes 0 and 2: the dh GEMM's dy rows gathered from bf16 [gather_tokens, hidden] gather_dy
+  // (null: from `dy`; mode 0 gathers them only with gather_x, mode 2 only these).
+  const void* gather_dy;
   const int32_t* gather_src;
   int64_t gather_tokens, gather_topk;
   int64_t mode;
@@ -67,6 +70,12 @@ struct WgradLaunch {
   int64_t rows, m, n, num_experts;
   // 0: C bf16; 1: C fp32; 2: fp32, added onto what C holds (WgradOut in layer/sm90_bwd.cuh).
   int64_t out;
+  // Operand gather_operand (0: A, 1: B) gathered instead of read from a / b (which may then be
+  // null): receive row r is row gather_src[r] / gather_topk of bf16 [gather_tokens, m or n]
+  // gather_rows (-1: a padding row, zeros). gather_rows null: no gather.
+  const void* gather_rows;
+  const int32_t* gather_src;
+  int64_t gather_tokens, gather_topk, gather_operand;
 };
 
 // Launches it with at most `grid` blocks on `stream`. Returns a cudaError_t value

@@ -47,13 +47,16 @@ from pathlib import Path
 import torch
 from torch.autograd.function import once_differentiable
 
+from mok import layer
 from mok.comm import combine, dispatch, pull_row_grads, stage_row_grads
 from mok.errors import MoKInputError, MoKUnsupportedError
 from mok.experts import (
     _kernel_fits,
     gate_up_weight,
+    gathered_backward_fits,
     shared_kept,
     swiglu_backward,
+    swiglu_backward_gathered,
     swiglu_backward_tokens,
     tokens_backward_misfit,
 )
@@ -85,6 +88,11 @@ __all__ = ["moe", "moe_backward"]
 # (docs/perf-notes.md, "The backward's transfers in its launch"); at more ranks not measured
 # on NVLink yet.
 TRANSFERS_IN_LAUNCH = False
+
+# Whether the backward at one rank reads its rows from the tokens inside the experts' kernels
+# (_gathers_backward) instead of dispatching x and grad_out first; also needs the forward's
+# switch, mok.layer.GATHER_AT_ONE_RANK. Its own switch so that one build times both.
+GATHER_BACKWARD = True
 
 
 def moe(
@@ -506,14 +514,24 @@ def _backward_on(
         # row is local
         d_topk = pull_row_grads(sched) if peers else d_row_w[sched.dst_index.long()]
     else:
-        dy = dispatch(g_out, sched, mode, out=empty, zero_padding=True)
-        # the experts, recomputed from x dispatched again
-        recv = dispatch(x, sched, mode, out=recv, zero_padding=True)
-        d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
-            recv, gu, wd, dy, row_w, sched.group_ends, group_align=cfg.row_tile,
-            saved_gu=saved_gu, wgrad_into=into,
-        )  # fmt: skip
-        del recv, dy
+        if _gathers_backward(ws, x, gu, wd, cfg):
+            # one rank: the experts' kernels read each row's input and output gradient from
+            # the tokens themselves (no dispatch of either; one launch per GEMM, where the
+            # dispatched rows from saved g / u would run the fused backward kernel: the same
+            # bits)
+            d_recv, d_row_w, d_wgu, d_wd = swiglu_backward_gathered(
+                x.contiguous(), g_out, sched.src_index, topk_idx.shape[1], cap, gu, wd, row_w,
+                sched.group_ends, into, saved_gu,
+            )  # fmt: skip
+        else:
+            dy = dispatch(g_out, sched, mode, out=empty, zero_padding=True)
+            # the experts, recomputed from x dispatched again
+            recv = dispatch(x, sched, mode, out=recv, zero_padding=True)
+            d_recv, d_row_w, d_wgu, d_wd = swiglu_backward(
+                recv, gu, wd, dy, row_w, sched.group_ends, group_align=cfg.row_tile,
+                saved_gu=saved_gu, wgrad_into=into,
+            )  # fmt: skip
+            del recv, dy
         dx_shared, d_shared = _shared_backward(x, g_out, shared, saved_shared)
         # reverse dispatch: dx = dx_shared + sum_k dRecv[t, k], fixed k order, fp32, bf16 once
         # (the combine reads only the rows that hold a token); each row's router-weight
@@ -524,6 +542,19 @@ def _backward_on(
     d_topk = d_topk.to(topk_weights.dtype)
     d_routed = _in_main_grad([*_split(d_wgu, routed), d_wd], routed, into)
     return (dx.to(x.dtype), d_topk, *d_routed, *d_shared)
+
+
+def _gathers_backward(ws, x, w_gate_up, w_down, cfg) -> bool:
+    """Whether the backward reads its rows from the tokens
+    (:func:`mok.experts.swiglu_backward_gathered`) instead of dispatching them: at one rank,
+    with :data:`GATHER_BACKWARD` and :data:`mok.layer.GATHER_AT_ONE_RANK` (the forward's
+    switch), where the kernels take the operands (:func:`mok.experts.gathered_backward_fits`)."""
+    return (
+        GATHER_BACKWARD
+        and layer.GATHER_AT_ONE_RANK
+        and ws.num_ranks == 1
+        and gathered_backward_fits(x, w_gate_up, w_down, cfg.row_tile)
+    )
 
 
 def _shared_backward(x, g_out, shared, saved_shared) -> tuple:

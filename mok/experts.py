@@ -32,6 +32,8 @@ __all__ = [
     "grouped_swiglu",
     "grouped_swiglu_saving",
     "grouped_swiglu_saving_gathered",
+    "gathered_backward_fits",
+    "swiglu_backward_gathered",
     "dense_swiglu",
     "dense_swiglu_saving",
     "swiglu_backward",
@@ -279,6 +281,85 @@ def swiglu_backward(
     d_wgu = _wgrad(dgu, a, offs, wk, group_align, into[0])
     d_wd = _wgrad(dy, hw, offs, wk, group_align, into[1])  # sum over rows of dy (x) w h
     return d_a, d_w, d_wgu, d_wd
+
+
+def gathered_backward_fits(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group_align: int
+) -> bool:
+    """Whether :func:`swiglu_backward_gathered` takes these operands: mok's Hopper kernels
+    (:func:`_kernel_fits` of the tokens), grouped rows whose group ends are multiples of 16,
+    and both weight gradients in mok's kernel (H and I multiples of 256)."""
+    hidden, inter = x.shape[1], w_down.shape[-1]
+    return (
+        w_down.dim() == 3
+        and group_align % 16 == 0
+        and hidden % 256 == 0
+        and inter % 256 == 0
+        and _kernel_fits(x, w_gate_up, w_down, x)
+    )
+
+
+def swiglu_backward_gathered(
+    x: torch.Tensor,
+    grad_out: torch.Tensor,
+    row_src: torch.Tensor,
+    num_topk: int,
+    rows: int,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    row_weight: torch.Tensor,
+    offs: torch.Tensor,
+    wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    saved_gu: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`swiglu_backward` (mok's kernels, g / u recomputed or read from ``saved_gu``, one
+    kernel per GEMM) of the receive rows one rank would dispatch to itself, read straight from
+    the tokens: row r's input is
+    ``x[row_src[r] // num_topk]`` and its output gradient ``grad_out[...]`` (``row_src``: the
+    schedule's ``src_index``, -1 for padding rows, which are zeros), ``rows`` of them. The
+    experts' kernel and both weight-gradient kernels gather them in their operand loads, so no
+    receive rows are written or read; the same bits as :func:`swiglu_backward` of the
+    dispatched rows (``group_align`` a multiple of 16; :func:`gathered_backward_fits`)."""
+    inter = w_down.shape[-1]
+    dev = x.device
+    hw = torch.empty(rows, inter, dtype=x.dtype, device=dev)
+    dgu = torch.empty(rows, 2 * inter, dtype=x.dtype, device=dev)
+    part = torch.empty(inter // 128, rows, dtype=torch.float32, device=dev)
+    row_weight = row_weight.float().contiguous()
+    ops.swiglu_backward_gather_sm90(
+        x,
+        grad_out,
+        row_src,
+        num_topk,
+        w_gate_up,
+        w_down,
+        offs,
+        row_weight,
+        hw,
+        dgu,
+        part,
+        saved_gu,
+    )
+    d_a = gate_up_dgrad(dgu, w_gate_up, offs)
+    into = _checked_into(wgrad_into, w_gate_up, w_down) or (None, None)
+    d_wgu = _wgrad_gathered(dgu, x, row_src, num_topk, 1, offs, into[0])  # dgu^T x rows
+    d_wd = _wgrad_gathered(hw, grad_out, row_src, num_topk, 0, offs, into[1])  # dy rows^T hw
+    return d_a, sum_partials(part), d_wgu, d_wd
+
+
+def _wgrad_gathered(other, tokens, row_src, num_topk, operand, offs, into):
+    """:func:`_wgrad` by mok's kernel with operand ``operand`` (0: A, 1: B) gathered from
+    ``tokens``; ``other`` is the operand read as it is."""
+    groups = offs.shape[0]
+    m, n = (tokens.shape[1], other.shape[1]) if operand == 0 else (other.shape[1], tokens.shape[1])
+    if into is not None:
+        ops.wgrad_gather_sm90(
+            other, tokens, row_src, num_topk, operand, offs, into.view(groups, m, n), True
+        )
+        return into
+    c = torch.empty(groups, m, n, dtype=other.dtype, device=other.device)
+    ops.wgrad_gather_sm90(other, tokens, row_src, num_topk, operand, offs, c, False)
+    return c
 
 
 def _fused_misfit(kernel, a, w_down, offs, saved_gu, d_a_dtype, wgrad_kernel, group_align, into):

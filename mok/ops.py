@@ -29,6 +29,8 @@ __all__ = [
     "layer_forward",
     "swiglu_backward_sm90",
     "swiglu_saving_gather_sm90",
+    "swiglu_backward_gather_sm90",
+    "wgrad_gather_sm90",
     "wgrad_sm90",
     "bwd_fused_sm90",
     "bwd_layer_sm90",
@@ -425,14 +427,16 @@ def swiglu_backward_sm90(
 
 
 def _launch_swiglu(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, gu32, gather, mode):
-    """One launch of the experts' kernel; ``gather``: None, or (x, row_src, num_topk) whose rows
-    the gate / up GEMM reads in place of ``a``'s (``a`` then only gives the row count)."""
+    """One launch of the experts' kernel; ``gather``: None, or (x, grad_out, row_src, num_topk)
+    whose rows the gate / up GEMM (x) and, mode 0 with grad_out not None, the dh GEMM
+    (grad_out) read in place of ``a``'s and ``dy``'s (``a`` then only gives the row count)."""
     rows = a.shape[0]
     if rows == 0:
         return
     L, two_i, hidden = w_gate_up.shape
     dev = a.device
-    gx, gsrc, topk = gather if gather is not None else (None, None, 0)
+    gx, gdy, gsrc, topk = gather if gather is not None else (None, None, None, 0)
+    tokens = 0 if gather is None else (gx if gx is not None else gdy).shape[0]
     # the kernel's tile counter (zeroed by the launcher on this stream)
     next_tile = torch.empty(1, dtype=torch.int32, device=dev)
     _ext.load().launch_swiglu_bwd(
@@ -448,8 +452,9 @@ def _launch_swiglu(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, g
         0 if gu32 is None else gu32.data_ptr(),
         next_tile.data_ptr(),
         0 if gx is None else gx.data_ptr(),
+        0 if gdy is None else gdy.data_ptr(),
         0 if gsrc is None else gsrc.data_ptr(),
-        0 if gx is None else gx.shape[0],
+        tokens,
         topk,
         mode,
         rows,
@@ -477,7 +482,7 @@ def swiglu_saving_gather_sm90(
     zeros where ``row_src`` is -1): no receive buffer is written or read. Without ``gu32``
     only h is written (a forward that recomputes g / u in its backward)."""
     _launch_swiglu(
-        h, h, w_gate_up, w_down, group_ends, None, h, h, None, gu32, (x, row_src, num_topk), 1
+        h, h, w_gate_up, w_down, group_ends, None, h, h, None, gu32, (x, None, row_src, num_topk), 1
     )
 
 
@@ -502,6 +507,13 @@ def wgrad_sm90(
     """The experts' weight-gradient kernel (csrc/layer/sm90_bwd.cuh wgrad_kernel), over every
     SM of the GPU. With ``accumulate`` each element of ``c`` gets one fp32 add of its tile's sum
     (no split-K), so the result does not depend on the order of the tiles."""
+    _launch_wgrad(a, b, a.shape[0], a.shape[1], b.shape[1], group_ends, c, accumulate, None)
+
+
+def _launch_wgrad(a, b, rows, m, n, group_ends, c, accumulate, gather) -> None:
+    """One launch of the weight-gradient kernel; ``gather``: None, or (tokens, row_src,
+    num_topk, operand) with operand 0 (A) or 1 (B) read from ``tokens`` (its ``a`` / ``b`` then
+    unused)."""
     if c.dtype not in (torch.bfloat16, torch.float32):
         raise MoKUnsupportedError(f"wgrad_sm90: c must be bf16 or fp32, got {c.dtype}")
     if accumulate and c.dtype != torch.float32:
@@ -509,17 +521,23 @@ def wgrad_sm90(
             f"wgrad_sm90: accumulate=True adds into an fp32 c (a main_grad buffer), got {c.dtype}"
         )
     out = 0 if c.dtype == torch.bfloat16 else (2 if accumulate else 1)
-    dev = a.device
+    dev = c.device
+    tokens, row_src, topk, operand = gather if gather is not None else (None, None, 0, 0)
     _ext.load().launch_wgrad(
-        a.data_ptr(),
-        b.data_ptr(),
+        0 if a is None else a.data_ptr(),
+        0 if b is None else b.data_ptr(),
         group_ends.data_ptr(),
         c.data_ptr(),
-        a.shape[0],
-        a.shape[1],
-        b.shape[1],
+        rows,
+        m,
+        n,
         c.shape[0],
         out,
+        0 if tokens is None else tokens.data_ptr(),
+        0 if row_src is None else row_src.data_ptr(),
+        0 if tokens is None else tokens.shape[0],
+        topk,
+        operand,
         budget_sms(dev),
         torch.cuda.current_stream(dev).cuda_stream,
     )
@@ -527,6 +545,62 @@ def wgrad_sm90(
 
 @wgrad_sm90.register_fake
 def _(a, b, group_ends, c, accumulate=False) -> None:
+    return None
+
+
+@_mok_op("mok::swiglu_backward_gather_sm90", ("hw", "dgu", "part"))
+def swiglu_backward_gather_sm90(
+    x: torch.Tensor,  # [T, H] bf16, contiguous: the tokens (the gate / up GEMM's rows)
+    grad_out: torch.Tensor,  # [T, H] bf16, contiguous: their output gradients (the dh GEMM's)
+    row_src: torch.Tensor,  # [>= R] int32: token * num_topk + k of each row, -1 for padding
+    num_topk: int,
+    w_gate_up: torch.Tensor,  # [L, 2I, H] bf16, contiguous
+    w_down: torch.Tensor,  # [L, H, I] bf16, contiguous
+    group_ends: torch.Tensor,  # [L] int32
+    row_w: torch.Tensor | None,  # [R] fp32 routing weights (None: 1)
+    hw: torch.Tensor,  # [R, I] bf16 out
+    dgu: torch.Tensor,  # [R, 2I] bf16 out
+    part: torch.Tensor | None,  # [I / 128, R] fp32 out (router-weight partials), or None
+    gu32: torch.Tensor | None,  # [R, 2I] fp32 g | u the forward kept, or None (recomputed)
+) -> None:
+    """:func:`swiglu_backward_sm90` (mode 0, g / u recomputed, or mode 2 from ``gu32``) with
+    its GEMMs' rows gathered from the tokens inside their operand loads (row r is
+    ``x[row_src[r] // num_topk]`` and ``grad_out[...]``, zeros where ``row_src`` is -1): no
+    receive rows are copied first."""
+    if gu32 is None:
+        gather, mode = (x, grad_out, row_src, num_topk), 0
+    else:
+        gather, mode = (None, grad_out, row_src, num_topk), 2
+    _launch_swiglu(hw, hw, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, gu32, gather, mode)
+
+
+@swiglu_backward_gather_sm90.register_fake
+def _(x, grad_out, row_src, num_topk, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, gu32):
+    return None
+
+
+@_mok_op("mok::wgrad_gather_sm90", ("c",))
+def wgrad_gather_sm90(
+    other: torch.Tensor,  # [R, N] (operand 0 gathered) or [R, M] (operand 1) bf16: the other
+    tokens: torch.Tensor,  # [T, M] (operand 0) or [T, N] (operand 1) bf16: the gathered rows
+    row_src: torch.Tensor,  # [>= R] int32: token * num_topk + k of each row, -1 for padding
+    num_topk: int,
+    operand: int,  # 0: A gathered, 1: B gathered
+    group_ends: torch.Tensor,  # [L] int32, multiples of 16
+    c: torch.Tensor,  # [L, M, N] bf16 or fp32 out
+    accumulate: bool,
+) -> None:
+    """:func:`wgrad_sm90` with one operand's rows gathered from ``tokens`` (row r is
+    ``tokens[row_src[r] // num_topk]``, zeros where ``row_src`` is -1) instead of read from a
+    [R, .] copy (csrc/layer/sm90_bwd.cuh wgrad_gather_kernel)."""
+    rows = other.shape[0]
+    a, b = (None, other) if operand == 0 else (other, None)
+    m, n = (tokens.shape[1], other.shape[1]) if operand == 0 else (other.shape[1], tokens.shape[1])
+    _launch_wgrad(a, b, rows, m, n, group_ends, c, accumulate, (tokens, row_src, num_topk, operand))
+
+
+@wgrad_gather_sm90.register_fake
+def _(other, tokens, row_src, num_topk, operand, group_ends, c, accumulate) -> None:
     return None
 
 

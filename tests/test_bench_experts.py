@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mok
 from mok import experts as me
@@ -83,6 +85,9 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     def wgrad(a, b, ends, c, accumulate=False):
         calls["mok"].append(("wgrad", a.shape, b.shape, ends.tolist(), c.shape))
 
+    def wgrad_gather(other, tokens, row_src, topk, operand, ends, c, accumulate):
+        calls["mok"].append(("gather", operand, tokens.shape, row_src.shape, c.shape))
+
     def bwd(a, wgu, wd, dy, row_w, offs, saved=None):
         calls["mok"].append(("bwd", saved is not None, offs.tolist()))
 
@@ -99,6 +104,16 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     monkeypatch.setattr(experts, "draw_routing", draw)
     monkeypatch.setattr(experts, "time_cuda", time_cuda)
     monkeypatch.setattr(ops, "wgrad_sm90", wgrad)
+    monkeypatch.setattr(ops, "wgrad_gather_sm90", wgrad_gather)
+
+    def dh_gather(x, dy, src, topk, wgu, wd, ends, row_w, hw, dgu, part, gu32):
+        calls["mok"].append(("dh gather", x.shape, src.shape, hw.shape, gu32 is not None))
+
+    def whole_gather(x, dy, src, topk, rows, wgu, wd, row_w, ends, into, saved):
+        calls["mok"].append(("whole gather", x.shape, rows, saved))
+
+    monkeypatch.setattr(ops, "swiglu_backward_gather_sm90", dh_gather)
+    monkeypatch.setattr(me, "swiglu_backward_gathered", whole_gather)
     monkeypatch.setattr(me, "_swiglu_backward_sm90", bwd)
     monkeypatch.setattr(me, "grouped_swiglu_saving", saving)
 
@@ -114,15 +129,20 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     assert got == [
         ("dW_gate_up", "mok"),
         ("dW_gate_up", "torch"),
+        ("dW_gate_up", "mok-gather"),
         ("dW_down", "mok"),
         ("dW_down", "torch"),
+        ("dW_down", "mok-gather"),
         ("gate_up_dgrad", "mok"),
         ("gate_up_dgrad", "torch"),
         ("bwd_recompute", "mok"),
         ("bwd_recompute", "torch"),
+        ("bwd_recompute", "mok-gather"),
         ("bwd_from_saved", "mok"),
+        ("bwd_from_saved", "mok-gather"),
         ("bwd_saved_all", "mok"),
         ("bwd_saved_all", "mok-serial"),
+        ("bwd_saved_all", "mok-gather"),
         ("fwd_saving", "mok"),
         ("fwd_saving", "torch"),
         ("fwd_gate_up", "mok"),
@@ -153,6 +173,12 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         "mok"
     ]
     assert ("wgrad", (total, H), (total, inter), ends.tolist(), (E, H, inter)) in calls["mok"]
+    # the gathering kernels: x's rows (operand B) and dy's (operand A) from 40 tokens
+    assert ("gather", 1, (40, H), (total,), (E, 2 * inter, H)) in calls["mok"]
+    assert ("gather", 0, (40, H), (total,), (E, H, inter)) in calls["mok"]
+    for kept in (False, True):  # the gathering experts' kernel, g / u recomputed or read back
+        assert ("dh gather", (40, H), (total,), (total, inter), kept) in calls["mok"]
+    assert ("whole gather", (40, H), total, "saved") in calls["mok"]
     assert ("bwd", True, ends.tolist()) in calls["mok"]  # from the saved g / u
     assert ("saving kernel", (total, H), ends.tolist()) in calls["mok"]
     assert ("dgrad", (total, 2 * inter), (E, 2 * inter, H)) in calls["mok"]
@@ -165,3 +191,32 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     assert lines[0].startswith("model,hidden,intermediate,num_experts,num_topk,skew,")
     assert lines[0].endswith(",tflops,sm_mhz,gpu,num_ranks,torch,cuda,git_sha")
     assert len(lines) == 1 + len(rec.rows)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    tokens=st.integers(0, 40),
+    experts_=st.integers(1, 9),
+    topk=st.integers(1, 4),
+    align=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_gathered_rows_list_each_experts_entries_in_token_order(
+    tokens, experts_, topk, align, seed
+):
+    topk = min(topk, experts_)
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(experts_, generator=g)[:topk] for _ in range(tokens)]
+    idx = (torch.stack(rows) if rows else torch.zeros(0, topk, dtype=torch.long)).to(torch.int32)
+    counts = torch.bincount(idx.reshape(-1).long(), minlength=experts_)
+    ends, total = experts.padded_groups(counts, align)
+    row_src = experts.gathered_rows(idx, ends, total)
+    assert row_src.shape == (total,) and row_src.dtype == torch.int32
+    flat = idx.reshape(-1).tolist()
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        group = row_src[start:end].tolist()
+        want = [i for i, x in enumerate(flat) if x == e]  # flat index order = token order
+        assert group[: len(want)] == want
+        assert all(v == -1 for v in group[len(want) :])  # the padding rows
+        start = end

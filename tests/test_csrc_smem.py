@@ -31,6 +31,7 @@ DYNAMIC = {
     "_ZN3mok17swiglu_bwd_kernelILi2E": "mok::BwdPipe<2>::kSmem",
     "_ZN3mok17swiglu_bwd_kernelILi3E": "mok::BwdPipe<3>::kSmem",
     "_ZN3mok12wgrad_kernel": "mok::kWgradSmem",
+    "_ZN3mok19wgrad_gather_kernel": "mok::kWgradSmem",
     "_ZN3mok16bwd_fused_kernel": "mok::kFusedSmem",
 }
 SOURCES = ("layer/launch_sm90.cu", "layer/launch_sm90_bwd.cu")

@@ -219,6 +219,52 @@ def test_saving_forward_gathers_its_rows_bitwise(hidden, inter, sizes, topk):
     assert none is None and torch.equal(y_only[:n], y[:n]) and torch.equal(y_copied[:n], y[:n])
 
 
+@pytest.mark.parametrize(("into", "saved"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("hidden", "inter", "sizes", "topk"),
+    [(1024, 512, [304, 80, 0, 0, 512], 4), (2048, 768, [48, 304, 0, 64, 80, 128, 192, 208], 8)],
+)
+def test_backward_gathers_its_rows_bitwise(hidden, inter, sizes, topk, into, saved):
+    """The backward that reads each row's input and output gradient from the tokens
+    (``swiglu_backward_gathered``: the experts' kernel and both weight-gradient kernels gather
+    them in their operand loads) gives bitwise the results of ``swiglu_backward`` on the same
+    rows copied out first (from saved g / u: its fused one-launch kernel): d_a, the
+    router-weight gradient and both weight gradients (bf16, or added onto fp32 accumulators),
+    with padding rows (-1, weight 0: zeros) inside groups whose ends are multiples of 16,
+    repeated tokens, and rows past the last group (not read)."""
+    from mok.experts import grouped_swiglu_saving, swiglu_backward, swiglu_backward_gathered
+
+    _, wgu, wd, _, _, offs = _operands(hidden, inter, sizes, True, seed=9)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    tokens = 70000 // topk + 3
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    grad_out = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    rows, n = sum(sizes) + 37, sum(sizes)
+    src = torch.randint(0, tokens * topk, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    src[torch.rand(rows, device="cuda", generator=g) < 0.1] = -1
+    src[n:] = -1
+    real = (src >= 0)[:, None]
+    tok = (src.clamp(min=0) // topk).long()
+    a = torch.where(real, x[tok], 0).contiguous()
+    dy = torch.where(real, grad_out[tok], 0).contiguous()
+    row_w = torch.rand(rows, device="cuda", generator=g) * (src >= 0)
+
+    def accumulators():
+        if not into:
+            return None
+        return tuple(torch.full(w.shape, 0.5, device="cuda") for w in (wgu, wd))
+
+    gu = grouped_swiglu_saving(a, wgu, wd, offs)[1] if saved else None
+    want = swiglu_backward(
+        a, wgu, wd, dy, row_w, offs, group_align=16, wgrad_into=accumulators(), saved_gu=gu
+    )
+    got = swiglu_backward_gathered(x, grad_out, src, topk, rows, wgu, wd, row_w, offs,
+                                   accumulators(), gu)  # fmt: skip
+    for i, name in enumerate(("d_a", "d_row_weight", "d_w_gate_up", "d_w_down")):
+        g_, w_ = (got[i][:n], want[i][:n]) if i < 2 else (got[i], want[i])
+        assert torch.equal(g_, w_), f"{name} of the gathered backward differs"
+
+
 @pytest.mark.parametrize(("m", "n", "sizes"), WGRAD_CASES)
 def test_wgrad_kernel_fp32_out_and_accumulate(m, n, sizes):
     """fp32 c: an fp32 accumulation against the fp64 oracle (tests/tolerances.assert_fp32_gemm),

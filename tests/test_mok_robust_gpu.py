@@ -243,10 +243,11 @@ def test_a_refused_kernel_launch_raises_with_its_shape():
     ext = _ext.load()
     stream = torch.cuda.current_stream().cuda_stream
     with pytest.raises(RuntimeError, match=r"weight-gradient kernel \(16 rows, 100 x 256"):
-        ext.launch_wgrad(0, 0, 0, 0, 16, 100, 256, 1, 0, 1, stream)  # m not a multiple of 128
+        # m not a multiple of 128; then the 5 gather words (none)
+        ext.launch_wgrad(0, 0, 0, 0, 16, 100, 256, 1, 0, *([0] * 5), 1, stream)
     with pytest.raises(RuntimeError, match=r"experts' backward kernel \(0 rows, hidden 512"):
-        # 11 operand words, the 4 gather words, the mode, then the shape (0 rows)
-        ext.launch_swiglu_bwd(*([0] * 11), *([0] * 4), 0, 0, 512, 256, 1, 1, stream)
+        # 11 operand words, the 5 gather words, the mode, then the shape (0 rows)
+        ext.launch_swiglu_bwd(*([0] * 11), *([0] * 5), 0, 0, 512, 256, 1, 1, stream)
     params = record.record_for(torch.device("cuda")).params()
     with pytest.raises(RuntimeError, match=r"fused experts' backward \(0 rows, hidden 512"):
         # 18 operand words, the shape, then the 13 transfer words (grad_out .. off_row_grads)

@@ -32,17 +32,22 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
       l.mode > kSwigluSaved || (l.mode == kSwigluSaved && l.gu32 == nullptr) ||
       l.next_tile == nullptr)
     return static_cast<int>(cudaErrorInvalidValue);
-  const bool gather = l.gather_x != nullptr;
-  if (gather && (l.mode == kSwigluSaved || l.gather_src == nullptr || l.gather_topk < 1 ||
-                 l.gather_tokens < 1 || l.gather_tokens * l.gather_topk > INT32_MAX))
+  // gathered rows: x for gate / up (modes 0 and 1), dy for dh (modes 0 and 2; mode 2 needs it)
+  const bool gather_x = l.gather_x != nullptr, gather_dy = l.gather_dy != nullptr;
+  const bool gather = gather_x || gather_dy;
+  if (gather &&
+      ((l.mode == kSwigluSave && (!gather_x || gather_dy)) ||
+       (l.mode == kSwigluSaved && (gather_x || !gather_dy)) ||
+       (l.mode == kSwigluRecompute && !gather_x) || l.gather_src == nullptr ||
+       l.gather_topk < 1 || l.gather_tokens < 1 || l.gather_tokens * l.gather_topk > INT32_MAX))
     return static_cast<int>(cudaErrorInvalidValue);
   SwigluBwdKernelArgs k{};
   constexpr int kK = OperandBf16::kTileK;
   // The operands of the k-loops this mode runs: gate/up (x rows, w_gate_up), dh (dy, w_down).
   const bool gate_up = l.mode != kSwigluSaved, down = l.mode != kSwigluSave;
-  if ((gate_up && ((!gather && !encode_bf16_map(&k.map_a, l.a, l.rows, H, kTileM, kK)) ||
+  if ((gate_up && ((!gather_x && !encode_bf16_map(&k.map_a, l.a, l.rows, H, kTileM, kK)) ||
                    !encode_bf16_map(&k.map_w, l.w_gate_up, L * 2 * I, H, 128, kK))) ||
-      (down && (!encode_bf16_map(&k.map_dy, l.dy, l.rows, H, kTileM, kK) ||
+      (down && ((!gather_dy && !encode_bf16_map(&k.map_dy, l.dy, l.rows, H, kTileM, kK)) ||
                 !encode_bf16_map(&k.map_wd, l.w_down, L * H, I, kK, 64))) ||
       (l.mode == kSwigluSave &&
        (!encode_bf16_map(&k.map_h_st, l.hw, l.rows, I, kEpiStoreRows, kEpiCols,
@@ -58,6 +63,7 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   k.gu32 = l.gu32;
   k.next_tile = l.next_tile;
   k.gather_x = static_cast<const uint16_t*>(l.gather_x);
+  k.gather_dy = static_cast<const uint16_t*>(l.gather_dy);
   k.gather_src = l.gather_src;
   k.gather_topk = static_cast<int>(l.gather_topk);
   k.rows = static_cast<int>(l.rows);
@@ -72,7 +78,11 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
       if (gather) return launch_swiglu_mode<kSwigluSave, true>(k, grid, stream);
       return launch_swiglu_mode<kSwigluSave>(k, grid, stream);
     case kSwigluSaved:
-      if (I % 256 == 0) return launch_swiglu_mode<kSwigluSavedWide>(k, grid, stream);
+      if (I % 256 == 0) {
+        if (gather) return launch_swiglu_mode<kSwigluSavedWide, true>(k, grid, stream);
+        return launch_swiglu_mode<kSwigluSavedWide>(k, grid, stream);
+      }
+      if (gather) return launch_swiglu_mode<kSwigluSaved, true>(k, grid, stream);
       return launch_swiglu_mode<kSwigluSaved>(k, grid, stream);
     default:
       if (gather) return launch_swiglu_mode<kSwigluRecompute, true>(k, grid, stream);
@@ -87,6 +97,20 @@ int launch_wgrad_out(const WgradKernelArgs& k, int grid, cudaStream_t stream) {
   return launch_with_smem(wgrad_kernel<kOut>, k, grid, kLayerThreads, kWgradSmem, stream);
 }
 
+template <int kOut, int kOperand>
+int launch_wgrad_gather(const WgradGatherKernelArgs& a, int grid, cudaStream_t stream) {
+  return launch_with_smem(wgrad_gather_kernel<kOut, kOperand>, a, grid, kLayerThreads, kWgradSmem,
+                          stream);
+}
+
+template <int kOperand>
+int launch_wgrad_gather_out(const WgradGatherKernelArgs& a, int64_t out, int grid,
+                            cudaStream_t stream) {
+  if (out == kWgradF32) return launch_wgrad_gather<kWgradF32, kOperand>(a, grid, stream);
+  if (out == kWgradF32Add) return launch_wgrad_gather<kWgradF32Add, kOperand>(a, grid, stream);
+  return launch_wgrad_gather<kWgradBf16, kOperand>(a, grid, stream);
+}
+
 }  // namespace
 
 int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
@@ -96,9 +120,14 @@ int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
       grid < 1 || l.rows > INT32_MAX || L * M > INT32_MAX || l.out < kWgradBf16 ||
       l.out > kWgradF32Add)
     return static_cast<int>(cudaErrorInvalidValue);
+  const bool gather = l.gather_rows != nullptr;
+  const int64_t g_op = gather ? l.gather_operand : -1;
+  if (gather && ((g_op != 0 && g_op != 1) || l.gather_src == nullptr || l.gather_topk < 1 ||
+                 l.gather_tokens < 1 || l.gather_tokens * l.gather_topk > INT32_MAX))
+    return static_cast<int>(cudaErrorInvalidValue);
   WgradKernelArgs k{};
-  if (!encode_bf16_map(&k.map_a, l.a, l.rows, M, 64, 64) ||
-      !encode_bf16_map(&k.map_b, l.b, l.rows, N, 64, 64) ||
+  if ((g_op != 0 && !encode_bf16_map(&k.map_a, l.a, l.rows, M, 64, 64)) ||
+      (g_op != 1 && !encode_bf16_map(&k.map_b, l.b, l.rows, N, 64, 64)) ||
       !(l.out == kWgradBf16 ? encode_bf16_map(&k.map_c, l.c, L * M, N, 64, 64)
                             : encode_f32_map(&k.map_c, l.c, L * M, N, 64, 32)))
     return static_cast<int>(cudaErrorInvalidValue);
@@ -109,6 +138,16 @@ int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
   const int64_t tiles = L * (M / kTileM) * (N / kTileN);
   if (tiles < grid) grid = static_cast<int>(tiles);
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  if (gather) {
+    WgradGatherKernelArgs a{};
+    a.k = k;
+    a.g.rows = static_cast<const uint16_t*>(l.gather_rows);
+    a.g.src = l.gather_src;
+    a.g.topk = static_cast<int>(l.gather_topk);
+    a.g.cols = static_cast<int>(g_op == 0 ? M : N);
+    return g_op == 0 ? launch_wgrad_gather_out<0>(a, l.out, grid, stream)
+                     : launch_wgrad_gather_out<1>(a, l.out, grid, stream);
+  }
   if (l.out == kWgradF32) return launch_wgrad_out<kWgradF32>(k, grid, stream);
   if (l.out == kWgradF32Add) return launch_wgrad_out<kWgradF32Add>(k, grid, stream);
   return launch_wgrad_out<kWgradBf16>(k, grid, stream);

@@ -25,7 +25,9 @@
 //
 // Roles per block (384 threads): one producer thread (TMA loads of the stages), two consumer
 // warpgroups, each running wgmma on 64 of the tile's rows and writing its epilogue straight to
-// global memory (the saving forward's through shared memory and TMA stores, save_epilogue).
+// global memory (the saving forward's through shared memory and TMA stores, save_epilogue). The
+// gathering variants (kGather: at one rank, rows read from the tokens instead of a dispatched
+// copy) run the producer on the whole first warpgroup (bwd_producer_gather).
 // Waits are on this block's own pipeline barriers only (nothing waits for another block), so
 // none can stall unless the kernel itself is broken.
 #pragma once
@@ -115,8 +117,11 @@ struct SwigluBwdKernelArgs {
   int* next_tile;       // tiles handed out past the first wave (zeroed by the launcher)
   // The gate / up k-loop's A rows gathered from the tokens instead of map_a (null: map_a):
   // receive row r is row gather_src[r] / gather_topk of gather_x [tokens, H] (a padding row,
-  // gather_src -1, and rows past a tile's expert are zeros). Not in the dh-only modes.
+  // gather_src -1, and rows past a tile's expert are zeros).
   const uint16_t* gather_x;
+  // The dh k-loop's A rows (dy) gathered the same way from gather_dy [tokens, H] (each token's
+  // output gradient) instead of map_dy (null: map_dy); the dh-only modes gather only these.
+  const uint16_t* gather_dy;
   const int32_t* gather_src;
   int gather_topk;
   int rows, hidden, inter, num_experts;
@@ -130,6 +135,10 @@ struct BwdShared {
   // Row blocks of the experts before e (tiles_before[e] * column blocks = the first tile of
   // expert e); tiles_before[L] is the total.
   int tiles_before[kBwdMaxExperts + 1];
+  // A claimed tile handed from the gathering producer's thread 0 to its other threads (two
+  // slots, used in turn: a slot is written again only after every thread passed the barrier
+  // behind its next read).
+  int claim[2];
 };
 static __shared__ __align__(8) BwdShared bsh;
 extern __shared__ uint8_t bwd_smem[];
@@ -249,12 +258,15 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
 // by all 128 threads of warpgroup 0: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j
 // (j < 8) of each k-block by cp.async, into the place the 128-row TMA box in the 128-byte swizzle
 // would put it (chunk c of row r at r x 128 + (c ^ (r % 8)) x 16), each 8 consecutive threads one
-// row's 128 contiguous bytes. Thread 0 loads the weights (and the dh k-blocks' operands) by TMA as
-// bwd_producer does. Every stage's full barrier then takes 129 arrivals: thread 0's with the TMA
-// bytes and one per thread (cp_async_mbar_arrive once its copies landed, or a plain arrive).
+// row's 128 contiguous bytes; the dh k-blocks' dy rows too where gather_dy is set (else thread 0
+// loads them by TMA). Thread 0 loads the weights by TMA as bwd_producer does. Every stage's full
+// barrier then takes 129 arrivals: thread 0's with the TMA bytes and one per thread
+// (cp_async_mbar_arrive once its copies landed, or a plain arrive). Tiles claimed from the counter
+// (the dh-only modes) go from thread 0 to the others through bsh.claim and a named barrier.
 // (One one-row TMA load per row instead, 128 per k-block, ran the fused layer's gate / up at a
 // quarter of its speed: docs/perf-notes.md.)
 constexpr int kGatherThreads = 128;
+constexpr int kGatherBarrier = 4;  // named barrier of the gathering producer warpgroup
 constexpr int kGatherRowsPerThread = kTileM * 8 / kGatherThreads;
 
 template <int kMode>
@@ -267,9 +279,20 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
   const int sw = r0 * 128 + ((chunk ^ (r0 % 8)) << 4);
   const int k_blocks = k.hidden / OperandBf16::kTileK;
   const int64_t H = k.hidden;
-  int stage = 0;
+  const bool gather_dy = kMode != kSwigluSave && k.gather_dy != nullptr;
+  constexpr int kBoxes = tile_cols(kMode) / 64;
+  int stage = 0, turn = 0;
   uint32_t phase = 0;
-  for (int i = blockIdx.x;; i += gridDim.x) {
+  for (int i = blockIdx.x;; ++turn) {
+    if (turn > 0) {  // the next tile: claimed from the counter, or the grid's stride
+      if (!BwdPipe<kMode>::kClaim) {
+        i += gridDim.x;
+      } else {
+        if (t == 0) vol(bsh.claim[turn % 2]) = gridDim.x + atomicAdd(k.next_tile, 1);
+        named_sync(kGatherBarrier, kGatherThreads);
+        i = vol(bsh.claim[turn % 2]);
+      }
+    }
     if (i >= n_tiles) {
       mbar_wait(&bsh.empty[stage], phase ^ 1);
       if (t == 0) {
@@ -295,7 +318,8 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
     const int w_row = e * 2 * k.inter + nb * 128;
     const int wd_row = e * k.hidden;
     const int kb0 = kMode == kSwigluSave ? k_blocks : 0;
-    for (int kb = kb0; kb < 2 * k_blocks; ++kb) {
+    const int kb1 = dh_only(kMode) ? k_blocks : 2 * k_blocks;
+    for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&bsh.empty[stage], phase ^ 1);
       uint8_t* sa = stages + stage * BwdPipe<kMode>::kStride;
       if (t == 0) {
@@ -306,11 +330,12 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
         }
         if (kb < k_blocks) {
           const int kc = kb * OperandBf16::kTileK;
-          mbar_arrive_expect_tx(&bsh.full[stage], kStageA + 2 * kBoxNB);
-          tma_load_2d(sa, &k.map_dy, &bsh.full[stage], kc, row0);
-          tma_load_2d(sa + kStageA, &k.map_wd, &bsh.full[stage], nb * 128, wd_row + kc);
-          tma_load_2d(sa + kStageA + kBoxNB, &k.map_wd, &bsh.full[stage], nb * 128 + 64,
-                      wd_row + kc);
+          mbar_arrive_expect_tx(&bsh.full[stage], (gather_dy ? 0 : kStageA) + kBoxes * kBoxNB);
+          if (!gather_dy) tma_load_2d(sa, &k.map_dy, &bsh.full[stage], kc, row0);
+#pragma unroll
+          for (int q = 0; q < kBoxes; ++q)
+            tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_wd, &bsh.full[stage],
+                        nb * tile_cols(kMode) + 64 * q, wd_row + kc);
         } else {
           const int kc = (kb - k_blocks) * OperandBf16::kTileK;
           mbar_arrive_expect_tx(&bsh.full[stage], kStageBytes - kStageA);
@@ -318,13 +343,15 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
           tma_load_2d(sa + 2 * kStageA, &k.map_w, &bsh.full[stage], kc, w_row + k.inter);
         }
       }
-      if (kb < k_blocks) {
+      if (kb < k_blocks && !gather_dy) {
         mbar_arrive(&bsh.full[stage]);
       } else {
-        const int kc = (kb - k_blocks) * OperandBf16::kTileK;
+        const bool dh = kb < k_blocks;
+        const int kc = (dh ? kb : kb - k_blocks) * OperandBf16::kTileK;
+        const uint16_t* from = dh ? k.gather_dy : k.gather_x;
 #pragma unroll
         for (int j = 0; j < kGatherRowsPerThread; ++j)
-          cp_async16_zfill(sa + sw + j * 16 * 128, k.gather_x + (src[j] >= 0 ? src[j] + kc : 0),
+          cp_async16_zfill(sa + sw + j * 16 * 128, from + (src[j] >= 0 ? src[j] + kc : 0),
                            src[j] >= 0 ? 16 : 0);
         cp_async_mbar_arrive(&bsh.full[stage]);
       }
@@ -514,8 +541,8 @@ __device__ __forceinline__ void save_epilogue(const SwigluBwdKernelArgs& k,
   }
 }
 
-// kGather: the gate / up stages' A rows arrive by cp.async (bwd_producer_gather), generic-proxy
-// writes that the wgmma (async proxy) reads: each k-block is preceded by a proxy fence.
+// kGather: the stages' A rows arrive by cp.async (bwd_producer_gather), generic-proxy writes that
+// the wgmma (async proxy) reads: each k-block is preceded by a proxy fence.
 template <int kMode, bool kGather = false>
 __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -530,13 +557,13 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
     const int end = vol(bsh.stage_tile[stage][1]);
     const int nb = vol(bsh.stage_tile[stage][2]);
     if (kMode == kSwigluSavedWide)
-      mma_kloop<OperandBf16, kFullNBWide, BwdPipe<kMode>::kNumStages>(
-          acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage, prev_stage,
-          phase);
+      mma_kloop<OperandBf16, kFullNBWide, BwdPipe<kMode>::kNumStages, false, kStageBytes,
+                kGather>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty, k_blocks, 0, wg, stage,
+                         prev_stage, phase);
     else if (kMode != kSwigluSave)
       mma_kloop<OperandBf16, kFullNB, BwdPipe<kMode>::kNumStages, false,
-                BwdPipe<kMode>::kStride>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
-                                         k_blocks, 0, wg, stage, prev_stage, phase);
+                BwdPipe<kMode>::kStride, kGather>(acc0, acc1, bwd_stages(), bsh.full, bsh.empty,
+                                                  k_blocks, 0, wg, stage, prev_stage, phase);
     if (kMode == kSwigluRecompute) {
       // NOTE: only this thread reads its entries back (the same accumulator layout), so no
       // barrier is needed between the store and the epilogue's loads.
@@ -560,12 +587,11 @@ __device__ __forceinline__ void bwd_consumer(const SwigluBwdKernelArgs& k, int w
   if (kMode == kSwigluSave && lane == 0) bulk_wait_all();  // the TMA stores done before exit
 }
 
-// kGather (modes kSwigluRecompute and kSwigluSave only): the gate / up k-loop's A rows gathered
-// from SwigluBwdKernelArgs::gather_x by the producer warpgroup (bwd_producer_gather).
+// kGather: the k-loops' A rows gathered from SwigluBwdKernelArgs::gather_x (gate / up) and
+// gather_dy (dh) by the producer warpgroup (bwd_producer_gather).
 template <int kMode, bool kGather = false>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     swiglu_bwd_kernel(const __grid_constant__ SwigluBwdKernelArgs k) {
-  static_assert(!kGather || !dh_only(kMode), "the dh-only modes load no A rows to gather");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const int n_blocks = k.inter / tile_cols(kMode);
   if (threadIdx.x < 32) count_tiles(k);
@@ -585,9 +611,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   if (wg == 0) {
     setmaxnreg_dec<56>();
     if constexpr (kGather) {
-      if (threadIdx.x == 0) {
-        tma_prefetch_map(&k.map_w);
-        if (kMode != kSwigluSave) tma_prefetch_map(&k.map_dy), tma_prefetch_map(&k.map_wd);
+      if (threadIdx.x == 0) {  // the maps it loads by TMA (the gathered ones are not encoded)
+        if (!dh_only(kMode)) tma_prefetch_map(&k.map_w);
+        if (kMode != kSwigluSave) tma_prefetch_map(&k.map_wd);
+        if (kMode != kSwigluSave && k.gather_dy == nullptr) tma_prefetch_map(&k.map_dy);
         if (kMode == kSwigluSave) tma_prefetch_map(&k.map_h_st);
         if (kMode == kSwigluSave && k.gu32 != nullptr) tma_prefetch_map(&k.map_gu_st);
       }
@@ -716,6 +743,178 @@ __device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_t
   wgrad_load_end(stage, phase);
 }
 
+// A weight gradient with one operand's rows gathered from the tokens (at one rank: dW_gate_up's B,
+// the input rows x; dW_down's A, the output gradient rows): receive row r is row
+// src[r] / topk of `rows` [tokens, cols] (-1, a padding row, and rows past a group: zeros).
+struct WgradGather {
+  const uint16_t* rows;
+  const int32_t* src;
+  int topk, cols;
+};
+struct WgradGatherKernelArgs {
+  WgradKernelArgs k;
+  WgradGather g;
+};
+constexpr int kWgradGatherThreads = 128;  // the producer warpgroup
+
+// The producer warpgroup of the gathering weight-gradient kernel, all 128 threads (the kernel
+// has no store warps: its consumers store their own chunks, wgrad_stage<.., true>). Thread 0
+// does wgrad_producer's part for the other operand (each tile's fields in its first stage, the
+// TMA loads); every thread copies its share of operand kOperand (0: A, 128 columns, two boxes;
+// 1: B, 256 columns, four boxes) of each k-block by cp.async, into the places its 64-row TMA
+// boxes in the 128-byte swizzle would put it (k-row r of a box at 128 r, 16-byte unit u at
+// (u ^ (r % 8)) x 16). A warp instruction copies whole rows (one 512-byte row of B, or two
+// 256-byte rows of A), the four warps taking turns by row, so each warp has 16 rows per
+// k-block (B: 16 instructions a thread, A: 8) and the copies come from all four of the SM's
+// schedulers. Lane l < 16 reads the token of the warp's l-th row and hands it round by
+// shuffles. The full barriers take 1 + 128 arrivals (thread 0's with the TMA bytes, then one
+// per thread once its copies landed). (With warp 3 alone copying, 64 instructions a thread per
+// k-block of B, the gathering weight gradients ran at a fraction of the TMA kernel's speed:
+// docs/perf-notes.md.)
+template <int kOperand>
+__device__ __forceinline__ void wgrad_gather_producer(const WgradKernelArgs& k,
+                                                      const WgradGather& g, int n_tiles) {
+  constexpr int kChunks = kOperand == 0 ? 16 : 32;  // 16-byte units of a row in the tile
+  constexpr int kRowsPerStep = 32 / kChunks;        // rows one warp instruction copies
+  constexpr int kRowsPerTurn = 4 * kRowsPerStep;    // the four warps' rows of one step
+  constexpr int kSteps = 64 / kRowsPerTurn;         // instructions per thread and k-block
+  const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+  const int c = lane % kChunks, sub = lane / kChunks;
+  const int m_blocks = k.m / kTileM, n_blocks = k.n / kTileN;
+  const int per_expert = m_blocks * n_blocks;
+  uint8_t* stages = bwd_stages();
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int i = blockIdx.x; i < n_tiles; i += gridDim.x) {
+    const int e = i / per_expert, mb = (i % per_expert) / n_blocks, nb = i % n_blocks;
+    const int start = e == 0 ? 0 : k.ends[e - 1], end = k.ends[e];
+    const int rows = end - start;
+    const int k_blocks = rows > 0 ? (rows + 63) / 64 : 0;
+    mbar_wait(&gsh.empty[stage], phase ^ 1);
+    if (t == 0) {
+      vol(gsh.stage_tile[stage][0]) = e;
+      vol(gsh.stage_tile[stage][1]) = mb;
+      vol(gsh.stage_tile[stage][2]) = nb;
+      vol(gsh.stage_tile[stage][3]) = k_blocks;
+      vol(gsh.stage_tile[stage][4]) = k_blocks > 0 ? (rows - (k_blocks - 1) * 64 + 15) / 16 : 0;
+      vol(gsh.stage_tile[stage][5]) = 0;
+    }
+    if (k_blocks == 0) {  // a zero tile: the stage says so and carries nothing
+      if (t == 0) mbar_arrive(&gsh.full[stage]);
+      mbar_arrive(&gsh.full[stage]);
+      if (++stage == kWgradStages) stage = 0, phase ^= 1;
+      continue;
+    }
+    const int64_t col = (kOperand == 0 ? mb * kTileM : nb * kTileN) + c * 8;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      if (kb > 0) mbar_wait(&gsh.empty[stage], phase ^ 1);
+      uint8_t* sa = stages + stage * kStageBytes;
+      const int row0 = start + kb * 64;
+      if (t == 0) {  // the other operand by TMA
+        mbar_arrive_expect_tx(&gsh.full[stage], kOperand == 0 ? kStageBytes - kStageA : kStageA);
+        if (kOperand == 0) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_b, &gsh.full[stage],
+                        nb * kTileN + 64 * q, row0);
+        } else {
+#pragma unroll
+          for (int q = 0; q < 2; ++q)
+            tma_load_2d(sa + q * kBoxNB, &k.map_a, &gsh.full[stage], mb * kTileM + 64 * q,
+                        row0);
+        }
+      }
+      int tok = -1;  // lane l < 16: the token of the warp's l-th row of this k-block
+      if (lane < 16) {
+        const int r = (lane / kRowsPerStep) * kRowsPerTurn + warp * kRowsPerStep +
+                      lane % kRowsPerStep;
+        const int s = row0 + r < end ? g.src[row0 + r] : -1;
+        tok = s >= 0 ? s / g.topk : -1;
+      }
+      uint8_t* base = sa + (kOperand == 0 ? 0 : kStageA);
+#pragma unroll 4  // a few copies' addresses live at a time: the warpgroup has 56 registers
+      for (int q = 0; q < kSteps; ++q) {
+        const int r = q * kRowsPerTurn + warp * kRowsPerStep + sub;
+        const int tk = __shfl_sync(~0u, tok, q * kRowsPerStep + sub);
+        uint8_t* dst = base + (c / 8) * kBoxNB + r * 128 + (((c % 8) ^ (r % 8)) << 4);
+        cp_async16_zfill(dst, g.rows + (tk >= 0 ? static_cast<int64_t>(tk) * g.cols + col : 0),
+                         tk >= 0 ? 16 : 0);
+      }
+      cp_async_mbar_arrive(&gsh.full[stage]);
+      if (++stage == kWgradStages) stage = 0, phase ^= 1;
+    }
+  }
+  mbar_wait(&gsh.empty[stage], phase ^ 1);  // the end of the work: a stage whose expert is -1
+  if (t == 0) {
+    vol(gsh.stage_tile[stage][0]) = -1;
+    mbar_arrive(&gsh.full[stage]);
+  }
+  mbar_arrive(&gsh.full[stage]);
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
+// A TMA reduce-add of one box from shared memory onto the map's coordinates (the map's type:
+// fp32 here), in the thread's current bulk group.
+__device__ __forceinline__ void tma_add_2d(const CUtensorMap* map, const void* smem_src, int col,
+                                          int row) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], "
+      "[%1];" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(smem_src)), "r"(col), "r"(row)
+      : "memory");
+}
+
+// One staged chunk of consumer warpgroup wg (its two boxes at `epi`, or the zero block for an
+// expert without rows) into C by TMA, as one bulk group: stored, or for kWgradF32Add added onto
+// C (nothing for a zero chunk: the group is then empty).
+template <int kOut>
+__device__ __forceinline__ void wgrad_store_chunk(const WgradKernelArgs& k, const uint8_t* epi,
+                                                  bool zero, int e, int mb, int col0, int wg) {
+  constexpr int kBoxCols = kOut == kWgradBf16 ? 64 : 32;
+  const int row = e * k.m + mb * kTileM + wg * 64;
+  if (kOut == kWgradF32Add) {
+    if (!zero) {
+      tma_add_2d(&k.map_c, epi, col0, row);
+      tma_add_2d(&k.map_c, epi + kWgradBoxBytes, col0 + kBoxCols, row);
+    }
+  } else {
+    tma_store_2d(&k.map_c, epi, col0, row);
+    tma_store_2d(&k.map_c, zero ? epi : epi + kWgradBoxBytes, col0 + kBoxCols, row);
+  }
+  bulk_commit();
+}
+
+// Buffer b free for the next chunk: its last chunk read by its store. `self` (the gathering
+// kernel, no store warps): thread 0 stored the chunks itself, one bulk group each in buffer
+// order, so the group before the latest is this buffer's; else the store warp says so.
+template <bool kSelf>
+__device__ __forceinline__ void wgrad_epi_free(int wg, int b, uint32_t uses, int tid) {
+  if constexpr (kSelf) {
+    if (tid == 0) bulk_wait_read<1>();
+    named_sync(1 + wg, 128);
+  } else {
+    mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);
+  }
+}
+
+// The staged chunk handed on: to the store warp (a job), or with kSelf stored by thread 0 from
+// `self` (the one problem of the gathering kernel).
+template <int kOut, bool kSelf>
+__device__ __forceinline__ void wgrad_epi_hand(const WgradKernelArgs* self, bool zero, int e,
+                                               int mb, int col0, int prob, int wg, int b,
+                                               int tid) {
+  named_sync(1 + wg, 128);
+  if (tid != 0) return;
+  if constexpr (kSelf) {
+    wgrad_store_chunk<kOut>(*self, zero ? wgrad_zero() : wgrad_epi(wg, b), zero, e, mb, col0, wg);
+  } else {
+    vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
+    vol(gsh.jobs[wg][b][3]) = zero, vol(gsh.jobs[wg][b][4]) = prob;
+    mbar_arrive(&gsh.epi_full[wg][b]);
+  }
+}
+
 // Warpgroup wg's 64 x 128 output chunk (columns col0.. of its rows) from `acc` into its buffer b
 // as two 64 x 64 boxes (columns 0..63, then 64..127) in the 128-byte swizzle that C's tensor map
 // stores from: row r at byte 128 r of its box, its 16-byte unit u at unit u ^ (r % 8) (the 8 rows
@@ -723,10 +922,11 @@ __device__ __forceinline__ void wgrad_producer(const WgradKernelArgs& k, int n_t
 // buffer's earlier chunks. `zero`: an expert without rows, whose chunk the store warp writes from
 // the zero block (the accumulators are never written by anything but wgmma: ptxas serialises
 // every wgmma of a kernel that does).
+template <int kOut, bool kSelf>
 __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, int e, int mb,
                                             int col0, int prob, int wg, int b, uint32_t uses,
-                                            int tid) {
-  mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);  // the store warp's TMA has read the last one
+                                            int tid, const WgradKernelArgs* self) {
+  wgrad_epi_free<kSelf>(wg, b, uses, tid);  // the last chunk's TMA has read the buffer
   if (!zero) {
     const int warp = tid / 32, lane = tid % 32, x = lane / 4;  // rows warp * 16 + x (+ 8)
     uint8_t* row = wgrad_epi(wg, b) + (warp * 16 + x) * 128 + (lane % 4) * 4;
@@ -740,21 +940,18 @@ __device__ __forceinline__ void wgrad_stage(const float (&acc)[64], bool zero, i
     }
     fence_proxy_async_shared();  // these writes before the TMA's reads
   }
-  named_sync(1 + wg, 128);
-  if (tid == 0) {
-    vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
-    vol(gsh.jobs[wg][b][3]) = zero, vol(gsh.jobs[wg][b][4]) = prob;
-    mbar_arrive(&gsh.epi_full[wg][b]);
-  }
+  wgrad_epi_hand<kOut, kSelf>(self, zero, e, mb, col0, prob, wg, b, tid);
 }
 
 // The fp32 form: columns 64 hh.. of the chunk in `acc` (its 128 columns col0 - 64 hh..) as two
 // 64 x 32 fp32 boxes in the same swizzle, into buffer b for the store warp, which writes it to
 // columns col0.. of C (or adds it there).
+template <int kOut, bool kSelf>
 __device__ __forceinline__ void wgrad_stage_f32(const float (&acc)[64], int hh, bool zero, int e,
                                                 int mb, int col0, int prob, int wg, int b,
-                                                uint32_t uses, int tid) {
-  mbar_wait(&gsh.epi_empty[wg][b], (uses & 1) ^ 1);
+                                                uint32_t uses, int tid,
+                                                const WgradKernelArgs* self) {
+  wgrad_epi_free<kSelf>(wg, b, uses, tid);
   if (!zero) {
     const int warp = tid / 32, lane = tid % 32, x = lane / 4;
     uint8_t* row = wgrad_epi(wg, b) + (warp * 16 + x) * 128 + 8 * (lane % 2);
@@ -769,23 +966,7 @@ __device__ __forceinline__ void wgrad_stage_f32(const float (&acc)[64], int hh, 
     }
     fence_proxy_async_shared();
   }
-  named_sync(1 + wg, 128);
-  if (tid == 0) {
-    vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
-    vol(gsh.jobs[wg][b][3]) = zero, vol(gsh.jobs[wg][b][4]) = prob;
-    mbar_arrive(&gsh.epi_full[wg][b]);
-  }
-}
-
-// A TMA reduce-add of one box from shared memory onto the map's coordinates (the map's type:
-// fp32 here), in the thread's current bulk group.
-__device__ __forceinline__ void tma_add_2d(const CUtensorMap* map, const void* smem_src, int col,
-                                          int row) {
-  asm volatile(
-      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], "
-      "[%1];" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(smem_addr(smem_src)), "r"(col), "r"(row)
-      : "memory");
+  wgrad_epi_hand<kOut, kSelf>(self, zero, e, mb, col0, prob, wg, b, tid);
 }
 
 // Store warp of consumer warpgroup wg (its lane 0): takes the chunks in order (buffers 0, 1, 0,
@@ -795,7 +976,6 @@ __device__ __forceinline__ void tma_add_2d(const CUtensorMap* map, const void* s
 // an expert without rows.
 template <int kOut>
 static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs* probs, int wg) {
-  constexpr int kBoxCols = kOut == kWgradBf16 ? 64 : 32;
   for (uint32_t n = 0;; ++n) {
     const int b = n & 1;
     mbar_wait(&gsh.epi_full[wg][b], (n >> 1) & 1);
@@ -804,26 +984,18 @@ static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs* probs, i
     const int mb = vol(gsh.jobs[wg][b][1]), col0 = vol(gsh.jobs[wg][b][2]);
     const bool zero = vol(gsh.jobs[wg][b][3]) != 0;
     const WgradKernelArgs& k = probs[vol(gsh.jobs[wg][b][4])];
-    const uint8_t* epi = zero ? wgrad_zero() : wgrad_epi(wg, b);
-    const int row = e * k.m + mb * kTileM + wg * 64;
-    if (kOut == kWgradF32Add) {
-      if (!zero) {
-        tma_add_2d(&k.map_c, epi, col0, row);
-        tma_add_2d(&k.map_c, epi + kWgradBoxBytes, col0 + kBoxCols, row);
-      }
-    } else {
-      tma_store_2d(&k.map_c, epi, col0, row);
-      tma_store_2d(&k.map_c, zero ? epi : epi + kWgradBoxBytes, col0 + kBoxCols, row);
-    }
-    bulk_commit();
+    wgrad_store_chunk<kOut>(k, zero ? wgrad_zero() : wgrad_epi(wg, b), zero, e, mb, col0, wg);
     bulk_wait_read<0>();
     mbar_arrive(&gsh.epi_empty[wg][b]);
   }
   bulk_wait_all();  // C written before the block exits
 }
 
-template <int kOut>
-__device__ __forceinline__ void wgrad_consumer(int wg) {
+// kGathered: the gathering kernel's consumers: stages filled in part by cp.async
+// (wgrad_gather_producer), so a proxy fence before each k-block's MMAs; no store warps, so
+// thread 0 stores each staged chunk itself from `self` (its one problem).
+template <int kOut, bool kGathered = false>
+__device__ __forceinline__ void wgrad_consumer(int wg, const WgradKernelArgs* self = nullptr) {
   const int tid = threadIdx.x % 128;
   int stage = 0, prev_stage = 0;
   uint32_t phase = 0;
@@ -844,22 +1016,27 @@ __device__ __forceinline__ void wgrad_consumer(int wg) {
       mbar_arrive(&gsh.empty[stage]);
       if (++stage == kWgradStages) stage = 0, phase ^= 1;
     } else {
-      mma_kloop_wgrad<OperandBf16, kWgradStages>(acc0, acc1, bwd_stages(), gsh.full, gsh.empty,
-                                                 k_blocks, last_steps, zero_a, zero_b, wg,
-                                                 stage, prev_stage, phase);
+      mma_kloop_wgrad<OperandBf16, kWgradStages, kGathered>(
+          acc0, acc1, bwd_stages(), gsh.full, gsh.empty, k_blocks, last_steps, zero_a, zero_b,
+          wg, stage, prev_stage, phase);
     }
     const bool zero = k_blocks == 0;
     const int col0 = nb * kTileN;
     if (kOut == kWgradBf16) {
-      wgrad_stage(acc0, zero, e, mb, col0, prob, wg, 0, n >> 1, tid);
-      wgrad_stage(acc1, zero, e, mb, col0 + 128, prob, wg, 1, n >> 1, tid);
+      wgrad_stage<kOut, kGathered>(acc0, zero, e, mb, col0, prob, wg, 0, n >> 1, tid, self);
+      wgrad_stage<kOut, kGathered>(acc1, zero, e, mb, col0 + 128, prob, wg, 1, n >> 1, tid,
+                                   self);
       n += 2;
     } else {
 #pragma unroll
       for (int q = 0; q < 4; ++q, ++n)  // 64-column quarters: acc0's halves, then acc1's
-        wgrad_stage_f32(q < 2 ? acc0 : acc1, q % 2, zero, e, mb, col0 + 64 * q, prob, wg, n & 1,
-                        n >> 1, tid);
+        wgrad_stage_f32<kOut, kGathered>(q < 2 ? acc0 : acc1, q % 2, zero, e, mb, col0 + 64 * q,
+                                         prob, wg, n & 1, n >> 1, tid, self);
     }
+  }
+  if constexpr (kGathered) {  // C written before the block exits
+    if (tid == 0) bulk_wait_all();
+    return;
   }
   // The store warp's last job: it stops once it has written everything before it.
   mbar_wait(&gsh.epi_empty[wg][n & 1], ((n >> 1) & 1) ^ 1);
@@ -872,13 +1049,13 @@ __device__ __forceinline__ void wgrad_consumer(int wg) {
 // The weight-gradient tiles' shared state, by every thread of the block before its first
 // __syncthreads: the zero operand of the steps past a group's end (written for the async proxy)
 // and, by thread 0, the barriers (mbar_init_fence still to come).
-__device__ __forceinline__ void wgrad_init() {
+__device__ __forceinline__ void wgrad_init(uint32_t full_arrivals = 1) {
   uint4* zero = reinterpret_cast<uint4*>(wgrad_zero());
   for (int i = threadIdx.x; i < kWgradZeroBytes / 16; i += blockDim.x) zero[i] = uint4{0, 0, 0, 0};
   fence_proxy_async_shared();
   if (threadIdx.x == 0) {
     for (int s = 0; s < kWgradStages; ++s) {
-      mbar_init(&gsh.full[s], 1);
+      mbar_init(&gsh.full[s], full_arrivals);
       mbar_init(&gsh.empty[s], 2 * 128);
     }
     for (int w = 0; w < 2; ++w) {
@@ -890,11 +1067,11 @@ __device__ __forceinline__ void wgrad_init() {
   }
 }
 
-template <int kOut>
-__global__ void __launch_bounds__(kLayerThreads, 1)
-    wgrad_kernel(const __grid_constant__ WgradKernelArgs k) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  wgrad_init();
+// The weight-gradient kernels' body. kGather: -1, or the operand (0: A, 1: B) whose rows the
+// producer warpgroup gathers (wgrad_gather_producer, from g; thread 0 also loads the other).
+template <int kOut, int kGather>
+__device__ __forceinline__ void wgrad_run(const WgradKernelArgs& k, const WgradGather& g) {
+  wgrad_init(kGather < 0 ? 1 : 1 + kWgradGatherThreads);
   if (threadIdx.x == 0) mbar_init_fence();
   __syncthreads();
   const int n_tiles = k.num_experts * (k.m / kTileM) * (k.n / kTileN);
@@ -902,7 +1079,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   if (wg == 0) {
     setmaxnreg_dec<56>();
     const int warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) {
+    if constexpr (kGather >= 0) {
+      if (threadIdx.x == 0) tma_prefetch_map(kGather == 0 ? &k.map_b : &k.map_a);
+      wgrad_gather_producer<kGather>(k, g, n_tiles);
+    } else if (threadIdx.x == 0) {
       tma_prefetch_map(&k.map_a);
       tma_prefetch_map(&k.map_b);
       wgrad_producer(k, n_tiles);
@@ -912,8 +1092,26 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
     }
   } else {
     setmaxnreg_inc<224>();
-    wgrad_consumer<kOut>(wg - 1);
+    if (kGather >= 0 && threadIdx.x == 128) tma_prefetch_map(&k.map_c);
+    wgrad_consumer<kOut, (kGather >= 0)>(wg - 1, &k);
   }
+}
+
+template <int kOut>
+__global__ void __launch_bounds__(kLayerThreads, 1)
+    wgrad_kernel(const __grid_constant__ WgradKernelArgs k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wgrad_run<kOut, -1>(k, WgradGather{});
+#endif
+}
+
+// wgrad_kernel with operand kOperand (0: A, 1: B) gathered by the producer warpgroup
+// (wgrad_gather_producer) and the chunks stored by the consumers themselves.
+template <int kOut, int kOperand>
+__global__ void __launch_bounds__(kLayerThreads, 1)
+    wgrad_gather_kernel(const __grid_constant__ WgradGatherKernelArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wgrad_run<kOut, kOperand>(a.k, a.g);
 #endif
 }
 

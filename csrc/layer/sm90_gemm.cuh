@@ -261,7 +261,7 @@ __device__ __forceinline__ void mma_kloop(float (&acc0)[64], float (&acc1)[64], 
 // 128..255). The last k-block runs `last_steps` of its kSteps 16-row steps; the others multiply
 // zeros (descriptors zero_a / zero_b, selected without a branch), so rows past a group's end add
 // nothing.
-template <class Op, int kNumStages>
+template <class Op, int kNumStages, bool kProxyFence = false>
 __device__ __forceinline__ void mma_kloop_wgrad(float (&acc0)[64], float (&acc1)[64],
                                                 uint8_t* stages, uint64_t* full, uint64_t* empty,
                                                 int k_blocks, int last_steps, uint64_t zero_a,
@@ -269,6 +269,7 @@ __device__ __forceinline__ void mma_kloop_wgrad(float (&acc0)[64], float (&acc1)
                                                 int& prev_stage, uint32_t& phase) {
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbar_wait(&full[stage], phase);
+    if (kProxyFence) fence_proxy_async_shared();
     const uint8_t* sa = stages + stage * kStageBytes;
     const uint64_t da = wgmma_desc_mn(sa + wg * kBoxNB, kBoxNB);
     const uint64_t db = wgmma_desc_mn(sa + kStageA, kBoxNB);  // four boxes, kBoxNB apart

@@ -76,7 +76,7 @@ int64_t layer_counters(pybind11::bytes params_bytes) {
 // The experts' backward kernel (api.h SwigluBwdLaunch): raw device pointers (0: none) and sizes.
 void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down, int64_t ends,
                        int64_t row_w, int64_t hw, int64_t dgu, int64_t part, int64_t gu32,
-                       int64_t next_tile, int64_t gather_x, int64_t gather_src,
+                       int64_t next_tile, int64_t gather_x, int64_t gather_dy, int64_t gather_src,
                        int64_t gather_tokens, int64_t gather_topk, int64_t mode, int64_t rows,
                        int64_t hidden, int64_t inter, int64_t num_experts, int64_t grid,
                        int64_t stream) {
@@ -93,6 +93,7 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
   l.gu32 = reinterpret_cast<float*>(gu32);
   l.next_tile = reinterpret_cast<int32_t*>(next_tile);
   l.gather_x = reinterpret_cast<const void*>(gather_x);
+  l.gather_dy = reinterpret_cast<const void*>(gather_dy);
   l.gather_src = reinterpret_cast<const int32_t*>(gather_src);
   l.gather_tokens = gather_tokens, l.gather_topk = gather_topk;
   l.mode = mode;
@@ -105,13 +106,19 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
 
 // The experts' weight gradients (api.h WgradLaunch).
 void launch_wgrad(int64_t a, int64_t b, int64_t ends, int64_t c, int64_t rows, int64_t m,
-                  int64_t n, int64_t num_experts, int64_t out, int64_t grid, int64_t stream) {
+                  int64_t n, int64_t num_experts, int64_t out, int64_t gather_rows,
+                  int64_t gather_src, int64_t gather_tokens, int64_t gather_topk,
+                  int64_t gather_operand, int64_t grid, int64_t stream) {
   mok::WgradLaunch l{};
   l.a = reinterpret_cast<const void*>(a);
   l.b = reinterpret_cast<const void*>(b);
   l.ends = reinterpret_cast<const int32_t*>(ends);
   l.c = reinterpret_cast<void*>(c);
   l.rows = rows, l.m = m, l.n = n, l.num_experts = num_experts, l.out = out;
+  l.gather_rows = reinterpret_cast<const void*>(gather_rows);
+  l.gather_src = reinterpret_cast<const int32_t*>(gather_src);
+  l.gather_tokens = gather_tokens, l.gather_topk = gather_topk;
+  l.gather_operand = gather_operand;
   const int err = mok::launch_wgrad(l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
   TORCH_CHECK(err == 0, "mok: launching the weight-gradient kernel (", std::to_string(rows),
               " rows, ", std::to_string(m), " x ", std::to_string(n), ", ",

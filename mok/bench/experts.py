@@ -9,6 +9,11 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
   (``mok.ops.wgrad_sm90``) against torch's grouped GEMM over the rows
   (``torch._grouped_mm(dgu.T, x, offs)``: of the layouts measured on the H200, MN-major operands
   as they lie were its fastest; K-major copies were slower, docs/perf-notes.md);
+  ``mok-gather`` rows (at one rank's backward): the same GEMM with x's (dy's) rows gathered from
+  the tokens inside the kernel (``mok.experts._wgrad_gathered``), where the others read the
+  dispatched copy; ``bwd_recompute``, ``bwd_from_saved`` and ``bwd_saved_all`` have such rows too
+  (the experts' kernel gathering x and dy, ``mok.ops.swiglu_backward_gather_sm90``; the whole
+  gathered backward, ``mok.experts.swiglu_backward_gathered``, one launch per GEMM);
 - ``gate_up_dgrad`` = dgu @ W_gu: mok's GEMM (``mok.experts.gate_up_dgrad``, the fused
   backward's d_a tiles alone) against torch's grouped GEMM on the fused [L, 2I, H] weight;
 - ``bwd_recompute``: mok's experts' backward kernel (dh and gate / up recomputed, the SwiGLU
@@ -114,6 +119,22 @@ def piece_flops(piece: str, rows: int, hidden: int, inter: int) -> int:
     }[piece]
 
 
+def gathered_rows(idx: torch.Tensor, offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 [rows]: for each receive row of the padded groups ``offs`` (group ends), the flat
+    routing entry (token * K + k) it holds, each expert's entries in token order; -1 for a
+    padding row."""
+    flat = idx.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices  # entries grouped by expert, token order
+    experts = flat[order]
+    counts = torch.bincount(flat, minlength=offs.shape[0])
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()  # padded group starts
+    first = torch.cumsum(counts, 0) - counts  # each expert's first place in `order`
+    place = torch.arange(flat.shape[0], device=flat.device) - first[experts]
+    row_src = torch.full((rows,), -1, dtype=torch.int32, device=flat.device)
+    row_src[starts[experts] + place] = order.to(torch.int32)
+    return row_src
+
+
 def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, warm_s=0.0):
     """The rows of one (model, tokens, skew): every piece of ``pieces``, mok and torch, on the
     same operands."""
@@ -142,6 +163,19 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
     base = dict(model=model, hidden=H, intermediate=inter, num_experts=E, num_topk=K, skew=skew)
     base.update(tokens_per_rank=n, routing_seed=seed, emulated_ep=emulate_ep or 1)
     base.update(rows=real, padded_rows=R)
+    # the gathering kernels' view of the same rows: receive row r is entry row_src[r] (token
+    # row_src[r] // K of `tokens`), each group's entries in token order, padding rows -1
+    row_src = gathered_rows(idx, offs, R)
+    tokens, dy_tokens = rnd(n, H), rnd(n, H)
+    row_w32 = row_w.float().contiguous()
+
+    def dh_gathered(gu32):  # the experts' kernel with x's / dy's rows gathered from the tokens
+        hw_g, dgu_g = torch.empty_like(hw), torch.empty_like(dgu)
+        part = torch.empty(inter // 128, R, device=device)
+        ops.swiglu_backward_gather_sm90(
+            tokens, dy_tokens, row_src, K, wgu, wd, offs, row_w32, hw_g, dgu_g, part, gu32
+        )
+
     c_gu = torch.empty(E, 2 * inter, H, device=device, dtype=torch.bfloat16)
     c_d = torch.empty(E, H, inter, device=device, dtype=torch.bfloat16)
     saved = None
@@ -152,10 +186,12 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
         "dW_gate_up": {
             "mok": lambda: ops.wgrad_sm90(dgu, x, offs, c_gu),
             "torch": lambda: torch._grouped_mm(dgu.T, x, offs=offs),
+            "mok-gather": lambda: me._wgrad_gathered(dgu, tokens, row_src, K, 1, offs, None),
         },
         "dW_down": {
             "mok": lambda: ops.wgrad_sm90(dy, hw, offs, c_d),
             "torch": lambda: torch._grouped_mm(dy.T, hw, offs=offs),
+            "mok-gather": lambda: me._wgrad_gathered(hw, dy_tokens, row_src, K, 0, offs, None),
         },
         "gate_up_dgrad": {
             "mok": lambda: me.gate_up_dgrad(dgu, wgu, offs),
@@ -164,14 +200,19 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
         "bwd_recompute": {
             "mok": lambda: me._swiglu_backward_sm90(x, wgu, wd, dy, row_w, offs),
             "torch": lambda: me._swiglu_backward_torch(x, wgu, wd, dy, row_w, offs),
+            "mok-gather": lambda: dh_gathered(None),
         },
         "bwd_from_saved": {
             "mok": lambda: me._swiglu_backward_sm90(x, wgu, wd, dy, row_w, offs, saved),
+            "mok-gather": lambda: dh_gathered(saved),
         },
         "bwd_saved_all": {
             "mok": lambda: me.swiglu_backward(x, wgu, wd, dy, row_w, offs, fused=True, **saving),
             "mok-serial": lambda: me.swiglu_backward(
                 x, wgu, wd, dy, row_w, offs, fused=False, **saving
+            ),
+            "mok-gather": lambda: me.swiglu_backward_gathered(
+                tokens, dy_tokens, row_src, K, R, wgu, wd, row_w, offs, None, saved
             ),
         },
         "fwd_saving": {
