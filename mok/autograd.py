@@ -90,9 +90,15 @@ __all__ = ["moe", "moe_backward"]
 TRANSFERS_IN_LAUNCH = False
 
 # Whether the backward at one rank reads its rows from the tokens inside the experts' kernels
-# (_gathers_backward) instead of dispatching x and grad_out first; also needs the forward's
-# switch, mok.layer.GATHER_AT_ONE_RANK. Its own switch so that one build times both.
-GATHER_BACKWARD = True
+# (_gathers_backward) instead of dispatching x and grad_out first: True, False, or "auto" (only
+# where the experts' intermediate size is at most GATHER_BACKWARD_MAX_INTER). Also needs the
+# forward's switch, mok.layer.GATHER_AT_ONE_RANK. Its own switch so that one build times both.
+# "auto" follows one H100 (docs/perf-notes.md, the gathering weight gradients' outcome): the
+# gathering weight-gradient kernel runs 1.3-1.6x the TMA one's time, which the two dispatches it
+# saves outweigh at intermediate 256 (backward 257 -> 280 TFLOP/s at 24576 x 1536) but not at
+# 512 and above (423 -> 389, 468 -> 427, 526 -> 451).
+GATHER_BACKWARD: bool | str = "auto"
+GATHER_BACKWARD_MAX_INTER = 256
 
 
 def moe(
@@ -548,9 +554,18 @@ def _gathers_backward(ws, x, w_gate_up, w_down, cfg) -> bool:
     """Whether the backward reads its rows from the tokens
     (:func:`mok.experts.swiglu_backward_gathered`) instead of dispatching them: at one rank,
     with :data:`GATHER_BACKWARD` and :data:`mok.layer.GATHER_AT_ONE_RANK` (the forward's
-    switch), where the kernels take the operands (:func:`mok.experts.gathered_backward_fits`)."""
+    switch), where the kernels take the operands (:func:`mok.experts.gathered_backward_fits`).
+    :data:`GATHER_BACKWARD` "auto" gathers only where the intermediate size is at most
+    :data:`GATHER_BACKWARD_MAX_INTER`."""
+    if GATHER_BACKWARD not in (True, False, "auto"):
+        raise MoKInputError(
+            f"mok.autograd.GATHER_BACKWARD is {GATHER_BACKWARD!r}; supported: True, False, 'auto'"
+        )
+    wanted = GATHER_BACKWARD is True or (
+        GATHER_BACKWARD == "auto" and w_down.shape[-1] <= GATHER_BACKWARD_MAX_INTER
+    )
     return (
-        GATHER_BACKWARD
+        wanted
         and layer.GATHER_AT_ONE_RANK
         and ws.num_ranks == 1
         and gathered_backward_fits(x, w_gate_up, w_down, cfg.row_tile)

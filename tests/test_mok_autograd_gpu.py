@@ -325,8 +325,12 @@ def test_one_rank_forward_gathers_bitwise(case, recompute, monkeypatch):
     """At one rank the unfused forward whose experts' kernel reads its rows from x
     (``mok.layer.GATHER_AT_ONE_RANK``, no dispatch) gives bitwise the output and every gradient
     of the one that dispatches them into the receive buffer first, keeping g / u for the
-    backward (recompute=False) or not."""
+    backward (recompute=False) or not; the backward then gathers its rows too
+    (``mok.autograd.GATHER_BACKWARD`` forced on: "auto" would not at these sizes)."""
+    import mok.autograd as ma
     import mok.layer as ml
+
+    monkeypatch.setattr(ma, "GATHER_BACKWARD", True)
 
     shape, n, skew = case
     x, idx, tw, w, grad_out = _inputs(shape, n, skew, seed=3)
