@@ -145,7 +145,7 @@ for model in dict.fromkeys(r["model"] for r in train_rows):
 from mok.bench.sonicmoe import published  # noqa: E402
 from sim.app.plots import published_comparison  # noqa: E402
 
-SONIC_CSV = measured_path("h100x1-train-sonicmoe-gather-2026-12-07.csv")
+SONIC_CSV = measured_path("h100x1-train-sonicmoe-levers-2026-12-07.csv")
 shown = ("torch-best", "mok-unfused", "mok-saved")
 sonic_rows = [r for r in read_rows(SONIC_CSV) if r["impl"] in shown]
 fig = published_comparison(sonic_rows, published(), "SonicMoE", title=SONIC_CSV.name)

@@ -102,3 +102,20 @@ def test_the_measured_counts_are_the_construction():
         want = flags_per_peer(r["path"], 2, x_consumed_per_block=True)
         assert float(r["remote_flags"]) == want * (int(r["ep"]) - 1), r
         assert float(r["own_flags"]) == want, r
+
+
+def test_the_measured_counts_per_call_are_the_construction():
+    """The EP2..EP64 run at git 1fcfabc (the fused layer's x consumed once per call): every
+    path's max over ranks is flags_per_peer x (R - 1), as its ``expected`` column says."""
+    import csv
+
+    from mok.bench.signals import flags_per_peer
+    from sim.measured import measured_path
+
+    with open(measured_path("h100x1-shared-signals-percall-2026-12-07.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert {int(r["ep"]) for r in rows} == {2, 8, 16, 32, 64}
+    assert {r["path"] for r in rows} == {"pull/push", "dedup/push", "fused", "train in-launch"}
+    for r in rows:
+        want = flags_per_peer(r["path"], 2) * (int(r["ep"]) - 1)
+        assert float(r["remote_flags"]) == want == int(r["expected"]), r

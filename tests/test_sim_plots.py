@@ -93,7 +93,7 @@ def data() -> SimpleNamespace:
         layer_records=layer_records,
         train=read_rows(measured_path("h200x1-train.csv")),
         experts=read_rows(measured_path("h200x1-experts.csv")),
-        sonic=read_rows(measured_path("h100x1-train-sonicmoe-gather-2026-12-07.csv")),
+        sonic=read_rows(measured_path("h100x1-train-sonicmoe-levers-2026-12-07.csv")),
         lm=lm,
         sensitivity=sensitivity,
     )
