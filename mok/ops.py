@@ -36,6 +36,13 @@ __all__ = [
     "bwd_layer_sm90",
 ]
 
+# Whether the experts' backward kernels prefetch each dh tile's saved g / u (fp32) into L2
+# while the tile's k-loop runs, so the tile's epilogue reads them from L2 rather than HBM: the
+# backward from saved g / u (mode 2 of launch_swiglu_bwd) and the fused backward's dh tiles.
+# The same bits either way (a prefetch moves nothing the kernel reads); its own switch so one
+# build times both (docs/perf-notes.md, "g / u prefetched into L2").
+PREFETCH_GU = True
+
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
 ENGINES = ("tma", "vector")
 # dedup_sum also has the cp.async gather ring (v3; slower than vector on 2x H200, kept for study).
@@ -456,6 +463,7 @@ def _launch_swiglu(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, g
         0 if gsrc is None else gsrc.data_ptr(),
         tokens,
         topk,
+        int(PREFETCH_GU),
         mode,
         rows,
         hidden,
@@ -718,6 +726,7 @@ def _launch_bwd_fused(
         int(dedup),
         ahead,
         *peers,
+        int(PREFETCH_GU),
         budget_sms(dev),
         torch.cuda.current_stream(dev).cuda_stream if ws is None else ws.stream(),
     )

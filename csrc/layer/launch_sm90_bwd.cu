@@ -66,6 +66,7 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   k.gather_dy = static_cast<const uint16_t*>(l.gather_dy);
   k.gather_src = l.gather_src;
   k.gather_topk = static_cast<int>(l.gather_topk);
+  k.prefetch_gu = l.prefetch_gu != 0;
   k.rows = static_cast<int>(l.rows);
   k.hidden = static_cast<int>(H);
   k.inter = static_cast<int>(I);
@@ -240,6 +241,7 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   b.dgu = static_cast<uint16_t*>(d.dgu);
   b.part = d.part;
   b.gu32 = d.gu32;
+  b.prefetch_gu = d.prefetch_gu != 0;
   b.rows = static_cast<int>(R);
   b.hidden = static_cast<int>(H);
   b.inter = static_cast<int>(I);
