@@ -81,9 +81,12 @@ class GemmPoint:
 
 
 def probe_points(names: tuple[str, ...] | None = None) -> list[GemmPoint]:
-    """The grouped-GEMM points of the probe JSONs ``names`` (default: all under results_dir)."""
+    """The grouped-GEMM points of the probe JSONs ``names`` (default: the H200's under
+    results_dir, the GPU this fit is for)."""
     paths = (
-        [results_dir() / n for n in names] if names else sorted(results_dir().glob("*probe*.json"))
+        [results_dir() / n for n in names]
+        if names
+        else sorted(results_dir().glob("h200*probe*.json"))
     )
     out = []
     for path in paths:
