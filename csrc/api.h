@@ -123,6 +123,9 @@ struct FusedBwdLaunch {
   int64_t counters_len;
   int64_t wgrad_out;
   int64_t run;    // the task kinds (BwdRun in layer/sm90_bwd_fused.cuh)
+  // 1: without transfers, d_a's epilogue is staged in shared memory and stored by TMA (the
+  // same values); 0: each thread stores its words to d_a.
+  int64_t da_staged;
   int64_t fault;  // tests only: the dh task that never reports done (-1: none)
 };
 

@@ -43,6 +43,13 @@ __all__ = [
 # build times both (docs/perf-notes.md, "g / u prefetched into L2").
 PREFETCH_GU = True
 
+# Whether the fused backward's gate / up dgrad (d_a) stages each tile's output in shared memory
+# and stores it by TMA, overlapping the next tile's k-loop, instead of every thread storing its
+# words to global memory (launches without token transfers; with them d_a goes to scattered
+# slots and each thread stores). The same values either way; its own switch so one build times
+# both (docs/perf-notes.md, "d_a's epilogue staged").
+STAGED_DA = True
+
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
 ENGINES = ("tma", "vector")
 # dedup_sum also has the cp.async gather ring (v3; slower than vector on 2x H200, kept for study).
@@ -727,6 +734,7 @@ def _launch_bwd_fused(
         ahead,
         *peers,
         int(PREFETCH_GU),
+        int(STAGED_DA),
         budget_sms(dev),
         torch.cuda.current_stream(dev).cuda_stream if ws is None else ws.stream(),
     )

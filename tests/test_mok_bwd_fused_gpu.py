@@ -55,6 +55,34 @@ def test_fused_backward_is_the_unfused_kernels(hidden, inter, sizes):
 
 
 @pytest.mark.parametrize(("hidden", "inter", "sizes"), CASES)
+def test_staged_d_a_epilogue_is_the_direct_one(hidden, inter, sizes, monkeypatch):
+    """``mok.ops.STAGED_DA`` (d_a staged in shared memory and stored by TMA) gives every output
+    bitwise as each thread storing its own words does, rows past the last group untouched."""
+    a, wgu, wd, dy, row_w, offs, gu32 = _operands(hidden, inter, sizes, seed=4)
+    n = sum(sizes)
+    runs = {}
+    for staged in (False, True):
+        monkeypatch.setattr(ops, "STAGED_DA", staged)
+        # the d_a tiles alone (gate_up_dgrad's launch), into a filled buffer
+        d_a = torch.full((a.shape[0], hidden), 7.0, dtype=torch.bfloat16, device="cuda")
+        ops.bwd_fused_sm90(
+            None, None, wgu, None, offs, None, None, None, gu32.to(torch.bfloat16), None, d_a,
+            None, None, False, ops.BWD_RUN_DA, -1,
+        )  # fmt: skip
+        runs[staged] = (
+            swiglu_backward(a, wgu, wd, dy, row_w, offs, group_align=16, saved_gu=gu32),
+            d_a,
+        )
+    (off, d_off), (on, d_on) = runs[False], runs[True]
+    names = ("d_a", "d_row_weight", "d_w_gate_up", "d_w_down")
+    for i, (name, o, p) in enumerate(zip(names, off, on, strict=True)):
+        o, p = (o[:n], p[:n]) if i < 2 else (o, p)
+        assert torch.equal(o, p), f"{name} differs with the staged d_a epilogue"
+    assert torch.equal(d_off, d_on), "gate_up_dgrad's d_a differs with the staged epilogue"
+    assert (d_on[n:] == 7.0).all(), "the staged epilogue wrote rows past the last group"
+
+
+@pytest.mark.parametrize(("hidden", "inter", "sizes"), CASES)
 def test_gate_up_dgrad_against_fp64(hidden, inter, sizes):
     """mok's d_a = dgu @ w_gate_up per group within the bf16 rule of torch's grouped GEMM against
     fp64; rows past the last group are not written."""

@@ -252,7 +252,7 @@ def test_a_refused_kernel_launch_raises_with_its_shape():
     params = record.record_for(torch.device("cuda")).params()
     with pytest.raises(RuntimeError, match=r"fused experts' backward \(0 rows, hidden 512"):
         # 18 operand words, the shape, the 13 transfer words (grad_out .. off_row_grads), then
-        # the prefetch switch
-        ext.launch_bwd_fused(params, *([0] * 18), 0, 512, 256, 1, *([0] * 14), 1, stream)
+        # the prefetch and staged-d_a switches
+        ext.launch_bwd_fused(params, *([0] * 18), 0, 512, 256, 1, *([0] * 15), 1, stream)
     w, x, idx, tw = layer_problem(SHAPE, 64, SEED)
     _check_rule(_layer(w, x, idx, tw, _cfg("pull", "push"), False), w, x, idx, tw)

@@ -222,6 +222,9 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   if (ok && (l.run & kBwdRunDa))
     ok = (xfer || l.d_a != nullptr) && encode_bf16_map(&k.map_dgu, d.dgu, R, 2 * I, kTileM, kK) &&
          encode_bf16_map(&k.map_wgu, d.w_gate_up, L * 2 * I, H, kK, 64);
+  // d_a's staged epilogue (without transfers): its TMA store map
+  k.da_staged = l.da_staged != 0 && !xfer && (l.run & kBwdRunDa);
+  if (ok && k.da_staged) ok = encode_bf16_map(&k.map_da_st, l.d_a, R, H, kEpiStoreRows, 64);
   if (ok && (l.run & kBwdRunWgrad)) {
     ok = encode_bf16_map(&k.wgrad[0].map_a, d.dgu, R, 2 * I, 64, 64) &&
          encode_bf16_map(&k.wgrad[0].map_b, d.a, R, H, 64, 64) &&

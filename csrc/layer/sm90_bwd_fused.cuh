@@ -107,6 +107,19 @@ constexpr int kDhEpiWgBytes = 64 * 128;     // a warpgroup's 64 rows of a g or u
 constexpr int kDhEpiPiece = 64 * 64;        // a warpgroup's hw, dg or du: 64 rows x 32 bf16
 static_assert(2 * kDhEpiBox + 2 * kDhEpiWgBytes <= kStageBytes, "a dh epilogue stage");
 
+// A d_a tile's staged epilogue (FusedBwdKernelArgs::da_staged, no transfers) runs over
+// kDaEpiStages stages of the dgrad ring after its k-blocks, which the producer hands over empty:
+// stage q takes the tile's columns 128 q.. (acc0, then acc1), each consumer warpgroup's 64 rows
+// as two 64-column halves of 64 rows x 128 bytes in the 128-byte swizzle (8 KiB each), stored by
+// one of its threads as 16-row boxes up to its expert's end. (Stored by every thread as 4-byte
+// words straight to global memory, each warp instruction half of eight 32-byte sectors, as with
+// transfers still.)
+constexpr int kDaEpiStages = 2;
+constexpr int kDaEpiHalf = 64 * 128;          // 64 rows x 64 bf16 columns
+constexpr int kDaEpiWgBytes = 2 * kDaEpiHalf;  // a warpgroup's 64 rows x 128 columns
+static_assert(2 * kDaEpiWgBytes <= kStageBytes, "a d_a epilogue stage");
+static_assert(kDaEpiStages < kFusedDgradStages, "the d_a epilogue leaves the ring a stage");
+
 // The token transfers of a launch that runs them (row_src set): bf16 rows of H columns.
 struct BwdTransfers {
   const uint16_t* grad_out;  // [T, H] the layer's output gradient
@@ -135,6 +148,10 @@ struct FusedBwdKernelArgs {
   // hw out through dh.map_h_st (16-row x 32-column boxes, 64-byte swizzle), dgu through:
   CUtensorMap map_dgu_st;  // dgu [rows, 2I], the same boxes (out)
   uint16_t* d_a;           // [rows, H] bf16
+  // d_a out by TMA (16-row x 64-column boxes, 128-byte swizzle) where its epilogue is staged
+  // (da_staged, no transfers: fused_da_epilogue_staged); else each thread stores its own.
+  CUtensorMap map_da_st;
+  int da_staged;
   WgradKernelArgs wgrad[2];  // 0: dW_gate_up = dgu^T a (M 2I, N H); 1: dW_down = dy^T hw (H, I)
   BwdTransfers xfer;
   // [0] the next task; then per row tile (tiles_before order) and per expert the dh tiles done;
@@ -440,6 +457,14 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
       }
       fused_load_nb(&f.map_dgu, &f.map_wgu, row0, e * 2 * k.inter, nb * 256,
                     2 * k.inter / OperandBf16::kTileK, fields, stage, phase);
+      if (f.da_staged && !t.xfer) {
+#pragma unroll 1
+        for (int q = 0; q < kDaEpiStages; ++q) {  // empty stages for the staged epilogue
+          mbar_wait(&bsh.empty[stage], phase ^ 1);
+          mbar_arrive(&bsh.full[stage]);
+          if (++stage == kFusedDgradStages) stage = 0, phase ^= 1;
+        }
+      }
       continue;
     }
     const int local = i - t.n_dgrad;
@@ -571,6 +596,53 @@ __device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f, c
       *reinterpret_cast<uint32_t*>(at + 128 + 8 * j) =
           pack_bf16x2(acc1[4 * j + 2 * hr], acc1[4 * j + 2 * hr + 1]);
     }
+  }
+}
+
+// d_a's epilogue through kDaEpiStages stages the producer handed over empty (da_staged, no
+// transfers): the same bf16 values as fused_da_epilogue, rows before the group's end, written by
+// TMA from shared memory so the stores overlap the next tile's k-loop. Thread (warp, lane)'s
+// word of row r = warp * 16 + lane / 4 (+ 8), columns 8j + 2 (lane % 4).. of the stage's 128
+// goes to half j / 8, 16-byte unit (j % 8) ^ (r % 8) of row r: the eight rows of a warp
+// instruction hit eight different units, so its 32 words hit 32 banks.
+__device__ __forceinline__ void fused_da_epilogue_staged(const FusedBwdKernelArgs& f,
+                                                         const float (&acc0)[64],
+                                                         const float (&acc1)[64], int row0,
+                                                         int end, int nb, int wg, int tid,
+                                                         int& stage, uint32_t& phase) {
+  const int warp = tid / 32, lane = tid % 32;
+#pragma unroll
+  for (int q = 0; q < kDaEpiStages; ++q) {
+    const float(&acc)[64] = q == 0 ? acc0 : acc1;
+    mbar_wait(&bsh.full[stage], phase);
+    uint8_t* out = bwd_stages() + stage * kStageBytes + wg * kDaEpiWgBytes;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = warp * 16 + lane / 4 + 8 * hr;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int at = (j / 8) * kDaEpiHalf + r * 128 + (((j % 8) ^ (r % 8)) << 4) + 4 * (lane % 4);
+        *reinterpret_cast<uint32_t*>(out + at) =
+            pack_bf16x2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+      }
+    }
+    fence_proxy_async_shared();  // these writes before the TMA's reads
+    named_sync(1 + wg, 128);
+    if (tid == 0) {
+      const int col = nb * 256 + 128 * q;
+#pragma unroll
+      for (int b = 0; b < 64 / kEpiStoreRows; ++b) {
+        const int row = row0 + wg * 64 + b * kEpiStoreRows;
+        if (row >= end) break;
+        const int at = b * kEpiStoreRows * 128;
+        tma_store_2d(&f.map_da_st, out + at, col, row);
+        tma_store_2d(&f.map_da_st, out + kDaEpiHalf + at, col + 64, row);
+      }
+      bulk_commit();
+      bulk_wait_read<0>();  // the stage read: the producer may fill it again
+    }
+    mbar_arrive(&bsh.empty[stage]);
+    if (++stage == kFusedDgradStages) stage = 0, phase ^= 1;
   }
 }
 
@@ -737,6 +809,8 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, cons
         red_add_release_gpu(cnt.dh_rt + rt, 1u);
         red_add_release_gpu(cnt.dh_e + e, 1u);
       }
+    } else if (f.da_staged && f.xfer.row_src == nullptr) {
+      fused_da_epilogue_staged(f, acc0, acc1, row0, end, nb, wg, tid, stage, phase);
     } else {
       fused_da_epilogue(f, c, acc0, acc1, row0, end, nb, wg, warp, lane);
       if (peers && nb == 0) {  // the row tile's router-weight gradients (its dh tiles are done)
@@ -756,6 +830,7 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, cons
       }
     }
   }
+  if (tid == 0) bulk_wait_all();  // the staged d_a stores complete before this block exits
   wgrad_consumer<kOut>(wg);
 }
 

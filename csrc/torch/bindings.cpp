@@ -136,8 +136,8 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
                       int64_t num_experts, int64_t grad_out, int64_t x, int64_t row_src,
                       int64_t slots, int64_t dx_shared, int64_t dx, int64_t num_tokens,
                       int64_t num_topk, int64_t dedup, int64_t copy_ahead, int64_t peers,
-                      int64_t off_dy, int64_t off_row_grads, int64_t prefetch_gu, int64_t grid,
-                      int64_t stream) {
+                      int64_t off_dy, int64_t off_row_grads, int64_t prefetch_gu,
+                      int64_t da_staged, int64_t grid, int64_t stream) {
   const auto params = unpack<mok::Params>(params_bytes, "Params");
   mok::FusedBwdLaunch l{};
   l.grad_out = reinterpret_cast<const void*>(grad_out);
@@ -166,6 +166,7 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
   l.d_w_down = reinterpret_cast<void*>(d_w_down);
   l.counters = reinterpret_cast<uint32_t*>(counters);
   l.counters_len = counters_len, l.wgrad_out = wgrad_out, l.run = run, l.fault = fault;
+  l.da_staged = da_staged;
   const int err =
       mok::launch_bwd_fused(params, l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
   TORCH_CHECK(err == 0, "mok: launching the fused experts' backward (",
