@@ -13,6 +13,8 @@ from sim.app.gemm_fit import (
     dense_probe_command,
     errors,
     fit,
+    fit_probes,
+    main,
     predict,
     probe_points,
 )
@@ -31,11 +33,12 @@ from sim.core.gemm_waves import (
 from sim.core.hardware import GpuProfile, load_gpu
 from sim.layer.model import LayerBuilder, plan_for, simulate
 from sim.layer.results import comm_free_run, critical_path
-from sim.measured import GEMM_WAVES_FIT_PROBES
+from sim.measured import GEMM_WAVES_FIT_PROBES, gpu_profile_of
 
 P = 100
 T = 10.0
 DENSE = "h200-probe-gemm-dense-2026-12-01.json"
+DENSE_H100 = "h100-probe-gemm-dense-2026-12-07.json"
 # a parameter set for the closed forms (round numbers, not the fit)
 W = GemmWaves(
     tile_efficiency=1.2,
@@ -153,7 +156,7 @@ def test_standalone_gemm_closed_form_and_host_floor():
 
 def test_fit_reproduces_the_committed_profile_section():
     gpu = load_gpu("h200")
-    assert GEMM_WAVES_FIT_PROBES == (DENSE,)
+    assert GEMM_WAVES_FIT_PROBES["h200"] == fit_probes("h200") == (DENSE,)
     pts = probe_points()
     p = fit(gpu, pts)
     committed = gpu.waves()
@@ -169,6 +172,23 @@ def test_fit_reproduces_the_committed_profile_section():
         assert load_gpu(name).waves() == committed
 
 
+def test_probe_points_belong_to_the_gpu_the_probe_ran_on():
+    """Every point's GPU is its probe's meta.gpu; a GPU's fit points are those of its own fit
+    probes only, and filtering by GPU keeps exactly its points."""
+    pts = probe_points()
+    by_gpu = {g: probe_points(gpu=g) for g in ("h200", "h100")}
+    assert sorted(pts, key=repr) == sorted(sum(by_gpu.values(), []), key=repr)
+    for g, mine in by_gpu.items():
+        assert mine and {q.gpu for q in mine} == {g}
+        assert {q.source for q in mine if q.is_fit} == set(GEMM_WAVES_FIT_PROBES.get(g, ()))
+    assert {q.source for q in by_gpu["h100"]} == {DENSE_H100}
+    assert gpu_profile_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_profile_of("NVIDIA H200") == "h200"
+    assert gpu_profile_of("NVIDIA B200") is None and gpu_profile_of(None) is None
+    with pytest.raises(ValueError, match="no GEMM waves fit probes for GPU 'b200'"):
+        fit_probes("b200")
+
+
 def _abs_errors(gpu, p, pts):
     return np.abs([predict(gpu, p, q) / q.us - 1.0 for q in pts])
 
@@ -180,7 +200,7 @@ def test_fit_and_holdout_errors():
     gpu = load_gpu("h200")
     p = gpu.waves()
     pts = probe_points()
-    e = errors(gpu, p, pts)
+    e = errors(gpu, p, pts)  # the H100 probe's points are skipped (another GPU)
     fit_err, hold = np.abs(e["fit"]), np.abs(e["holdout"])
     assert len(fit_err) == 96 and len(hold) == 76
     assert np.median(fit_err) < 0.03 and fit_err.max() < 0.205  # measured 2.8 % / 20.0 %
@@ -189,6 +209,7 @@ def test_fit_and_holdout_errors():
     # under torchrun against 43.6 us fitted), and the 64 x 128 tiles of 128 rows per expert run
     # slower than the model's single per-SM rate in all three probes.
     assert np.median(hold) < 0.055 and hold.max() < 0.235  # measured 4.9 % / 23.0 % (76)
+    pts = [q for q in pts if q.gpu == "h200"]
     dense_rows = [q for q in pts if q.source == DENSE and q.section == "by_rows"]
     dense_sms = [q for q in pts if q.source == DENSE and q.section == "by_sms"]
     old_sms = [q for q in pts if q.source != DENSE and q.section == "by_sms"]
@@ -196,6 +217,14 @@ def test_fit_and_holdout_errors():
     assert np.median(r) < 0.045 and r.max() < 0.205  # measured 4.1 % / 20.0 %
     assert np.median(m) < 0.025 and m.max() < 0.11  # measured 2.4 % / 10.6 %
     assert np.median(o) < 0.035 and o.max() < 0.13  # measured 3.1 % / 12.7 %
+
+
+def test_gemm_fit_main_prints_every_point_of_one_gpu(capsys):
+    assert main(["h200"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"fit  {DENSE}") == 96 and DENSE_H100 not in out
+    assert "fit: 96 points" in out and "holdout: 76 points" in out
+    assert "--out h200-probe-gemm-dense.json" in out
 
 
 def test_the_dense_sweep_shows_the_cluster_pairs():
