@@ -287,10 +287,11 @@ def gpu_profile_of(device: str | None) -> str | None:
 # of the 132 SMs, and only the carveout sweep measures how the rate depends on the SM count); the
 # grouped GEMMs of the other probes of the same GPU are held out (h200:
 # h200-probe-1gpu-2026-11-30.json, h200x2-mok-probe-2026-11-30.json and the 4 grouped GEMMs of
-# h200-probe-gemm-sustained-2026-12-03.json: other runs, other days), and those of another GPU
-# are neither (gpu_profile_of the probe's meta.gpu)
+# h200-probe-gemm-sustained-2026-12-03.json: other runs, other days; h100: none), and those of
+# another GPU are neither (gpu_profile_of the probe's meta.gpu)
 GEMM_WAVES_FIT_PROBES = {
     "h200": ("h200-probe-gemm-dense-2026-12-01.json",),
+    "h100": ("h100-probe-gemm-dense-2026-12-07.json",),
 }
 
 # Push signalling (sim.app.signalling_fit, written into the h200 profile by sim.app.calibrate):

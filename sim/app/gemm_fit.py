@@ -6,8 +6,8 @@ each point is ``torch._grouped_mm`` over 8 experts, gate+up (N = 2 x intermediat
 down (N = hidden, K = intermediate), timed with :func:`sim.core.gemm_waves.standalone_gemm_us`,
 and belongs to the GPU profile of the device its probe ran on (``meta.gpu``,
 :func:`sim.measured.gpu_profile_of`). Fit subset of a GPU: every point of its probes in
-:data:`sim.measured.GEMM_WAVES_FIT_PROBES` (the dense one-GPU sweep, by rows and by SMs); every
-other point of that GPU is held out, the points of other GPUs are neither. The fit
+:data:`sim.measured.GEMM_WAVES_FIT_PROBES` (the dense one-GPU sweep, by rows and by SMs: h200 and
+h100); every other point of that GPU is held out, the points of other GPUs are neither. The fit
 minimises the squared log error over ``tile_efficiency``, ``sustained_efficiency``,
 ``tile_fixed_us``, ``fill_us``, ``host_us`` and ``weight_gbps`` (coordinate search with
 shrinking steps, numpy only), the rates as fractions of the GPU profile's ``tensor_tflops`` and
@@ -16,8 +16,8 @@ points and is an assumption, the same on every GPU. :func:`dense_probe_command` 
 run of the fit points.
 
 ``python -m sim.app.calibrate`` writes the result into the ``gemm_waves`` section of
-``sim/profiles/h200.json``; ``python -m sim.app.gemm_fit [GPU]`` (default h200) prints the
-fitted values and the error of every point of that GPU.
+``sim/profiles/h200.json`` and ``sim/profiles/h100.json``; ``python -m sim.app.gemm_fit [GPU]``
+(default h200) prints the fitted values and the error of every point of that GPU.
 """
 
 from __future__ import annotations
