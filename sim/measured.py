@@ -12,6 +12,8 @@ train`` or ``mok.bench experts`` CSV, checked: :data:`MEASURED_COLUMNS`,
 :class:`MeasuredCSVError`); :func:`is_layer_csv`
 and :func:`is_train_csv` tell the kinds apart by their columns and :func:`row_tile_of` reads a
 layer row's ``row_tile`` (CSVs that predate the column ran 128).
+:func:`gpu_profile_of` names the GPU profile of the device a measurement ran on (a probe's
+``meta.gpu``, a CSV's ``gpu`` column).
 
 Subsets (a row is a fit row or a validation row; the fits see only the fit rows):
 
@@ -50,6 +52,8 @@ __all__ = [
     "is_train_csv",
     "row_tile_of",
     "DEFAULT_ROW_TILE",
+    "MEASURED_GPUS",
+    "gpu_profile_of",
     "FIT_TOKENS",
     "is_fit_row",
     "FUSED_FIT_SMS",
@@ -264,13 +268,31 @@ def row_tile_of(row: dict) -> int:
     return DEFAULT_ROW_TILE if v is None or str(v).strip() == "" else int(v)
 
 
+# -- which GPU a measurement ran on --------------------------------------------------------------
+# a word of the device name as torch reports it -> the GPU profile (sim/profiles/<name>.json)
+MEASURED_GPUS = {"H200": "h200", "H100": "h100"}
+
+
+def gpu_profile_of(device: str | None) -> str | None:
+    """The GPU profile name of ``device``, a device name as torch reports it (a probe JSON's
+    ``meta.gpu``, a bench CSV's ``gpu`` column), by its words (:data:`MEASURED_GPUS`):
+    ``NVIDIA H100 80GB HBM3`` -> ``h100``; None for another GPU or no name."""
+    words = set(str(device or "").upper().split())
+    return next((prof for w, prof in MEASURED_GPUS.items() if w in words), None)
+
+
 # -- the comm-kernel fit subset (sim.comm.fit) -------------------------------------------------
-# GEMM waves (sim.app.gemm_fit): fit on every grouped GEMM of these probes (by rows per expert at
-# all SMs, and by SM count through the carveout: the layer runs its GEMMs on 100-128 of the 132
-# SMs, and only the carveout sweep measures how the rate depends on the SM count); the grouped
-# GEMMs of the other probes (h200-probe-1gpu-2026-11-30.json, h200x2-mok-probe-2026-11-30.json:
-# other runs, other days) are held out
-GEMM_WAVES_FIT_PROBES = ("h200-probe-gemm-dense-2026-12-01.json",)
+# GEMM waves (sim.app.gemm_fit), per GPU profile: fit on every grouped GEMM of its probes (by rows
+# per expert at all SMs, and by SM count through the carveout: the layer runs its GEMMs on 100-128
+# of the 132 SMs, and only the carveout sweep measures how the rate depends on the SM count); the
+# grouped GEMMs of the other probes of the same GPU are held out (h200:
+# h200-probe-1gpu-2026-11-30.json, h200x2-mok-probe-2026-11-30.json and the 4 grouped GEMMs of
+# h200-probe-gemm-sustained-2026-12-03.json: other runs, other days; h100: none), and those of
+# another GPU are neither (gpu_profile_of the probe's meta.gpu)
+GEMM_WAVES_FIT_PROBES = {
+    "h200": ("h200-probe-gemm-dense-2026-12-01.json",),
+    "h100": ("h100-probe-gemm-dense-2026-12-07.json",),
+}
 
 # Push signalling (sim.app.signalling_fit, written into the h200 profile by sim.app.calibrate):
 # the one-H200 run of the probe's poll_cost, fence_cost, block_skew and signal_jitter sections

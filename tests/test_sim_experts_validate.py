@@ -41,6 +41,10 @@ def test_a_row_is_modelled_on_its_own_routing_and_the_kernels_tiles():
     assert cfg.swiglu_bwd_bytes_per_elem == 14.0  # fp32 g, u read; h w, dg, du written
     other = next(r for r in rows if r["piece"] == "bwd_recompute" and r["model"] == "kimi-k2")
     assert experts_model_config(other)[2].recompute
+    assert wl.topology == "h200x2"  # an H200 row; an H100 row runs on the h100 profile
+    h100 = {**row, "gpu": "NVIDIA H100 80GB HBM3"}
+    assert experts_model_config(h100)[0].topology == "hgx-h100"
+    assert experts_model_config(h100)[1:] == (plan, cfg)
 
 
 def test_every_backward_piece_is_predicted_and_the_rest_listed():

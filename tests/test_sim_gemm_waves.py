@@ -1,6 +1,6 @@
-"""GEMM waves model (sim.core.gemm_waves): closed forms of each term, the fit on the dense
-one-H200 probe against the committed profile section, and the layer's re-simulated breakdown
-(sim.layer.results.comm_free_run)."""
+"""GEMM waves model (sim.core.gemm_waves): closed forms of each term, the fits on the dense
+one-H200 and one-H100 probes against the committed profile sections, and the layer's
+re-simulated breakdown (sim.layer.results.comm_free_run)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import pytest
 from sim.app.gemm_fit import (
     DENSE_GEMM_ROWS,
     FIT_PARAMS,
+    LAUNCH_US,
     dense_probe_command,
     errors,
     fit,
+    fit_probes,
+    main,
     predict,
     probe_points,
 )
@@ -31,11 +34,12 @@ from sim.core.gemm_waves import (
 from sim.core.hardware import GpuProfile, load_gpu
 from sim.layer.model import LayerBuilder, plan_for, simulate
 from sim.layer.results import comm_free_run, critical_path
-from sim.measured import GEMM_WAVES_FIT_PROBES
+from sim.measured import GEMM_WAVES_FIT_PROBES, gpu_profile_of
 
 P = 100
 T = 10.0
 DENSE = "h200-probe-gemm-dense-2026-12-01.json"
+DENSE_H100 = "h100-probe-gemm-dense-2026-12-07.json"
 # a parameter set for the closed forms (round numbers, not the fit)
 W = GemmWaves(
     tile_efficiency=1.2,
@@ -151,22 +155,52 @@ def test_standalone_gemm_closed_form_and_host_floor():
     assert W.layer_fill_us == W.fill_us - W.launch_us
 
 
-def test_fit_reproduces_the_committed_profile_section():
-    gpu = load_gpu("h200")
-    assert GEMM_WAVES_FIT_PROBES == (DENSE,)
+@pytest.mark.parametrize("name, probe", [("h200", DENSE), ("h100", DENSE_H100)])
+def test_fit_reproduces_the_committed_profile_section(name, probe):
+    """Each measured GPU's section is the fit on its own dense sweep (all probes given: the
+    other GPU's points are not fitted), launch_us the assumption, weight_gbps at its HBM rate."""
+    gpu = load_gpu(name)
+    assert GEMM_WAVES_FIT_PROBES[name] == fit_probes(name) == (probe,)
     pts = probe_points()
     p = fit(gpu, pts)
     committed = gpu.waves()
-    for name, (*_, decimals) in FIT_PARAMS.items():
-        assert getattr(p, name) == pytest.approx(getattr(committed, name), abs=10.0**-decimals)
+    for param, (*_, decimals) in FIT_PARAMS.items():
+        assert getattr(p, param) == pytest.approx(getattr(committed, param), abs=10.0**-decimals)
     assert (p.launch_us, p.reference_hbm_gbps, p.source) == (
         committed.launch_us,
-        committed.reference_hbm_gbps,
+        gpu.hbm_gbps,
         committed.source,
     )
-    # the derived profiles carry the same section (rates as fractions of their own tensor rate)
-    for name in ("h100", "b200", "gb200", "gb300"):
-        assert load_gpu(name).waves() == committed
+    assert committed.launch_us == LAUNCH_US and committed.reference_hbm_gbps == gpu.hbm_gbps
+    others = [f for g, fs in GEMM_WAVES_FIT_PROBES.items() if g != name for f in fs]
+    assert probe in committed.source and not any(f in committed.source for f in others)
+
+
+def test_derived_profiles_carry_the_h200_section_and_the_h100_its_own():
+    """b200 / gb200 / gb300 carry the H200's section (rates as fractions of their own tensor
+    rate); the h100's is fitted on the one-H100 probe and differs from it."""
+    h200 = load_gpu("h200").waves()
+    for name in ("b200", "gb200", "gb300"):
+        assert load_gpu(name).waves() == h200
+    h100 = load_gpu("h100").waves()
+    assert h100 != h200 and DENSE_H100 in h100.source and DENSE not in h100.source
+
+
+def test_probe_points_belong_to_the_gpu_the_probe_ran_on():
+    """Every point's GPU is its probe's meta.gpu; a GPU's fit points are those of its own fit
+    probes only, and filtering by GPU keeps exactly its points."""
+    pts = probe_points()
+    by_gpu = {g: probe_points(gpu=g) for g in GEMM_WAVES_FIT_PROBES}
+    assert sorted(pts, key=repr) == sorted(sum(by_gpu.values(), []), key=repr)
+    for g, mine in by_gpu.items():
+        assert mine and {q.gpu for q in mine} == {g}
+        assert {q.source for q in mine if q.is_fit} == set(GEMM_WAVES_FIT_PROBES[g])
+    assert {q.source for q in by_gpu["h100"]} == {DENSE_H100}
+    assert gpu_profile_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_profile_of("NVIDIA H200") == "h200"
+    assert gpu_profile_of("NVIDIA B200") is None and gpu_profile_of(None) is None
+    with pytest.raises(ValueError, match="no GEMM waves fit probes for GPU 'b200'"):
+        fit_probes("b200")
 
 
 def _abs_errors(gpu, p, pts):
@@ -180,7 +214,7 @@ def test_fit_and_holdout_errors():
     gpu = load_gpu("h200")
     p = gpu.waves()
     pts = probe_points()
-    e = errors(gpu, p, pts)
+    e = errors(gpu, p, pts)  # the H100 probe's points are skipped (another GPU)
     fit_err, hold = np.abs(e["fit"]), np.abs(e["holdout"])
     assert len(fit_err) == 96 and len(hold) == 76
     assert np.median(fit_err) < 0.03 and fit_err.max() < 0.205  # measured 2.8 % / 20.0 %
@@ -189,6 +223,7 @@ def test_fit_and_holdout_errors():
     # under torchrun against 43.6 us fitted), and the 64 x 128 tiles of 128 rows per expert run
     # slower than the model's single per-SM rate in all three probes.
     assert np.median(hold) < 0.055 and hold.max() < 0.235  # measured 4.9 % / 23.0 % (76)
+    pts = [q for q in pts if q.gpu == "h200"]
     dense_rows = [q for q in pts if q.source == DENSE and q.section == "by_rows"]
     dense_sms = [q for q in pts if q.source == DENSE and q.section == "by_sms"]
     old_sms = [q for q in pts if q.source != DENSE and q.section == "by_sms"]
@@ -196,6 +231,37 @@ def test_fit_and_holdout_errors():
     assert np.median(r) < 0.045 and r.max() < 0.205  # measured 4.1 % / 20.0 %
     assert np.median(m) < 0.025 and m.max() < 0.11  # measured 2.4 % / 10.6 %
     assert np.median(o) < 0.035 and o.max() < 0.13  # measured 3.1 % / 12.7 %
+
+
+def test_h100_fit_errors():
+    """Measured with the committed h100 section (docs/sim-validation.md, 'One H100'). Fit: every
+    point of the one-H100 dense sweep; no other H100 probe, so nothing is held out."""
+    gpu = load_gpu("h100")
+    p = gpu.waves()
+    e = errors(gpu, p, probe_points())  # the H200 probes' points are skipped (another GPU)
+    fit_err = np.abs(e["fit"])
+    assert len(fit_err) == 96 and e["holdout"].size == 0
+    assert np.median(fit_err) < 0.035 and fit_err.max() < 0.15  # measured 3.2 % / 14.4 %
+    pts = probe_points((DENSE_H100,))
+    rows, sms = ([q for q in pts if q.section == s] for s in ("by_rows", "by_sms"))
+    r, m = _abs_errors(gpu, p, rows), _abs_errors(gpu, p, sms)
+    assert np.median(r) < 0.035 and r.max() < 0.15  # measured 3.0 % / 14.4 %
+    assert np.median(m) < 0.04 and m.max() < 0.105  # measured 3.5 % / 9.9 %
+    # the H200's section (as the h100 profile carried it before) on the same points
+    old = _abs_errors(gpu, load_gpu("h200").waves(), pts)
+    assert np.median(old) > np.median(fit_err) and old.max() > 0.3  # measured 3.8 % / 34.1 %
+
+
+@pytest.mark.parametrize(
+    "name, probe, other, hold",
+    [("h200", DENSE, DENSE_H100, "76 points"), ("h100", DENSE_H100, DENSE, "no points")],
+)
+def test_gemm_fit_main_prints_every_point_of_one_gpu(capsys, name, probe, other, hold):
+    assert main([name]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"fit  {probe}") == 96 and other not in out
+    assert "fit: 96 points" in out and f"holdout: {hold}" in out
+    assert f"--out {name}-probe-gemm-dense.json" in out
 
 
 def test_the_dense_sweep_shows_the_cluster_pairs():

@@ -16,13 +16,14 @@ from sim.app.calibrate import (
     fit_h200_profile,
     predict_bidirectional_gbps,
     predict_one_direction_gbps,
+    with_fitted_gemm_waves,
     with_signalling,
 )
 from sim.app.signalling_fit import fit_signalling
 from sim.core.gemm import gemm_us
 from sim.core.hardware import GpuProfile, list_gpus, load_gpu, profiles_dir
 from sim.layer.plan import RoutingPlan
-from sim.measured import SIGNALLING_FIT_PROBE, measured_path
+from sim.measured import GEMM_WAVES_FIT_PROBES, SIGNALLING_FIT_PROBE, measured_path
 from tests import tolerances as tol
 
 PROFILES = profiles_dir()
@@ -161,16 +162,36 @@ def test_calibration_writes_the_signalling_probe_fit_into_the_h200_profile():
 
 
 def test_committed_derived_profiles_are_derived_from_the_committed_h200():
-    """h100 / b200 / gb200 / gb300 are derive_profiles(h200), one source of truth; each keeps
-    the H200's GEMM waves section with an assumption line saying so."""
-    for name, prof in derive_profiles(load_gpu("h200")).items():
+    """h100 / b200 / gb200 / gb300 are derive_profiles(h200), one source of truth; b200 / gb200
+    / gb300 keep the H200's GEMM waves section with an assumption line saying so, the h100 has
+    the fit on its own probe (sim.measured.GEMM_WAVES_FIT_PROBES)."""
+    h200_waves = json.loads((PROFILES / "h200.json").read_text())["gemm_waves"]
+    derived = derive_profiles(load_gpu("h200"))
+    assert set(derived) == {"h100", "b200", "gb200", "gb300"}
+    for name, prof in derived.items():
         committed = json.loads((PROFILES / f"{name}.json").read_text())
         tol.assert_json_close(json.loads(json.dumps(prof.to_dict())), committed)
-        assert (
-            committed["gemm_waves"]
-            == json.loads((PROFILES / "h200.json").read_text())["gemm_waves"]
-        )
-        assert any(a.startswith("gemm_waves: the H200 fit") for a in committed["assumptions"])
+        carried = any(a.startswith("gemm_waves: the H200 fit") for a in committed["assumptions"])
+        assert (committed["gemm_waves"] == h200_waves) == carried == (name != "h100")
+
+
+def test_calibration_writes_the_h100_probe_fit_into_the_h100_profile():
+    """The h100 profile's gemm_waves section is the fit on the one-H100 dense sweep, at the
+    H100's HBM rate, its source and an assumption line naming that probe."""
+    (probe,) = GEMM_WAVES_FIT_PROBES["h100"]
+    assert probe == "h100-probe-gemm-dense-2026-12-07.json"
+    bare = GpuProfile(**{**load_gpu("h100").__dict__, "gemm_waves": None})
+    fresh = with_fitted_gemm_waves(bare)
+    committed = json.loads((PROFILES / "h100.json").read_text())
+    tol.assert_json_close(
+        json.loads(json.dumps(fresh.gemm_waves.to_dict())), committed["gemm_waves"]
+    )
+    assert fresh.gemm_waves.source == committed["gemm_waves"]["source"]
+    assert probe in committed["gemm_waves"]["source"] and probe in committed["source"]
+    assert committed["gemm_waves"]["reference_hbm_gbps"] == committed["hbm_gbps"] == 3350.0
+    assert committed["assumptions"][-1].startswith("gemm_waves: fitted by sim.app.gemm_fit")
+    assert probe in committed["assumptions"][-1]
+    assert "h200-probe-gemm" not in json.dumps(committed["gemm_waves"])
 
 
 def test_json_close_is_exact_but_for_float_ulps():

@@ -15,11 +15,13 @@ from mok.spec.workload import get_shape
 from sim.app.cli import main
 from sim.app.validate import (
     TRAIN_MOK_IMPLS,
+    row_topology,
     summarise_train,
     train_model_config,
     train_piece_flops,
     validate_train_rows,
 )
+from sim.core.topology import get_topology
 from sim.measured import is_layer_csv, is_train_csv, measured_path, read_measured, read_rows
 
 TRAIN = measured_path("h200x1-train.csv")
@@ -93,6 +95,45 @@ def test_train_model_config_of_a_committed_row():
     assert bwd.replace(direction="forward", recompute=False, num_comm_sms=8) == fwd
     _, _, f2, b2 = train_model_config(row, "mok-fused-h200x1")
     assert f2.gemm_profile == b2.gemm_profile == "mok-fused-h200x1"
+
+
+def test_a_row_runs_on_the_gpu_it_ran_on():
+    """The one rank's topology, and so its GPU profile, is the row's GPU (its gpu column): an
+    H100 row hgx-h100's first GPU, an H200 row (or one of another GPU, or without the column)
+    h200x2's; the rest of the config does not depend on it."""
+    got = {}
+    for gpu, topo in (
+        ("NVIDIA H100 80GB HBM3", "hgx-h100"),
+        ("NVIDIA H200", "h200x2"),
+        ("NVIDIA B200", "h200x2"),
+        ("", "h200x2"),
+    ):
+        row = _row(gpu=gpu)
+        assert row_topology(row) == topo
+        wl, plan, fwd, bwd = train_model_config(row)
+        assert wl.topology == topo and wl.ep == 1
+        got[gpu] = (plan.expert_counts.tolist(), fwd, bwd)
+    assert len({repr(v) for v in got.values()}) == 1
+    assert get_topology("hgx-h100").gpu.name == "h100" and get_topology("h200x2").gpu.name == "h200"
+    assert row_topology({"model": "tiny"}) == "h200x2"
+
+
+def test_the_topology_alone_barely_moves_a_one_rank_prediction():
+    """At EP1 the topology's links carry no rows: the committed H200 train CSV predicted on
+    hgx-h200 instead of h200x2 (both H200) moves each prediction by under 0.1 % (measured at most
+    0.07 %), so an H100 row on hgx-h100 differs from an H200 one by its GPU profile."""
+    from unittest import mock
+
+    import sim.app.validate as v
+
+    rows = read_rows(TRAIN)
+    base = {(r["row"], r["what"]): r["predicted_us"] for r in validate_train_rows(rows)}
+    with mock.patch.dict(v.ROW_TOPOLOGIES, {"h200": "hgx-h200"}):
+        other = validate_train_rows(rows)
+    moved = [
+        r["predicted_us"] / base[(r["row"], r["what"])] - 1 for r in other if r["status"] == "ok"
+    ]
+    assert len(moved) == 84 and max(map(abs, moved)) < 1e-3
 
 
 def test_saving_rows_differ_in_recompute_and_in_the_weight_gradients_depth():

@@ -31,13 +31,15 @@ one-H200 signalling sections); each term's reading is in the profile's ``assumpt
 docs/sim-validation.md, "Push signalling". The ``incast`` section stays the stated assumption.
 
 The ``gemm_waves`` section (:mod:`sim.core.gemm_waves`) is not fitted from the comm probe:
-:func:`fit_h200_profile`, the committed ``h200`` profile, adds the fit of
-:func:`sim.app.gemm_fit.fit` on the probes of :data:`sim.measured.GEMM_WAVES_FIT_PROBES`;
+:func:`with_fitted_gemm_waves` adds the fit of :func:`sim.app.gemm_fit.fit` on the probes of the
+profile's GPU in :data:`sim.measured.GEMM_WAVES_FIT_PROBES`, to the committed ``h200`` profile
+(:func:`fit_h200_profile`) and to the derived ``h100`` one (the one-H100 dense sweep);
 :func:`fit_gpu_profile` writes the section only when given one (``gemm_waves=``).
 
 Derived (non-measured) profiles for H100, B200, GB200 and GB300 are built from the fitted H200
 profile by :func:`derive_profiles`; each scaling step is recorded in the profile's
-``assumptions``. ``python -m sim.app.calibrate`` regenerates every committed profile.
+``assumptions``. The H100's GEMM waves are its own fit; the others carry the H200's.
+``python -m sim.app.calibrate`` regenerates every committed profile.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.app.gemm_fit import fit as fit_gemm_waves
+from sim.app.gemm_fit import fit_probes
 from sim.app.signalling_fit import fit_signalling
 from sim.core.gemm import gemm_us
 from sim.core.hardware import (
@@ -67,6 +70,8 @@ __all__ = [
     "fit_gpu_profile",
     "fit_h200_profile",
     "with_signalling",
+    "with_gemm_waves",
+    "with_fitted_gemm_waves",
     "predict_one_direction_gbps",
     "predict_bidirectional_gbps",
     "calibration_points",
@@ -406,6 +411,14 @@ def with_gemm_waves(prof: GpuProfile, gw: GemmWaves) -> GpuProfile:
     )
 
 
+def with_fitted_gemm_waves(prof: GpuProfile) -> GpuProfile:
+    """``prof`` with the GEMM waves fitted for its GPU (:func:`sim.app.gemm_fit.fit` on the
+    probes of :func:`sim.app.gemm_fit.fit_probes` of ``prof.name``, at ``prof``'s tensor rate and
+    HBM bandwidth; :func:`with_gemm_waves`). ValueError for a GPU without fit probes."""
+    fit_probes(prof.name)
+    return with_gemm_waves(prof, fit_gemm_waves(prof))
+
+
 def with_signalling(prof: GpuProfile, sig: dict, probe_file: str) -> GpuProfile:
     """``prof`` with the push-signalling terms of ``sig`` (:func:`fit_signalling` of the probe
     ``probe_file``) and their assumption lines, which replace the stated ``fence_us`` line:
@@ -492,17 +505,19 @@ def fit_h200_profile(probe_path: Path | None = None) -> GpuProfile:
     """The committed ``h200`` profile: the comm fit of the two-GPU probe (default
     :data:`H200_PROBE`), the push-signalling terms fitted on
     :data:`sim.measured.SIGNALLING_FIT_PROBE` (:func:`with_signalling`) and the GEMM waves fit on
-    :data:`sim.measured.GEMM_WAVES_FIT_PROBES`."""
+    :data:`sim.measured.GEMM_WAVES_FIT_PROBES` (:func:`with_fitted_gemm_waves`)."""
     path = Path(probe_path) if probe_path else measured_path(H200_PROBE)
     h200 = fit_gpu_profile(json.loads(path.read_text()), "h200", path.name)
     sig_path = measured_path(SIGNALLING_FIT_PROBE)
     sig = fit_signalling(json.loads(sig_path.read_text()))
     h200 = with_signalling(h200, sig, sig_path.name)
-    return with_gemm_waves(h200, fit_gemm_waves(h200))
+    return with_fitted_gemm_waves(h200)
 
 
 def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
-    """Datasheet-led profiles scaled from the fitted H200 profile (every step in assumptions)."""
+    """Datasheet-led profiles scaled from the fitted H200 profile (every step in assumptions);
+    the H100's GEMM waves fitted on its own probe (:func:`with_fitted_gemm_waves`), the others'
+    the H200's."""
     base = h200.__dict__
     sig, inc = h200.signalling, h200.incast
     common = (
@@ -528,8 +543,9 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
         f"{inc.efficiency_min:g} for many writers (half-way at {1 + inc.writers_half:g}); none of "
         "them probed on this GPU",
     )
+    carried = ()  # the GEMM waves line of a profile that keeps the H200's
     if (gw := h200.gemm_waves) is not None:
-        tail += (
+        carried = (
             f"gemm_waves: the H200 fit, rates as the same fractions of this GPU's tensor_tflops "
             f"(tile_efficiency {gw.tile_efficiency:g} per SM, sustained_efficiency "
             f"{gw.sustained_efficiency:g} for the chip), weight streaming x hbm_gbps / "
@@ -539,7 +555,7 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
     bf16 = h200.tensor_tflops["bf16"]
     eff = bf16 / 989.0  # measured fraction of the H100/H200 dense bf16 datasheet peak
     out = {}
-    out["h100"] = GpuProfile(
+    h100 = GpuProfile(
         **{
             **base,
             "name": "h100",
@@ -547,16 +563,21 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
             "hbm_gbps": 3350.0,
             "hbm_copy_gbps": h200.hbm_copy_gbps * 3350.0 / 4800.0,
             "comm_curves": dict(h200.comm_curves),
-            "source": "datasheet lead (H100 SXM) + h200 fit",
+            "gemm_waves": None,
+            "source": "datasheet lead (H100 SXM) + h200 fit + gemm_waves fitted on "
+            + ", ".join(fit_probes("h100")),
             "assumptions": common
             + (
-                "same SMs, tensor cores and NVLink4 as H200: comm curves and GEMM rate copied",
+                "same SMs, tensor cores and NVLink4 as H200: comm curves and GEMM rate "
+                "(tensor_tflops, gemm_efficiency) copied; the gemm_waves rates are fractions of "
+                "that tensor_tflops fitted on this GPU",
                 "HBM3 3.35 TB/s: copy rate scaled by 3350/4800",
             )
             + tail,
             "fit": {},
         }
     )
+    out["h100"] = with_fitted_gemm_waves(h100)
 
     def blackwell(name: str, sms: int, bf16_peak: float, fp8_peak: float, l2: float, note: str):
         # NVLink5 doubles the per-direction rate; the per-SM rate is set by bytes in flight /
@@ -595,7 +616,8 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
                     "rates unchanged (bytes in flight / latency)",
                     "HBM3e 8 TB/s: local copy ceilings and copy rate x 8000/4800",
                 )
-                + tail,
+                + tail
+                + carried,
                 "fit": {},
             }
         )
@@ -607,8 +629,8 @@ def derive_profiles(h200: GpuProfile) -> dict[str, GpuProfile]:
 
 
 def regenerate(probe_path: Path, out_dir: Path) -> list[Path]:
-    """Fit ``h200`` from the probe JSON (:func:`fit_h200_profile`) and derive the other presets;
-    write them to ``out_dir``."""
+    """Fit ``h200`` from the probe JSON (:func:`fit_h200_profile`) and derive the other presets
+    (:func:`derive_profiles`: the h100 with its own GEMM waves fit); write them to ``out_dir``."""
     h200 = fit_h200_profile(probe_path)
     written = []
     for prof in (h200, *derive_profiles(h200).values()):

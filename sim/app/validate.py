@@ -68,7 +68,7 @@ from sim.fused.model import fused_row, row_num_experts
 from sim.fused.profile import FusedProfile
 from sim.layer.backward import backward_config
 from sim.layer.plan import RoutingPlan
-from sim.measured import is_fit_row, row_tile_of
+from sim.measured import gpu_profile_of, is_fit_row, row_tile_of
 
 __all__ = [
     "rerun_spearman",
@@ -82,6 +82,8 @@ __all__ = [
     "validate_layer_rows",
     "validate_train_rows",
     "train_model_config",
+    "row_topology",
+    "ROW_TOPOLOGIES",
     "train_piece_flops",
     "summarise_train",
     "format_train_report",
@@ -285,6 +287,10 @@ TRAIN_FUSED_IMPLS = ("mok-fused", "mok-fused-saved")
 TRAIN_BWD_COMM_SMS = MoKConfig().num_comm_sms_bwd
 TRAIN_MINIBATCH = MoKConfig().minibatch_size
 TRAIN_ROW_TILE = MoKConfig().row_tile
+# the topology whose first GPU runs a one-GPU row (train, experts), by the GPU profile of the
+# device it ran on (its `gpu` column, sim.measured.gpu_profile_of); any other GPU, or a CSV
+# without the column: h200x2 (one rank of a multi-GPU topology: at EP1 its links carry no rows)
+ROW_TOPOLOGIES = {"h200": "h200x2", "h100": "hgx-h100"}
 # why a quantity of a train row is not predicted
 TRAIN_UNMODELLED = {
     "torch-best": "torch-best: one GPU, torch parts only under autograd (argsort, gathers, "
@@ -299,7 +305,8 @@ TRAIN_UNMODELLED = {
 }
 # what the layer model represents of a train row, and what not (the report's header, the docs)
 TRAIN_MODEL_NOTES = (
-    "one H200 as EP1 (h200x2's first GPU, one rank) with the row's num_experts experts all "
+    "one GPU as EP1, the one the row ran on (its gpu column: an H100 hgx-h100's first GPU, h100 "
+    "profile; else h200x2's first, h200 profile), with the row's num_experts experts all "
     "local (the per-rank work of EP2: the model's / 2), routing make_routing(tokens, "
     "num_experts, top-k, 1 rank, skew, routing_seed); the forward and the backward simulated "
     "apart, step = their sum",
@@ -333,13 +340,21 @@ def train_plan(
     return RoutingPlan(make_routing(tokens, experts, shape.num_topk, 1, skew, seed), row_tile)
 
 
+def row_topology(row: dict) -> str:
+    """The topology of the layer model's one rank for a one-GPU bench row (train, experts): by
+    the GPU it ran on (its ``gpu`` column), :data:`ROW_TOPOLOGIES`; h200x2 for another GPU or
+    a CSV without the column."""
+    return ROW_TOPOLOGIES.get(gpu_profile_of(row.get("gpu")) or "", "h200x2")
+
+
 def train_model_config(
     row: dict, gemm_profile: str | None = None
 ) -> tuple[Workload, RoutingPlan, SimConfig | None, SimConfig]:
     """(workload, routing plan, forward config, backward config) of the layer model for a mok
-    row of a ``mok.bench train`` CSV (:data:`TRAIN_MODEL_NOTES`): one rank of h200x2 with the
-    row's experts (its ``num_experts``: the model's / ``emulated_ep``), all local, on the
-    routing the benchmark drew (:func:`mok.spec.rows.row_routing_seed`); the forward config
+    row of a ``mok.bench train`` CSV (:data:`TRAIN_MODEL_NOTES`): one rank of
+    :func:`row_topology` (the GPU the row ran on) with the row's experts (its ``num_experts``:
+    the model's / ``emulated_ep``), all local, on the routing the benchmark drew
+    (:func:`mok.spec.rows.row_routing_seed`); the forward config
     None for a ``mok-unfused`` or ``mok-saved`` row (:data:`TRAIN_UNMODELLED`); the backward
     with ``recompute`` (mok's backward saves only its inputs and computes the gate / up GEMMs
     again; not for a ``mok-saved`` row, :data:`TRAIN_SAVED_IMPLS`) on
@@ -358,7 +373,7 @@ def train_model_config(
     experts = row_num_experts(row) or shape.num_experts
     if experts < shape.num_topk:
         raise ValueError(f"{model}: num_experts={experts} is below its top-{shape.num_topk}")
-    wl = Workload(model, tokens, 1, "h200x2", skew, seed)
+    wl = Workload(model, tokens, 1, row_topology(row), skew, seed)
     rt, mb = TRAIN_ROW_TILE, TRAIN_MINIBATCH
     plan = train_plan(model, tokens, skew, experts, seed, rt)
     base = SimConfig(

@@ -24,7 +24,14 @@ from collections.abc import Iterable, Sequence
 from mok.spec.config import MoKConfig
 from mok.spec.rows import row_routing_seed
 from mok.spec.workload import get_shape
-from sim.app.validate import abs_stats, bench_ring, pct, train_plan, validation_record
+from sim.app.validate import (
+    abs_stats,
+    bench_ring,
+    pct,
+    row_topology,
+    train_plan,
+    validation_record,
+)
 from sim.config import SimConfig, Workload
 from sim.layer.backward import backward_config
 
@@ -74,7 +81,8 @@ EXPERTS_COMM_SMS = 1
 
 def experts_model_config(row: dict, gemm_profile: str | None = None):
     """(workload, routing plan, backward config) of the layer model for a row of an experts
-    CSV: one GPU with the row's ``num_experts``, all local, on the routing the bench drew,
+    CSV: one GPU (:func:`sim.app.validate.row_topology`: the one the row ran on) with the row's
+    ``num_experts``, all local, on the routing the bench drew,
     regions padded to :data:`EXPERTS_ROW_TILE`, one round; the backward with ``recompute``
     except for the pieces from saved g / u, with mok's epilogue bytes (:data:`EXPERTS_EPILOGUE`).
     ValueError for a workload the simulator rejects."""
@@ -83,7 +91,7 @@ def experts_model_config(row: dict, gemm_profile: str | None = None):
     if experts < shape.num_topk:
         raise ValueError(f"{model}: num_experts={experts} is below its top-{shape.num_topk}")
     rt = EXPERTS_ROW_TILE
-    wl = Workload(model, tokens, 1, "h200x2", skew, seed)
+    wl = Workload(model, tokens, 1, row_topology(row), skew, seed)
     plan = train_plan(model, tokens, skew, experts, seed, rt)
     ring = bench_ring(tokens, shape.num_topk, experts, rt, tokens)
     recompute, epilogue_bytes = EXPERTS_EPILOGUE.get(row["piece"], EXPERTS_EPILOGUE_DEFAULT)

@@ -49,8 +49,9 @@ host time of a call issued back to back (``host_us``, a floor on the measured ti
 :class:`GemmWaves` holds the parameters. They are GPU profile data (the class lives in
 :mod:`sim.core.hardware` beside the profile's other sections): the ``gemm_waves`` section of
 ``sim/profiles/<gpu>.json`` (:attr:`sim.core.hardware.GpuProfile.gemm_waves`), which
-``python -m sim.app.calibrate`` writes from :func:`sim.app.gemm_fit.fit` for the H200 and carries
-over to the derived profiles (rates as the same fractions of their own ``tensor_tflops``).
+``python -m sim.app.calibrate`` writes from :func:`sim.app.gemm_fit.fit` for the H200 and the
+H100 (each on its own probe) and carries over from the H200 to the other derived profiles (rates
+as the same fractions of their own ``tensor_tflops``).
 """
 
 from __future__ import annotations

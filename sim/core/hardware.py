@@ -17,8 +17,8 @@ SM count. The curve is the *engine* limit of the issuing GPU in payload GB/s; th
 limit (with per-direction protocol overhead) is applied separately by the flow network.
 
 The grouped-GEMM parameters of the layer model are a section of the profile as well
-(``gemm_waves``, :class:`sim.core.gemm_waves.GemmWaves`): fitted for the H200 by
-:mod:`sim.app.gemm_fit`, carried over to the derived profiles.
+(``gemm_waves``, :class:`sim.core.gemm_waves.GemmWaves`): fitted for the H200 and the H100 by
+:mod:`sim.app.gemm_fit`, the H200's carried over to the other derived profiles.
 """
 
 from __future__ import annotations
