@@ -621,7 +621,8 @@ __device__ __forceinline__ void fused_da_epilogue_staged(const FusedBwdKernelArg
       const int r = warp * 16 + lane / 4 + 8 * hr;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const int at = (j / 8) * kDaEpiHalf + r * 128 + (((j % 8) ^ (r % 8)) << 4) + 4 * (lane % 4);
+        const int at =
+            (j / 8) * kDaEpiHalf + r * 128 + (((j % 8) ^ (r % 8)) << 4) + 4 * (lane % 4);
         *reinterpret_cast<uint32_t*>(out + at) =
             pack_bf16x2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
       }
