@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import random
+import subprocess
 import sys
 import time
 
@@ -438,6 +439,32 @@ def timeout_case(dev, inside: bool, shape: ModelShape) -> None:
     mok.clear_workspaces()
 
 
+def memory_report(dev: torch.device, rank: int) -> None:
+    """What each rank holds on its GPU at the end (the shared-GPU EP sizes are bounded by it,
+    tests/dist/launch.py GIB_PER_SHARED_RANK): torch's caching allocator per rank, then (rank 0)
+    every process's total as nvidia-smi sees it; the difference is the CUDA context, the
+    libraries' workspaces and the symmetric memory, which torch's allocator does not count."""
+    mib = 2**20
+    print(
+        f"rank {rank}: MEMORY torch reserved {torch.cuda.memory_reserved(dev) / mib:.0f} MiB "
+        f"(peak {torch.cuda.max_memory_reserved(dev) / mib:.0f}, allocated "
+        f"{torch.cuda.memory_allocated(dev) / mib:.0f})",
+        flush=True,
+    )
+    if rank != 0:
+        return
+    q = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):  # no such view
+        out = subprocess.run(q, capture_output=True, text=True, timeout=30).stdout
+        used = [int(line.split(",")[1]) for line in out.splitlines() if line.count(",") == 1]
+        if used:
+            print(
+                f"rank 0: MEMORY per process (nvidia-smi, {len(used)} processes): "
+                f"min {min(used)} MiB, max {max(used)} MiB, total {sum(used)} MiB",
+                flush=True,
+            )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer modes and cases")
@@ -483,6 +510,7 @@ def main() -> int:
             print(f"rank {rank}: INVARIANCE {f}", flush=True)
         check(args.report or not failures, f"{len(failures)} invariance failures")
     dist.barrier()
+    memory_report(dev, rank)
     print(f"MOK-TRAIN-OK rank={rank}", flush=True)
     dist.destroy_process_group()
     return 0
