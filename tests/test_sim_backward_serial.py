@@ -1,0 +1,97 @@
+"""mok's backward as it runs at one rank in the simulator (sim.layer.backward, the serial
+backward, SimConfig.serial_backward): its chain in closed form and its config checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.config import SimConfig, Workload
+from sim.core.gemm import reduce_us
+from sim.core.gemm_waves import round_times
+from sim.layer.backward import REV_COMBINE_ROWS, backward_config
+from sim.layer.model import BackwardBuilder, forward_backward, plan_for, simulate
+
+# one rank of an H100 with Qwen3-30B's experts
+QWEN = Workload("qwen3-30b-a3b", 2048, 1, "hgx-h100", "hot:0.3", 5)
+SERIAL = backward_config(SimConfig(dispatch_mode="dedup_pull"), recompute=True).replace(
+    serial_backward=True
+)
+
+
+def _run(wl: Workload, cfg: SimConfig):
+    plan = plan_for(wl, cfg.row_tile)
+    return simulate(wl, cfg, plan), BackwardBuilder(wl, cfg, plan)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_serial_backward_is_its_pieces_one_after_another(gather, recompute):
+    """The prediction is the schedule, the dY and x copies (none when gathered) at the probe's
+    local copy rate of every SM, each GEMM from its standalone fill to its last tile on every SM,
+    and the one-pass combine (every (token, k) row read, every token written), summed."""
+    cfg = SERIAL.replace(recompute=recompute, gather_backward=gather)
+    res, b = _run(QWEN, cfg)
+    gpu, shape = b.gpu, b.shape
+    assert b.compute_sms == gpu.num_sms == 132
+    rows = QWEN.tokens_per_rank * shape.num_topk
+    copy = rows * shape.hidden * 2.0 / (gpu.curve("local_tma").gbps(132) * 1e3)
+    copy += gpu.local_load_latency_us
+    pieces = b.piece_us()
+    names = ["down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up", "shared"]
+    assert list(pieces) == (["recompute"] if recompute else []) + names
+    # the design's schedule task: base, the two handshakes, per row
+    sched = cfg.schedule_base_us + b.handshake_us(0) + b.handshake_us(1)
+    sched += rows * cfg.schedule_ns_per_row / 1e3
+    combine = reduce_us(gpu, rows, QWEN.tokens_per_rank, shape.hidden)
+    want = sched + (0.0 if gather else REV_COMBINE_ROWS * copy) + sum(pieces.values()) + combine
+    assert res.layer_us == pytest.approx(want, rel=1e-9)
+    # the breakdown still adds up: the copies are its exposed transfers
+    b_ = res.breakdown
+    assert sum(b_.values()) == pytest.approx(res.layer_us, rel=1e-9)
+    assert b_["exposed_comm_us"] == pytest.approx(0.0 if gather else 2 * copy, rel=1e-9)
+    assert res.wgrad_us == pytest.approx(pieces["dw_down"] + pieces["dw_gate_up"], rel=1e-9)
+
+
+def test_each_serial_gemm_is_one_launch_over_every_row():
+    """One GEMM over all the rows on every SM (one round: its weights streamed once), from the
+    standalone launch's fill (not the megakernel's) to its last tile; the comm SMs and the
+    rounds of the design play no part."""
+    res, b = _run(QWEN, SERIAL)
+    plan, w = b.plan, b.waves
+    tiles = -(-int(plan.padded_rows[0]) // 128)
+    experts = int((plan.expert_counts.sum(axis=1) > 0).sum())
+    dg = b.dgrad_specs(tiles, b.shape.intermediate, experts)
+    got = b.piece_us()
+    for name, spec in zip(("recompute", "down_dgrad", "gate_up_dgrad"), dg, strict=True):
+        assert got[name] == pytest.approx(round_times([spec], 132, w.fill_us)[1], rel=1e-12)
+    assert w.fill_us > w.layer_fill_us
+    other = _run(QWEN, SERIAL.replace(num_comm_sms=8, minibatch_size=1024))[0]
+    assert other.layer_us == pytest.approx(res.layer_us, rel=1e-9)
+
+
+def test_mok_epilogue_bytes_slow_the_down_dgrad_alone():
+    res, b = _run(QWEN, SERIAL)
+    more = _run(QWEN, SERIAL.replace(swiglu_bwd_bytes_per_elem=14.0))[1].piece_us()
+    less = b.piece_us()
+    assert more["down_dgrad"] > less["down_dgrad"]
+    assert {k: v for k, v in more.items() if k != "down_dgrad"} == {
+        k: v for k, v in less.items() if k != "down_dgrad"
+    }
+
+
+def test_serial_backward_config_checks():
+    with pytest.raises(ValueError, match="applies to direction='backward' only"):
+        SimConfig(serial_backward=True)
+    with pytest.raises(ValueError, match="serial backward only"):
+        SimConfig(direction="backward", gather_backward=True)
+    with pytest.raises(ValueError, match="True or False"):
+        SimConfig(direction="backward", serial_backward=1)
+    with pytest.raises(ValueError, match="at one rank"):
+        _run(Workload("qwen3-30b-a3b", 256, 2, "hgx-h100"), SERIAL)
+    with pytest.raises(ValueError, match="at one rank"):
+        _run(QWEN, SERIAL.replace(kernel_profile="mok-comm-h200x2"))
+    assert "serial" in SERIAL.label() and "gather" in SERIAL.replace(gather_backward=True).label()
+    # forward_backward's forward drops the backward's switches
+    fwd, bwd = forward_backward(QWEN, SERIAL)
+    assert fwd.config.direction == "forward" and not fwd.config.serial_backward
+    assert bwd.config.serial_backward
