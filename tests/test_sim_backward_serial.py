@@ -1,21 +1,32 @@
 """mok's backward as it runs at one rank in the simulator (sim.layer.backward, the serial
-backward, SimConfig.serial_backward): its chain in closed form and its config checks."""
+backward, SimConfig.serial_backward): its chain in closed form, its config checks, and
+validate's train rows on it (the committed one-H100 files)."""
 
 from __future__ import annotations
 
 import pytest
 
+from mok.spec.workload import get_shape
+from sim.app.validate import (
+    MOK_SWIGLU_BWD_BYTES,
+    TRAIN_GATHER_MAX_INTER,
+    summarise_train,
+    train_model_config,
+    validate_train_rows,
+)
 from sim.config import SimConfig, Workload
 from sim.core.gemm import reduce_us
 from sim.core.gemm_waves import round_times
 from sim.layer.backward import REV_COMBINE_ROWS, backward_config
 from sim.layer.model import BackwardBuilder, forward_backward, plan_for, simulate
+from sim.measured import measured_path, read_rows
 
 # one rank of an H100 with Qwen3-30B's experts
 QWEN = Workload("qwen3-30b-a3b", 2048, 1, "hgx-h100", "hot:0.3", 5)
 SERIAL = backward_config(SimConfig(dispatch_mode="dedup_pull"), recompute=True).replace(
     serial_backward=True
 )
+LEVERS = measured_path("h100x1-train-sonicmoe-levers-2026-12-07.csv")
 
 
 def _run(wl: Workload, cfg: SimConfig):
@@ -95,3 +106,61 @@ def test_serial_backward_config_checks():
     fwd, bwd = forward_backward(QWEN, SERIAL)
     assert fwd.config.direction == "forward" and not fwd.config.serial_backward
     assert bwd.config.serial_backward
+
+
+def test_the_gather_rule_is_mok_autograds():
+    """validate's serial rows read their rows from the tokens where mok.autograd's "auto"
+    gathers: the intermediate size at most its GATHER_BACKWARD_MAX_INTER."""
+    autograd = pytest.importorskip("mok.autograd")
+    assert autograd.GATHER_BACKWARD == "auto"
+    assert autograd.GATHER_BACKWARD_MAX_INTER == TRAIN_GATHER_MAX_INTER
+    got = {}
+    for row in read_rows(LEVERS):
+        if row["impl"] in ("mok-unfused", "mok-saved"):
+            cfg = train_model_config(row)[3]
+            inter = get_shape(row["model"]).intermediate
+            assert cfg.gather_backward == (inter <= TRAIN_GATHER_MAX_INTER)
+            assert cfg.swiglu_bwd_bytes_per_elem == MOK_SWIGLU_BWD_BYTES[cfg.recompute]
+            got[row["model"]] = cfg.gather_backward
+    assert got == {
+        "sonic-1536x256": True,
+        "sonic-4096x512": False,
+        "sonic-4096x1024": False,
+        "sonic-4096x2048": False,
+    }
+
+
+def test_validate_on_the_serial_backward_and_on_the_design():
+    """The levers CSV's backward errors: the serial model's are the documented ones
+    (docs/sim-validation.md, 'The backward by piece'), the design's those before it; the
+    forward is the same either way."""
+    rows = read_rows(LEVERS)
+    serial, design = validate_train_rows(rows), validate_train_rows(rows, design=True)
+    for s, d in zip(serial, design, strict=True):
+        if s["what"] == "fwd":
+            assert s["predicted_us"] == d["predicted_us"] or s["status"] != "ok"
+    got = {}
+    for recs in (serial, design):
+        errs = {}
+        for r in recs:
+            if r["what"] == "bwd" and r["status"] == "ok":
+                errs.setdefault(r["model"], []).append(r["err"])
+        got[recs is design] = {m: (min(e), max(e)) for m, e in errs.items()}
+    want = {
+        False: {
+            "sonic-1536x256": (-0.398, -0.346),
+            "sonic-4096x512": (-0.149, -0.097),
+            "sonic-4096x1024": (-0.160, -0.123),
+            "sonic-4096x2048": (-0.169, -0.087),
+        },
+        True: {
+            "sonic-1536x256": (-0.211, -0.085),
+            "sonic-4096x512": (-0.266, -0.124),
+            "sonic-4096x1024": (-0.246, -0.189),
+            "sonic-4096x2048": (-0.192, -0.136),
+        },
+    }
+    for k, by in want.items():
+        for m, (lo, hi) in by.items():
+            assert got[k][m] == pytest.approx((lo, hi), abs=0.0015), (k, m)
+    assert summarise_train(serial)["quantities"]["bwd"]["n"] == 24
