@@ -69,6 +69,7 @@ PIECES = (
     ("copies", ("copies",), "dY and x row copies (dispatches, padding zeros)"),
     ("recompute+down_dgrad", ("recompute", "down_dgrad"), "gate/up recompute + down dgrad"),
     ("down_dgrad", ("down_dgrad",), "down dgrad from saved g/u (SwiGLU bwd)"),
+    ("swiglu_epilogue", ("swiglu_epilogue",), "  model: of which the SwiGLU epilogue"),
     ("gate_up_dgrad", ("gate_up_dgrad",), "gate/up dgrad (d_a)"),
     ("dw_gate_up", ("dw_gate_up",), "dW_gate_up"),
     ("dw_down", ("dw_down",), "dW_down"),
@@ -117,7 +118,8 @@ def model_pieces(row: dict, design: bool = False, gather: bool | None = None) ->
     """The layer model's backward of a train row (:func:`sim.app.validate.train_model_config`:
     mok's serial backward, or with ``design`` the fused design; ``gather`` as there) by piece:
     ``schedule``, ``copies``, the GEMMs (:meth:`sim.layer.backward.BackwardPass.piece_us`),
-    ``combine`` and ``other``, adding up to the prediction (``total``)."""
+    ``combine`` and ``other``, adding up to the prediction (``total``); and
+    ``swiglu_epilogue``, the part of ``down_dgrad`` its epilogue's bytes take."""
     from sim.app.validate import train_model_config
     from sim.layer.model import BackwardBuilder, simulate
 
@@ -130,6 +132,9 @@ def model_pieces(row: dict, design: bool = False, gather: bool | None = None) ->
     out["combine"] = float(sum(d for p, d in zip(phase, dur, strict=True) if p == "reduce"))
     out["other"] = res.layer_us - sum(out.values())
     out["total"] = res.layer_us
+    # the SwiGLU backward in the down dgrad's epilogue: part of down_dgrad, not added again
+    bare = BackwardBuilder(wl, cfg.replace(swiglu_bwd_bytes_per_elem=0.0), plan).piece_us(0)
+    out["swiglu_epilogue"] = out["down_dgrad"] - bare["down_dgrad"]
     return out
 
 
@@ -185,6 +190,7 @@ MODEL_PIECES = (
     ("copies", ("copies",), "dY and x row copies"),
     ("recompute", ("recompute",), "gate/up recompute"),
     ("down_dgrad", ("down_dgrad",), "down dgrad (SwiGLU bwd in its epilogue)"),
+    ("swiglu_epilogue", ("swiglu_epilogue",), "  of which the SwiGLU epilogue"),
     ("gate_up_dgrad", ("gate_up_dgrad",), "gate/up dgrad (d_a)"),
     ("dw_gate_up", ("dw_gate_up",), "dW_gate_up"),
     ("dw_down", ("dw_down",), "dW_down"),
@@ -216,8 +222,11 @@ def format_pieces(cases: Sequence[dict]) -> str:
                 m = c[side]
                 have = [k for k in model_keys if k in m]
                 got[side] = sum(m[k] for k in have) if have else None
-            if meas and name not in meas and name not in ("copies", "schedule", "combine"):
-                # a model piece the profile shows within another (or not at all): skip
+            # a model piece the profile shows within another (or not at all) is skipped, but
+            # for the epilogue, shown beside the dh kernel
+            shown = ("copies", "schedule", "combine")
+            epilogue = name == "swiglu_epilogue" and any(k in meas for k in _DH)
+            if meas and name not in meas and name not in shown and not epilogue:
                 continue
             if not meas and all(not got[side] for side in got):
                 continue
