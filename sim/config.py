@@ -122,6 +122,15 @@ class SimConfig:
     # where the regions are padded to 16 (the unfused path's backward), the row tile where the
     # backward runs over regions padded to it (from the fused forward's kept g / u)
     wgrad_depth_step: int = 16
+    # backward only: the backward as mok runs it at one rank (sim.layer.backward, "The serial
+    # backward"): its pieces one after another, each on every SM of the budget (the schedule, the
+    # dY and x row copies, each GEMM as its own launch, the shared expert, the one-pass combine),
+    # instead of the fused design's overlap of transfers and GEMMs on a comm / compute SM split;
+    # num_comm_sms and the rounds then play no part
+    serial_backward: bool = False
+    # serial backward only: the GEMMs read their dY and x rows from the tokens
+    # (mok.autograd.GATHER_BACKWARD), so no row copies run
+    gather_backward: bool = False
     # the layer's SM budget (MoKConfig.num_sms): the SMs its kernels use, communication and GEMMs
     # together; 0: every SM of the GPU. The rest are left to other work (not modelled).
     num_sms: int = 0
@@ -186,6 +195,13 @@ class SimConfig:
             raise ValueError(
                 f"swiglu_bwd_bytes_per_elem must be >= 0 (found {self.swiglu_bwd_bytes_per_elem})"
             )
+        for name in ("serial_backward", "gather_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False (found {getattr(self, name)!r})")
+        if self.serial_backward and self.direction != "backward":
+            raise ValueError("serial_backward=True applies to direction='backward' only")
+        if self.gather_backward and not self.serial_backward:
+            raise ValueError("gather_backward=True applies to the serial backward only")
 
     def sms_on(self, gpu_sms: int) -> int:
         """The SMs the layer uses on a GPU of ``gpu_sms``: the budget, at most the GPU's."""
@@ -203,6 +219,8 @@ class SimConfig:
         kp = f" kernels={self.kernel_profile}" if self.kernel_profile is not None else ""
         if self.direction != "forward":
             kp += f" {self.direction}{' recompute' if self.recompute else ''}"
+            kp += " serial" if self.serial_backward else ""
+            kp += " gather" if self.gather_backward else ""
         if self.num_sms:
             kp += f" budget={self.num_sms}"
         return (

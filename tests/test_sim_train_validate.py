@@ -91,10 +91,26 @@ def test_train_model_config_of_a_committed_row():
     assert (
         fwd.macrobatch_size == bwd.macrobatch_size == -(-(2 * 4096 * 8 + 128 * 127) // 4096) * 4096
     )
-    assert (bwd.direction, bwd.recompute, bwd.num_comm_sms) == ("backward", True, 24)
-    assert bwd.replace(direction="forward", recompute=False, num_comm_sms=8) == fwd
+    # mok's serial backward: rows copied (intermediate 2048 > 256), mok's epilogue bytes
+    assert (bwd.direction, bwd.recompute, bwd.serial_backward, bwd.gather_backward) == (
+        "backward",
+        True,
+        True,
+        False,
+    )
+    assert bwd.swiglu_bwd_bytes_per_elem == 6.0
+    # the design (--design-backward): the forward's config on 24 comm SMs, the design's bytes
+    _, _, fwd_d, design = train_model_config(row, design=True)
+    assert fwd_d == fwd and (design.direction, design.num_comm_sms) == ("backward", 24)
+    assert (design.serial_backward, design.swiglu_bwd_bytes_per_elem) == (False, 8.0)
+    assert design.replace(direction="forward", recompute=False, num_comm_sms=8) == fwd
+    assert bwd == design.replace(
+        serial_backward=True, gather_backward=False, swiglu_bwd_bytes_per_elem=6.0
+    )
     _, _, f2, b2 = train_model_config(row, "mok-fused-h200x1")
     assert f2.gemm_profile == b2.gemm_profile == "mok-fused-h200x1"
+    # a run that forced the gather (mok.autograd.GATHER_BACKWARD = True): no row copies
+    assert train_model_config(row, gather=True)[3].gather_backward
 
 
 def test_a_row_runs_on_the_gpu_it_ran_on():
@@ -210,8 +226,8 @@ def test_records_of_a_tiny_train_csv(tmp_path):
             assert sum(
                 r[k] for k in ("gemm_us", "exposed_comm_us", "signalling_us", "schedule_us")
             ) == pytest.approx(r["predicted_us"])
-        assert f["sim_sms"] == rows[i]["sms"] and b["sim_sms"] == "24"
-        assert s["sim_sms"] == f"{rows[i]['sms']}+24"
+        assert f["sim_sms"] == rows[i]["sms"] and b["sim_sms"] == "serial"
+        assert s["sim_sms"] == f"{rows[i]['sms']}+serial"
         # only the step's p20 / p80 are measured
         assert math.isnan(f["p20_us"]) and s["p20_us"] == 340.0
         assert b["wgrad_us"] > 0 and f["wgrad_us"] == 0.0
@@ -255,7 +271,7 @@ def test_cli_validates_the_committed_train_csv(tmp_path, capsys, gemm_profile):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert (
-        "the simulator's fused-backward design" in " ".join(text.split())
+        "mok's backward as it runs at one rank" in " ".join(text.split())
         and f"{TRAIN}: 48 rows" in text
     )
     assert ("mok-fused-h200x1" in text) == bool(gemm_profile)
@@ -285,7 +301,9 @@ def test_cli_validates_the_committed_train_csv(tmp_path, capsys, gemm_profile):
 def test_the_documented_errors():
     """docs/sim-validation.md, 'Layer model: the backward against the train benchmark': |err|
     median / max per quantity at the standalone and at the EP1 megakernel GEMM rates, on the
-    first run (30 rows) and on the committed run with mok-saved and mok-fused-saved (48 rows)."""
+    first run (30 rows) and on the committed run with mok-saved and mok-fused-saved (48 rows),
+    the backward by the fused design (``--design-backward``, validate's backward before the
+    serial one)."""
     rows = read_rows(FIRST)
     want = {
         None: {"fwd": (0.205, 0.256), "bwd": (0.219, 0.303), "step": (0.213, 0.278)},
@@ -299,7 +317,7 @@ def test_the_documented_errors():
     }
     for csv_rows, table in ((rows, want), (read_rows(TRAIN), now)):
         for prof, by_q in table.items():
-            s = summarise_train(validate_train_rows(csv_rows, prof))
+            s = summarise_train(validate_train_rows(csv_rows, prof, design=True))
             for q, (med, top) in by_q.items():
                 got = s["quantities"][q]
                 assert got["median_abs_err"] == pytest.approx(med, abs=0.001), (prof, q)

@@ -558,6 +558,8 @@ def _cmd_validate(a) -> int:
             "--layer-model checks the layer model on layer CSVs (mok.bench layer)"
             + ("; a train CSV is always predicted by the layer model" if train else "")
         )
+    if a.design_backward and not train:
+        raise CliError("--design-backward applies to train CSVs (mok.bench train)")
     summary = None  # an experts CSV has no targets
     if train:
         records = _validate_train(a, rows)
@@ -689,7 +691,7 @@ def _validate_layer_model(a, rows: list[dict]) -> list[dict]:
 def _validate_train(a, rows: list[dict]) -> list[dict]:
     import textwrap
 
-    from sim.app.validate import TRAIN_MODEL_NOTES, validate_train_rows
+    from sim.app.validate import train_model_notes, validate_train_rows
 
     if a.refit:
         raise CliError(
@@ -710,10 +712,10 @@ def _validate_train(a, rows: list[dict]) -> list[dict]:
         f"layer model (sim.layer), forward and backward at {rates}, one set for every GEMM of "
         "both passes; train rows, all held out (nothing is fitted on them):"
     )
-    for note in TRAIN_MODEL_NOTES:
+    for note in train_model_notes(a.design_backward):
         print(textwrap.fill(note, 100, initial_indent="  - ", subsequent_indent="    "))
     say_if_compiling(LAYER_MODULES)
-    return validate_train_rows(rows, a.gemm_profile)
+    return validate_train_rows(rows, a.gemm_profile, a.design_backward)
 
 
 def _validate_experts(a, rows: list[dict], title: str) -> list[dict]:
@@ -887,6 +889,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --layer-model or a train CSV: run the layer model's GEMMs (both passes) at "
         f"this fused profile's rates (e.g. {DEFAULT_FUSED_PROFILE}, or mok-fused-h200x1 for the "
         "one-GPU train rows; SimConfig.gemm_profile); default: the GPU profile's",
+    )
+    v.add_argument(
+        "--design-backward",
+        action="store_true",
+        help="a train CSV: predict the backward by the simulator's fused-backward design (comm "
+        "and compute SMs overlapped, sim.layer.backward) instead of mok's serial backward as it "
+        "runs at one rank (SimConfig.serial_backward, the default)",
     )
     v.add_argument("--csv", help="write the per-row predictions here")
     v.add_argument("--plot", help="PNG scatter of predicted vs measured")

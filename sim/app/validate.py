@@ -42,9 +42,10 @@ GPU; :func:`sim.measured.is_train_csv`) go through :func:`validate_train_rows`: 
 row (``what`` = ``fwd`` / ``bwd`` / ``step``), the mok rows predicted by the layer model as one
 rank with the row's experts (:func:`train_model_config`; the forward and the backward simulated
 apart, the step their sum), :func:`summarise_train` and :func:`format_train_report` for the
-errors per quantity and the ranking. The model's backward is the simulator's fused-backward
-design at the forward's GEMM rates, not mok's backward as it runs today
-(:data:`TRAIN_MODEL_NOTES`); the torch-best rows and the mok-unfused forward are baselines
+errors per quantity and the ranking. The model's backward is mok's backward as it runs at one
+rank (the serial backward of :mod:`sim.layer.backward`: its pieces one after another on every
+SM), or with ``design=True`` the simulator's fused-backward design, which is not what mok runs
+(:func:`train_model_notes`); the torch-best rows and the mok-unfused forward are baselines
 (:data:`TRAIN_UNMODELLED`).
 """
 
@@ -82,6 +83,7 @@ __all__ = [
     "validate_layer_rows",
     "validate_train_rows",
     "train_model_config",
+    "train_model_notes",
     "row_topology",
     "ROW_TOPOLOGIES",
     "train_piece_flops",
@@ -90,6 +92,8 @@ __all__ = [
     "TRAIN_QUANTITIES",
     "TRAIN_MODEL_NOTES",
     "TRAIN_UNMODELLED",
+    "TRAIN_GATHER_MAX_INTER",
+    "MOK_SWIGLU_BWD_BYTES",
     "BASELINES",
     "GROUP_KEYS",
     "CONFIG_KEYS",
@@ -287,6 +291,15 @@ TRAIN_FUSED_IMPLS = ("mok-fused", "mok-fused-saved")
 TRAIN_BWD_COMM_SMS = MoKConfig().num_comm_sms_bwd
 TRAIN_MINIBATCH = MoKConfig().minibatch_size
 TRAIN_ROW_TILE = MoKConfig().row_tile
+# mok's backward at one rank reads its dY and x rows from the tokens in its GEMMs (no row copies)
+# where the experts' intermediate size is at most this: mok.autograd.GATHER_BACKWARD "auto" and
+# GATHER_BACKWARD_MAX_INTER, since git 1fcfabc (before it every backward copied its rows)
+TRAIN_GATHER_MAX_INTER = 256
+# HBM bytes per intermediate element of mok's SwiGLU-backward epilogue (csrc/layer/sm90_bwd.cuh),
+# by recompute: h w, dg and du written in bf16 (6) after the recomputed gate / up; from saved
+# g / u the fp32 g and u read too (+8). The layer model's default
+# (SimConfig.swiglu_bwd_bytes_per_elem, 8) is a bf16-saving design's.
+MOK_SWIGLU_BWD_BYTES = {True: 6.0, False: 14.0}
 # the topology whose first GPU runs a one-GPU row (train, experts), by the GPU profile of the
 # device it ran on (its `gpu` column, sim.measured.gpu_profile_of); any other GPU, or a CSV
 # without the column: h200x2 (one rank of a multi-GPU topology: at EP1 its links carry no rows)
@@ -301,10 +314,11 @@ TRAIN_UNMODELLED = {
     "of comm and compute SMs (its backward is predicted: the same backward as the fused rows')",
     "mok-saved": "mok-saved forward (and so its step): mok-unfused's forward with the routed "
     "experts in mok's saving kernel (fp32 gate / up kept), one piece after another on all SMs "
-    "(its backward is predicted: the fused-backward design without the routed recompute)",
+    "(its backward is predicted: the backward without the routed recompute)",
 }
-# what the layer model represents of a train row, and what not (the report's header, the docs)
-TRAIN_MODEL_NOTES = (
+# what the layer model represents of a train row, and what not (the report's header, the docs):
+# the row, the forward, then the backward (train_model_notes: the serial one, or the design's)
+_TRAIN_NOTES = (
     "one GPU as EP1, the one the row ran on (its gpu column: an H100 hgx-h100's first GPU, h100 "
     "profile; else h200x2's first, h200 profile), with the row's num_experts experts all "
     "local (the per-rank work of EP2: the model's / 2), routing make_routing(tokens, "
@@ -314,8 +328,25 @@ TRAIN_MODEL_NOTES = (
     f"fused kernel runs it: the row's comm SMs and mode, minibatch {TRAIN_MINIBATCH}, row tile "
     f"{TRAIN_ROW_TILE}, the whole receive buffer (mok-fused-saved's fp32 gate / up stores are "
     "not modelled)",
-    "backward (every mok row): the simulator's fused-backward design (sim.layer.backward), "
-    "NOT what mok runs today: pull reverse combine and push reverse dispatch on "
+)
+_TRAIN_SERIAL_NOTE = (
+    "backward (every mok row): mok's backward as it runs at one rank, the serial backward of "
+    "sim.layer.backward: one piece after another, each on every SM (the schedule; the dY and x "
+    "row copies, none where the intermediate size is at most "
+    f"{TRAIN_GATHER_MAX_INTER}, whose GEMMs read the rows from the tokens; each GEMM as its own "
+    "launch over all the rows: the gate / up recompute except on the saving rows, mok-saved and "
+    "mok-fused-saved, the down dgrad with mok's SwiGLU-backward epilogue bytes "
+    f"({MOK_SWIGLU_BWD_BYTES[True]:g} per intermediate element, {MOK_SWIGLU_BWD_BYTES[False]:g} "
+    "from saved g / u), the gate / up dgrad, the two weight gradients (depth: each expert's rows "
+    "rounded up to 16, to the row tile on mok-fused-saved rows, whose regions are padded to it), "
+    "the shared expert; the one-pass combine), every GEMM at the forward's rates. Not modelled: "
+    "the padding rows' zero-fill, the router-weight gradient's staging and the small torch ops "
+    "between the pieces"
+)
+_TRAIN_DESIGN_NOTE = (
+    "backward (every mok row; --design-backward): the simulator's fused-backward design "
+    "(sim.layer.backward), NOT what mok runs today: pull reverse combine and push reverse "
+    "dispatch on "
     f"{TRAIN_BWD_COMM_SMS} comm SMs (MoKConfig.num_comm_sms_bwd) overlapping per-round dgrads "
     "(gate/up recomputed, except on the saving rows, mok-saved and mok-fused-saved; down "
     "dgrad with the SwiGLU backward; gate/up dgrad) and the weight gradients on the other SMs"
@@ -326,8 +357,18 @@ TRAIN_MODEL_NOTES = (
     "not saved), mok's gate/up dgrad and weight-gradient GEMMs (one launch from saved g/u), "
     "the shared expert, a combine; each at its own measured rate, which no profile of the "
     "model holds. A backward error is the distance between that design at those rates and "
-    "today's code",
+    "today's code"
 )
+
+
+def train_model_notes(design: bool = False) -> tuple[str, ...]:
+    """What the layer model represents of a train row, and what not (the report's header): the
+    row, the forward, and the backward (mok's serial one, or with ``design`` the fused
+    design's)."""
+    return (*_TRAIN_NOTES, _TRAIN_DESIGN_NOTE if design else _TRAIN_SERIAL_NOTE)
+
+
+TRAIN_MODEL_NOTES = train_model_notes()
 
 
 @lru_cache(maxsize=32)
@@ -348,17 +389,21 @@ def row_topology(row: dict) -> str:
 
 
 def train_model_config(
-    row: dict, gemm_profile: str | None = None
+    row: dict, gemm_profile: str | None = None, design: bool = False, gather: bool | None = None
 ) -> tuple[Workload, RoutingPlan, SimConfig | None, SimConfig]:
     """(workload, routing plan, forward config, backward config) of the layer model for a mok
-    row of a ``mok.bench train`` CSV (:data:`TRAIN_MODEL_NOTES`): one rank of
+    row of a ``mok.bench train`` CSV (:func:`train_model_notes`): one rank of
     :func:`row_topology` (the GPU the row ran on) with the row's experts (its ``num_experts``:
     the model's / ``emulated_ep``), all local, on the routing the benchmark drew
     (:func:`mok.spec.rows.row_routing_seed`); the forward config
     None for a ``mok-unfused`` or ``mok-saved`` row (:data:`TRAIN_UNMODELLED`); the backward
     with ``recompute`` (mok's backward saves only its inputs and computes the gate / up GEMMs
-    again; not for a ``mok-saved`` row, :data:`TRAIN_SAVED_IMPLS`) on
-    :data:`TRAIN_BWD_COMM_SMS` comm SMs, whatever the forward ran. ``gemm_profile``: both
+    again; not for a ``mok-saved`` row, :data:`TRAIN_SAVED_IMPLS`), whatever the forward ran:
+    the serial backward (``serial_backward``: mok's at one rank, its rows read from the tokens
+    where the intermediate size is at most :data:`TRAIN_GATHER_MAX_INTER`, mok's epilogue bytes
+    :data:`MOK_SWIGLU_BWD_BYTES`; ``gather`` True / False: read from the tokens, or copied,
+    whatever the size, as a run that forced ``mok.autograd.GATHER_BACKWARD`` did), or with
+    ``design`` the fused design on :data:`TRAIN_BWD_COMM_SMS` comm SMs. ``gemm_profile``: both
     passes' GEMM rates (:attr:`sim.config.SimConfig.gemm_profile`). ValueError for a row of
     more than one GPU, an unknown impl or a workload the simulator rejects."""
     impl = row.get("impl", "")
@@ -387,7 +432,16 @@ def train_model_config(
     )
     fused = impl in TRAIN_FUSED_IMPLS
     fwd = base.replace(num_comm_sms=int(row["sms"])) if fused else None
-    bwd = backward_config(base, recompute=impl not in TRAIN_SAVED_IMPLS)
+    recompute = impl not in TRAIN_SAVED_IMPLS
+    bwd = backward_config(base, recompute=recompute)
+    if not design:
+        bwd = bwd.replace(
+            serial_backward=True,
+            gather_backward=(
+                shape.intermediate <= TRAIN_GATHER_MAX_INTER if gather is None else gather
+            ),
+            swiglu_bwd_bytes_per_elem=MOK_SWIGLU_BWD_BYTES[recompute],
+        )
     if fused and impl in TRAIN_SAVED_IMPLS:
         # its backward runs over the fused forward's rows, regions padded to the row tile, and
         # its weight gradients step over that padding (the others' regions are padded to 16)
@@ -406,11 +460,14 @@ def _train_record(i: int, row: dict, q: str, **over) -> dict:
     return validation_record(i, {**row, **meas}, what=q, scope="", engine="-", **over)
 
 
-def validate_train_rows(rows: Iterable[dict], gemm_profile: str | None = None) -> list[dict]:
+def validate_train_rows(
+    rows: Iterable[dict], gemm_profile: str | None = None, design: bool = False
+) -> list[dict]:
     """Three flat records per row of a ``mok.bench train`` CSV (``what`` = ``fwd`` / ``bwd`` /
     ``step``, measured ``fwd_us`` / ``bwd_us`` / ``step_us``), as :func:`validate_rows`: the
     mok rows predicted by the layer model under :func:`train_model_config` (forward and backward
-    simulated apart, step their sum; the model's breakdown terms as ``*_us`` columns, the
+    simulated apart, step their sum; ``design``: the backward by the fused design instead of
+    mok's serial one; the model's breakdown terms as ``*_us`` columns, the
     backward's weight-gradient time as ``wgrad_us``; ``sim_sms`` the comm SMs it ran), every
     predicted record role ``validation`` (nothing is fitted on train rows); torch-best and the
     mok-unfused forward / step status ``baseline`` (:data:`TRAIN_UNMODELLED`), a row the
@@ -443,7 +500,7 @@ def validate_train_rows(rows: Iterable[dict], gemm_profile: str | None = None) -
             out += recs.values()
             continue
         try:
-            wl, plan, fcfg, bcfg = train_model_config(row, gemm_profile)
+            wl, plan, fcfg, bcfg = train_model_config(row, gemm_profile, design)
             bwd = run(wl, plan, bcfg)
             fwd = None if fcfg is None else run(wl, plan, fcfg)
         except ValueError as e:
@@ -459,7 +516,9 @@ def validate_train_rows(rows: Iterable[dict], gemm_profile: str | None = None) -
             res = parts[q]
             us = sum(x.layer_us for x in res)
             terms = {k: sum(x.breakdown[k] for x in res) for k in res[0].breakdown}
-            sms = "+".join(str(x.config.num_comm_sms) for x in res)
+            sms = "+".join(
+                "serial" if x.config.serial_backward else str(x.config.num_comm_sms) for x in res
+            )
             r.update(
                 predicted_us=us, device_us=us, err=us / r["measured_us"] - 1, role="validation"
             )
@@ -930,7 +989,7 @@ def format_train_report(records: Sequence[dict], summary: dict) -> str:
     head = "".join(f"{q + ' meas':>10}{'pred':>9}{'err':>7}" for q in TRAIN_QUANTITIES)
     lines = [
         "per row (us; err = predicted / measured - 1; '-': not predicted; sim: the comm SMs "
-        "the model ran, forward + backward)",
+        "the model ran, forward + backward, 'serial' for mok's serial backward on every SM)",
         f"  {'model':<14}{'skew':<9}{'config':<27}{head}  sim",
     ]
     groups = dict.fromkeys((r["model"], r["tokens_per_rank"], r["skew"]) for r in records)

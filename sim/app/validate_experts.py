@@ -25,6 +25,7 @@ from mok.spec.config import MoKConfig
 from mok.spec.rows import row_routing_seed
 from mok.spec.workload import get_shape
 from sim.app.validate import (
+    MOK_SWIGLU_BWD_BYTES,
     abs_stats,
     bench_ring,
     pct,
@@ -67,11 +68,15 @@ EXPERTS_UNMODELLED_IMPL = {
     "backward in the down dgrad's epilogue)",
 }
 # (recompute, HBM bytes per intermediate element of mok's SwiGLU-backward epilogue) a piece is
-# modelled with: h w, dg and du written in bf16 (6) after the recomputed gate / up; from saved
-# g / u (bwd_from_saved, bwd_saved_all) no recompute and the fp32 g and u read too (+8). The
-# layer model's default (SimConfig.swiglu_bwd_bytes_per_elem) is a bf16 design's.
-EXPERTS_EPILOGUE = {"bwd_from_saved": (False, 14.0), "bwd_saved_all": (False, 14.0)}
-EXPERTS_EPILOGUE_DEFAULT = (True, 6.0)
+# modelled with (sim.app.validate.MOK_SWIGLU_BWD_BYTES): h w, dg and du written in bf16 (6)
+# after the recomputed gate / up; from saved g / u (bwd_from_saved, bwd_saved_all) no recompute
+# and the fp32 g and u read too (+8). The layer model's default
+# (SimConfig.swiglu_bwd_bytes_per_elem) is a bf16 design's.
+EXPERTS_EPILOGUE = {
+    "bwd_from_saved": (False, MOK_SWIGLU_BWD_BYTES[False]),
+    "bwd_saved_all": (False, MOK_SWIGLU_BWD_BYTES[False]),
+}
+EXPERTS_EPILOGUE_DEFAULT = (True, MOK_SWIGLU_BWD_BYTES[True])
 # the row tile the pieces' GEMMs run (mok's kernels and torch's grouped GEMM: 128-row tiles; the
 # bench pads each group to 16 rows, the weight gradients' depth step)
 EXPERTS_ROW_TILE = 128

@@ -50,6 +50,31 @@ overlaps them in rounds, the design. The GEMMs run at the forward's rates and ``
 nothing of it is fitted. ``mok-sim validate`` on the train CSV of ``python -m mok.bench train``
 compares it with mok's backward as it runs today, which runs its pieces one after another
 instead (:func:`sim.app.validate.validate_train_rows`; docs/sim-validation.md).
+
+The serial backward (``SimConfig.serial_backward``, opt-in, one rank): mok's backward as it runs
+at one rank today (docs/backward.md, "What runs"), a chain of pieces each on every SM of the
+layer's budget, none overlapping the next (a ``mok.bench train --kernels`` profile's kernels add
+up to the step), in place of the design above:
+
+* ``schedule``: the schedule task, as in the design;
+* ``rev_combine``: two copies of every (token, k) slot's bf16 row, dY then x, each a local
+  transfer at the probe's copy rate of all the budget's SMs (``REV_COMBINE_ROWS`` rows per slot,
+  the design's bytes); none with ``gather_backward`` (the GEMMs read the rows from the tokens,
+  ``mok.autograd.GATHER_BACKWARD``);
+* the GEMMs, each as its own launch over all the rows (one round): [the recomputed gate / up],
+  the down dgrad with the SwiGLU backward in its epilogue (``swiglu_bwd_bytes_per_elem``), the
+  gate / up dgrad, ``dW_down``, ``dW_gate/up`` (the design's specs on every SM); each pays the
+  standalone launch's fill (``fill_us``, not the megakernel's ``layer_fill_us``) and ends with
+  its last tile (the list schedule's ``done``, tail included); then the shared expert's, the
+  same way;
+* ``reduce``: the one-pass combine, each token's k dX rows read and summed into its bf16 row
+  (:func:`sim.core.gemm.reduce_us` of every (token, k) row in and every token out: what mok's
+  one-rank combine moves, ``warp_weighted_sum_one_rank``).
+
+Not modelled: the zero-fill of the receive buffers' padding rows, the router-weight gradient's
+staging and the small torch ops between the pieces, and the one launch that runs the four GEMMs
+from saved g / u (each GEMM pays its own fill here: 3 fills too many, ~40 us). The GEMM rates are
+the design's (the GPU profile's or ``gemm_profile``'s).
 """
 
 from __future__ import annotations
@@ -104,6 +129,11 @@ class BackwardPass:
             raise ValueError(
                 f"BackwardBuilder needs direction='backward' (found {cfg.direction!r})"
             )
+        if cfg.serial_backward and (wl.ep != 1 or cfg.kernel_profile is not None):
+            raise ValueError(
+                "serial_backward models mok's backward at one rank, its copies at the probe's "
+                f"rates (found EP{wl.ep}, kernel_profile={cfg.kernel_profile!r})"
+            )
         super().__init__(wl, cfg, plan)
         bf16_row = float(self.shape.hidden * 2)
         # the policies' row sizes: the reverse combine (the dispatch role) pulls the dY row and
@@ -121,6 +151,14 @@ class BackwardPass:
         self._bwd_cache: dict[tuple, tuple[float, float]] = {}
         self.wgrad_tasks: dict[int, tuple[int, int]] = {}
         self.arrivals: dict[int, list[int]] = {}
+
+    def _set_sms(self) -> None:
+        super()._set_sms()
+        if self.cfg.serial_backward:
+            # each piece runs alone on every SM of the budget: the copies at that many SMs' rate
+            sms = self.cfg.sms_on(self.gpu.num_sms)
+            self.compute_sms = sms
+            self.rates = self.probe_rates(sms)
 
     def combine_bytes(self, d: int, m: int) -> tuple[np.ndarray, float]:
         """(peer bytes [R_home], local bytes) of owner d's reverse dispatch of round m: the
@@ -218,7 +256,9 @@ class BackwardPass:
         :func:`sim.core.gemm_waves.round_times` split by GEMM, tails left out): ``recompute``
         (the gate/up GEMM again, with ``recompute``), ``down_dgrad`` (with the SwiGLU backward),
         ``gate_up_dgrad``, summed over the rounds; ``dw_down`` and ``dw_gate_up``; ``shared`` (the
-        shared expert's whole backward)."""
+        shared expert's whole backward). The serial backward's: :meth:`serial_piece_us`."""
+        if self.cfg.serial_backward:
+            return self.serial_piece_us(r)
         rc, inter = self.rc, self.shape.intermediate
         fill, handoff, p = (
             self.waves.layer_fill_us,
@@ -246,6 +286,33 @@ class BackwardPass:
         out["shared"] = self._bwd_us(
             ("shared", self._shared_tiles(), self.shape.shared_intermediate)
         )[0]
+        return out
+
+    def serial_piece_us(self, r: int = 0) -> dict[str, float]:
+        """The serial backward's GEMMs (module docstring) by piece, :meth:`piece_us`'s names:
+        each one launch over rank ``r``'s rows on :attr:`compute_sms` SMs, from its fill
+        (``fill_us``) to its last tile; ``shared`` the shared expert's GEMMs one after another."""
+        cfg, inter, p = self.cfg, self.shape.intermediate, self.compute_sms
+        fill = self.waves.fill_us
+
+        def done(specs: list[GemmSpec]) -> list[float]:
+            return [round_times([s], p, fill)[1] if s.tiles > 0 else 0.0 for s in specs]
+
+        plan = self.plan
+        regions = plan.expert_counts.sum(axis=1).reshape(plan.num_ranks, plan.num_local_experts)
+        tiles = -(-int(plan.padded_rows[r]) // cfg.row_tile)
+        names = (("recompute",) if cfg.recompute else ()) + ("down_dgrad", "gate_up_dgrad")
+        experts = int((regions[r] > 0).sum())
+        out = dict(zip(names, done(self.dgrad_specs(tiles, inter, experts)), strict=True))
+        depth = self._wgrad_depth_rows()[r]
+        wg = self.wgrad_specs(int((depth > 0).sum()), float(depth.sum()), inter)
+        out.update(zip(("dw_down", "dw_gate_up"), done(wg) if wg else (0.0, 0.0), strict=True))
+        sh_tiles, sh_inter = self._shared_tiles(), self.shape.shared_intermediate
+        shared = []
+        if sh_tiles > 0:
+            shared = self.dgrad_specs(sh_tiles, sh_inter, 1)
+            shared += self.wgrad_specs(1, sh_tiles * cfg.row_tile, sh_inter)
+        out["shared"] = sum(done(shared))
         return out
 
     def _wgrad_depth_rows(self) -> np.ndarray:
@@ -284,6 +351,8 @@ class BackwardPass:
 
     # -- the layer ------------------------------------------------------------------------------
     def build(self) -> Graph:
+        if self.cfg.serial_backward:
+            return self._build_serial()
         g, cfg, rc, shape, gpu = self.g, self.cfg, self.rc, self.shape, self.gpu
         nr = self.num_ranks
         self.add_schedule()
@@ -314,6 +383,31 @@ class BackwardPass:
         for s in range(nr):
             dur = reduce_us(gpu, int(rows_in[s]), self.wl.tokens_per_rank, shape.hidden)
             g.delay(dur, [chain[s], *finals[s], *self.arrivals[s]], s, "reduce")
+        return g
+
+    def _build_serial(self) -> Graph:
+        """The serial backward's chain on rank 0 (module docstring)."""
+        g, cfg, shape = self.g, self.cfg, self.shape
+        self.add_schedule()
+        rows = int(self.plan.expert_counts.sum())  # every (token, k) slot: one rank
+        prev = self.sched
+        if not cfg.gather_backward:
+            for _ in range(REV_COMBINE_ROWS):  # dY, then x
+                row_bytes = rows * self.copy_row_bytes
+                prev = self.transfer(0, "pull", True, [0.0], row_bytes, [prev], 0, "rev_combine", 0)
+        phases = {"dw_down": "wgrad", "dw_gate_up": "wgrad", "shared": "shared_expert"}
+        wgrad, ready = [], prev
+        for name, us in self.serial_piece_us(0).items():
+            if name.startswith("dw_") and not wgrad:
+                ready = prev  # the combine's dX rows are complete here
+            prev = g.delay(us, [prev], 0, phases.get(name, "gemm"))
+            if name.startswith("dw_"):
+                wgrad.append(prev)
+        # the weight gradients run between the last dgrad and the combine: all of them delay it
+        self.arrivals = {0: [ready]}
+        self.wgrad_tasks = {0: (wgrad[0], wgrad[-1])}
+        tokens = self.wl.tokens_per_rank
+        g.delay(reduce_us(self.gpu, rows, tokens, shape.hidden), [prev], 0, "reduce")
         return g
 
     def finish(self, result: LayerResult) -> LayerResult:

@@ -213,7 +213,7 @@ class LayerBuilder(TransferBuilder):
         self._fresh: tuple[SimConfig, list[float], np.ndarray] | None = None
 
     def _set_sms(self) -> None:
-        gpu, topo, cfg = self.gpu, self.topo, self.cfg
+        gpu, cfg = self.gpu, self.cfg
         sms = cfg.sms_on(gpu.num_sms)  # the layer's SM budget (MoKConfig.num_sms)
         if cfg.num_comm_sms >= sms:
             raise ValueError(
@@ -221,9 +221,17 @@ class LayerBuilder(TransferBuilder):
                 f"({sms} SMs{' of its budget' if sms < gpu.num_sms else ''})"
             )
         self.compute_sms = sms - cfg.num_comm_sms
-        mech = cfg.mechanism
-        lat_factor = topo.per_sm_latency_factor(gpu)
-        n = cfg.num_comm_sms
+        self.rates = self.probe_rates(cfg.num_comm_sms)
+        self.kernel_knobs = kernel_knobs(cfg)
+        if self.kernel_knobs:
+            self._roles = {r: self._kernel_rates(k) for r, k in self.kernel_knobs.items()}
+            self.rates = self._roles[self.roles[0]]
+
+    def probe_rates(self, n: int) -> Rates:
+        """Comm-engine rates (bytes/us) of ``n`` SMs running the probe's copy loop of the config's
+        mechanism (its per-SM curves; remote bytes with the switch-hop latency factor)."""
+        gpu, mech = self.gpu, self.cfg.mechanism
+        lat_factor = self.topo.per_sm_latency_factor(gpu)
 
         def rate(name: str, remote: bool) -> float:
             c = gpu.curve(name)
@@ -231,15 +239,11 @@ class LayerBuilder(TransferBuilder):
                 c = c.scaled(per_sm=lat_factor)
             return c.gbps(n) * 1e3  # bytes per us
 
-        self.rates = Rates(
+        return Rates(
             push=rate(f"push_{mech}", True),
             pull=rate(f"pull_{'ld' if mech == 'st' else mech}", True),
             local=rate(f"local_{mech}", False),
         )
-        self.kernel_knobs = kernel_knobs(cfg)
-        if self.kernel_knobs:
-            self._roles = {r: self._kernel_rates(k) for r, k in self.kernel_knobs.items()}
-            self.rates = self._roles[self.roles[0]]
 
     def _kernel_rates(self, knob: str) -> Rates:
         """Comm-engine rates (bytes/us) of ``num_comm_sms`` SMs running the copy loop of the
@@ -514,7 +518,9 @@ def forward_backward(
     forward; the backward keeps ``cfg.recompute``): a training step's two passes of the layer,
     each simulated alone (other layers run between them)."""
     cfg = cfg or SimConfig()
-    fwd = cfg.replace(direction="forward", recompute=False)
+    fwd = cfg.replace(
+        direction="forward", recompute=False, serial_backward=False, gather_backward=False
+    )
     plan = plan or plan_for(wl, cfg.row_tile)
     f, b = simulate_many(wl, [fwd, backward_config(cfg)], plan)
     return f, b
