@@ -126,15 +126,18 @@ def _descend(rows, prof, grids, best, keys) -> tuple[FusedProfile, float]:
     return prof, best
 
 
-def _pattern(rows, prof, grids, best, keys) -> tuple[FusedProfile, float]:
+def _pattern(rows, prof, grids, best, keys, obj=None) -> tuple[FusedProfile, float]:
     """Pattern search on the fine grids from ``prof`` (snapped to them): move one knob by
     +-step grid points while that lowers the objective, for each step of
     :data:`_PATTERN_STEPS`. NOTE: small steps of one knob at a time follow the ridges that
     coupled knobs make (the comm and remote factors trade off on the 8-SM rows), which a line
-    search over a whole grid per knob stalls on."""
+    search over a whole grid per knob stalls on. ``obj``: the objective ``(rows, profile) ->
+    float`` (None: :func:`objective`, the fused layer rows'; :mod:`sim.app.experts_rate_fit`
+    passes the experts pieces')."""
+    objective_ = objective if obj is None else obj
     idx = {k: int(np.argmin(np.abs(np.asarray(grids[k]) - getattr(prof, k)))) for k in keys}
     prof = prof.replace(**{k: float(grids[k][i]) for k, i in idx.items()})
-    best = objective(rows, prof)
+    best = objective_(rows, prof)
     for step in _PATTERN_STEPS:
         moved = True
         while moved:
@@ -144,7 +147,7 @@ def _pattern(rows, prof, grids, best, keys) -> tuple[FusedProfile, float]:
                     if not 0 <= j < len(grids[k]):
                         continue
                     p = prof.replace(**{k: float(grids[k][j])})
-                    o = objective(rows, p)
+                    o = objective_(rows, p)
                     if o < best - 1e-12:
                         best, prof, idx[k], moved = o, p, j, True
                         break
