@@ -350,15 +350,23 @@ def swiglu_backward_gathered(
 def _wgrad_gathered(other, tokens, row_src, num_topk, operand, offs, into):
     """:func:`_wgrad` by mok's kernel with operand ``operand`` (0: A, 1: B) gathered from
     ``tokens``; ``other`` is the operand read as it is."""
-    groups = offs.shape[0]
     m, n = (tokens.shape[1], other.shape[1]) if operand == 0 else (other.shape[1], tokens.shape[1])
+
+    def launch(c, accumulate):
+        ops.wgrad_gather_sm90(other, tokens, row_src, num_topk, operand, offs, c, accumulate)
+
+    return _wgrad_out(launch, offs.shape[0], m, n, other, into)
+
+
+def _wgrad_out(launch, groups: int, m: int, n: int, like: torch.Tensor, into):
+    """A weight-gradient kernel's [groups, m, n] result: ``launch(c, accumulate)`` adds onto
+    ``into`` (an fp32 accumulator, returned) where one is given, else writes a new ``c`` of
+    ``like``'s dtype."""
     if into is not None:
-        ops.wgrad_gather_sm90(
-            other, tokens, row_src, num_topk, operand, offs, into.view(groups, m, n), True
-        )
+        launch(into.view(groups, m, n), True)
         return into
-    c = torch.empty(groups, m, n, dtype=other.dtype, device=other.device)
-    ops.wgrad_gather_sm90(other, tokens, row_src, num_topk, operand, offs, c, False)
+    c = torch.empty(groups, m, n, dtype=like.dtype, device=like.device)
+    launch(c, False)
     return c
 
 
@@ -537,13 +545,12 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: in
             return _mm(a.T, b, offs)
         return into.add_(_mm32(a.T, b, offs))
     ends = _group_ends(offs, rows, a.device)
-    groups = ends.shape[0]
-    if into is not None:
-        ops.wgrad_sm90(a, b, ends, into.view(groups, m, n), True)
-        return into
-    c = torch.empty(groups, m, n, dtype=a.dtype, device=a.device)
-    ops.wgrad_sm90(a, b, ends, c)
-    return c if offs is not None else c[0]
+
+    def launch(c, accumulate):
+        ops.wgrad_sm90(a, b, ends, c, accumulate)
+
+    c = _wgrad_out(launch, ends.shape[0], m, n, a, into)
+    return c if offs is not None or into is not None else c[0]
 
 
 def _kernel_fits(a, w_gate_up, w_down, dy) -> bool:
@@ -632,11 +639,7 @@ def grouped_swiglu_saving_gathered(
     buffer's bound). The gate / up GEMM gathers them in its operand loads, so no receive buffer
     is written or read; the same bits as the saving forward of the dispatched rows. ``keep``
     False: the fp32 gate / up are not written (None in their place)."""
-    inter = w_down.shape[-1]
-    h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    gu32 = None
-    if keep:
-        gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=x.device)
+    h, gu32 = _saving_outputs(rows, w_down.shape[-1], x, keep)
     ops.swiglu_saving_gather_sm90(x, row_src, num_topk, w_gate_up, w_down, offs, h, gu32)
     return _mm(h, w_down.transpose(1, 2), offs), gu32
 
@@ -678,14 +681,18 @@ def shared_kept(
     return saving_shapes_fit(x, shared_w_down, shared_w_gate, shared_w_up)
 
 
+def _saving_outputs(rows: int, inter: int, like: torch.Tensor, keep: bool):
+    """The saving forward's outputs: h [rows, I] in ``like``'s dtype and, with ``keep``, the
+    fp32 [rows, 2I] gate / up (else None)."""
+    h = torch.empty(rows, inter, dtype=like.dtype, device=like.device)
+    gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=like.device) if keep else None
+    return h, gu32
+
+
 def _saving(a, w_gate_up, w_down, ends, keep=True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h [R, I] bf16, [g | u] [R, 2I] fp32, or None without ``keep``) of the groups ``ends``
     by the kernel's saving mode."""
-    rows, inter = a.shape[0], w_down.shape[-1]
-    h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
-    gu32 = None
-    if keep:
-        gu32 = torch.empty(rows, 2 * inter, dtype=torch.float32, device=a.device)
+    h, gu32 = _saving_outputs(a.shape[0], w_down.shape[-1], a, keep)
     none = torch.empty(0, dtype=a.dtype, device=a.device)
     ops.swiglu_backward_sm90(a, a, w_gate_up, w_down, ends, None, h, none, None, gu32, _SAVE)
     return h, gu32

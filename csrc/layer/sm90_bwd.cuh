@@ -74,6 +74,14 @@ __host__ __device__ constexpr bool dh_only(int mode) {
 __host__ __device__ constexpr int tile_cols(int mode) {
   return mode == kSwigluSavedWide ? 256 : 128;
 }
+// A tile's k-blocks in a mode: dh's [0, k_blocks), then gate / up's [k_blocks, 2 k_blocks); a
+// saving forward runs only gate / up's, a backward from saved g / u only dh's.
+__host__ __device__ constexpr int first_kblock(int mode, int k_blocks) {
+  return mode == kSwigluSave ? k_blocks : 0;
+}
+__host__ __device__ constexpr int end_kblock(int mode, int k_blocks) {
+  return dh_only(mode) ? k_blocks : 2 * k_blocks;
+}
 
 // The pipeline of each mode. A backward from saved g / u runs only the dh k-loop, whose stages
 // are 32 KiB (dy's 128 rows, w_down's 128 columns as two N-major boxes), and parks no dh, so six
@@ -241,10 +249,8 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
     find_tile(k, i, n_blocks, e, row0, nb);
     const int w_row = e * 2 * k.inter + nb * 128;
     const int wd_row = e * k.hidden;
-    // dh's k-blocks (dy rows, w_down's 128 columns as two N-major boxes), then gate/up's; a
-    // saving forward runs only gate/up's, a backward from saved g / u only dh's.
-    const int kb0 = kMode == kSwigluSave ? k_blocks : 0;
-    const int kb1 = dh_only(kMode) ? k_blocks : 2 * k_blocks;
+    // dh's k-blocks (dy rows, w_down's 128 columns as two N-major boxes), then gate/up's
+    const int kb0 = first_kblock(kMode, k_blocks), kb1 = end_kblock(kMode, k_blocks);
     for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&bsh.empty[stage], phase ^ 1);
       if (kb == kb0) {
@@ -347,8 +353,7 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
     }
     const int w_row = e * 2 * k.inter + nb * 128;
     const int wd_row = e * k.hidden;
-    const int kb0 = kMode == kSwigluSave ? k_blocks : 0;
-    const int kb1 = dh_only(kMode) ? k_blocks : 2 * k_blocks;
+    const int kb0 = first_kblock(kMode, k_blocks), kb1 = end_kblock(kMode, k_blocks);
     for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&bsh.empty[stage], phase ^ 1);
       uint8_t* sa = stages + stage * BwdPipe<kMode>::kStride;
