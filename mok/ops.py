@@ -40,8 +40,9 @@ __all__ = [
 # while the tile's k-loop runs, so the tile's epilogue reads them from L2 rather than HBM: the
 # backward from saved g / u (mode 2 of launch_swiglu_bwd) and the fused backward's dh tiles.
 # The same bits either way (a prefetch moves nothing the kernel reads); its own switch so one
-# build times both (docs/perf-notes.md, "g / u prefetched into L2").
-PREFETCH_GU = True
+# build times both (docs/perf-notes.md, "g / u prefetched into L2"). Off: measured 4-18 % slower
+# on one H100 ("The L2 prefetch and the staged d_a: outcomes"); kept for study.
+PREFETCH_GU = False
 
 # Whether the fused backward's gate / up dgrad (d_a) stages each tile's output in shared memory
 # and stores it by TMA, overlapping the next tile's k-loop, instead of every thread storing its

@@ -82,6 +82,30 @@ def test_staged_d_a_epilogue_is_the_direct_one(hidden, inter, sizes, monkeypatch
     assert (d_on[n:] == 7.0).all(), "the staged epilogue wrote rows past the last group"
 
 
+@pytest.mark.parametrize(
+    ("hidden", "inter", "sizes"),
+    [(256, 256, [1, 17, 0, 100, 3]), (2048, 768, [40, 300, 0, 64, 65, 129, 192, 200])],
+)
+def test_staged_d_a_keeps_to_group_ends_off_the_box(hidden, inter, sizes, monkeypatch):
+    """gate_up_dgrad takes group ends that are not multiples of the staged epilogue's 16-row
+    box: with ``STAGED_DA`` its d_a is bitwise the direct stores', and the rows after the last
+    group's end (mid-box) keep their values, so no box crosses into the next expert's rows."""
+    a, wgu, _, _, _, offs = expert_operands(hidden, inter, sizes, TAIL, 6)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    dgu = torch.randn(a.shape[0], 2 * inter, device="cuda", generator=g).to(torch.bfloat16)
+    n, runs = sum(sizes), {}
+    for staged in (False, True):
+        monkeypatch.setattr(ops, "STAGED_DA", staged)
+        d_a = torch.full((a.shape[0], hidden), 7.0, dtype=torch.bfloat16, device="cuda")
+        ops.bwd_fused_sm90(
+            None, None, wgu, None, offs, None, None, None, dgu, None, d_a, None, None, False,
+            ops.BWD_RUN_DA, -1,
+        )  # fmt: skip
+        runs[staged] = d_a
+    assert torch.equal(runs[True][:n], runs[False][:n]), "staged d_a differs from the direct"
+    assert (runs[True][n:] == 7.0).all(), "the staged epilogue wrote rows past the group end"
+
+
 @pytest.mark.parametrize(("hidden", "inter", "sizes"), CASES)
 def test_gate_up_dgrad_against_fp64(hidden, inter, sizes):
     """mok's d_a = dgu @ w_gate_up per group within the bf16 rule of torch's grouped GEMM against

@@ -605,12 +605,17 @@ __device__ __forceinline__ void fused_da_epilogue(const FusedBwdKernelArgs& f, c
 // word of row r = warp * 16 + lane / 4 (+ 8), columns 8j + 2 (lane % 4).. of the stage's 128
 // goes to half j / 8, 16-byte unit (j % 8) ^ (r % 8) of row r: the eight rows of a warp
 // instruction hit eight different units, so its 32 words hit 32 banks.
+// Group ends need not be multiples of the 16-row box (gate_up_dgrad takes any).
 __device__ __forceinline__ void fused_da_epilogue_staged(const FusedBwdKernelArgs& f,
                                                          const float (&acc0)[64],
                                                          const float (&acc1)[64], int row0,
                                                          int end, int nb, int wg, int tid,
                                                          int& stage, uint32_t& phase) {
   const int warp = tid / 32, lane = tid % 32;
+  // warp w's rows are the warpgroup's box w; the box that crosses the group's end would write
+  // rows of the next expert, so that warp stores its rows before the end itself (warp-uniform)
+  const int box_row = row0 + wg * 64 + warp * kEpiStoreRows;
+  const bool own = box_row < end && box_row + kEpiStoreRows > end;
 #pragma unroll
   for (int q = 0; q < kDaEpiStages; ++q) {
     const float(&acc)[64] = q == 0 ? acc0 : acc1;
@@ -619,12 +624,19 @@ __device__ __forceinline__ void fused_da_epilogue_staged(const FusedBwdKernelArg
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = warp * 16 + lane / 4 + 8 * hr;
+      uint16_t* direct = f.d_a + static_cast<int64_t>(row0 + wg * 64 + r) * f.dh.hidden +
+                         nb * 256 + 128 * q + 2 * (lane % 4);
+      const bool mine = own && row0 + wg * 64 + r < end;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const int at =
-            (j / 8) * kDaEpiHalf + r * 128 + (((j % 8) ^ (r % 8)) << 4) + 4 * (lane % 4);
-        *reinterpret_cast<uint32_t*>(out + at) =
-            pack_bf16x2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+        const uint32_t v = pack_bf16x2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+        if (own) {
+          if (mine) *reinterpret_cast<uint32_t*>(direct + 8 * j) = v;
+        } else {
+          const int at =
+              (j / 8) * kDaEpiHalf + r * 128 + (((j % 8) ^ (r % 8)) << 4) + 4 * (lane % 4);
+          *reinterpret_cast<uint32_t*>(out + at) = v;
+        }
       }
     }
     fence_proxy_async_shared();  // these writes before the TMA's reads
@@ -634,7 +646,7 @@ __device__ __forceinline__ void fused_da_epilogue_staged(const FusedBwdKernelArg
 #pragma unroll
       for (int b = 0; b < 64 / kEpiStoreRows; ++b) {
         const int row = row0 + wg * 64 + b * kEpiStoreRows;
-        if (row >= end) break;
+        if (row + kEpiStoreRows > end) break;  // whole boxes only (the crossing one: above)
         const int at = b * kEpiStoreRows * 128;
         tma_store_2d(&f.map_da_st, out + at, col, row);
         tma_store_2d(&f.map_da_st, out + kDaEpiHalf + at, col + 64, row);
