@@ -697,7 +697,7 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
     cp = sub.add_parser("sonicmoe", help="a mok.bench train --suite sonicmoe CSV against "
                         "SonicMoE's published H100 figures")  # fmt: skip
     cp.add_argument(
-        "--csv", default="mok/bench/results/h100x1-train-sonicmoe-levers-2026-12-07.csv"
+        "--csv", default="mok/bench/results/h100x1-train-sonicmoe-da-2026-12-07.csv"
     )
     cp.add_argument(
         "--out", default="build/sonicmoe-h100.png",
