@@ -130,6 +130,8 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         ("dW_gate_up", "mok"),
         ("dW_gate_up", "torch"),
         ("dW_gate_up", "mok-gather"),
+        ("dW_gate_up", "mok-t"),
+        ("dW_gate_up", "mok-gather-t"),
         ("dW_down", "mok"),
         ("dW_down", "torch"),
         ("dW_down", "mok-gather"),
@@ -176,6 +178,11 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     # the gathering kernels: x's rows (operand B) and dy's (operand A) from 40 tokens
     assert ("gather", 1, (40, H), (total,), (E, 2 * inter, H)) in calls["mok"]
     assert ("gather", 0, (40, H), (total,), (E, H, inter)) in calls["mok"]
+    # dW_gate_up's transpose: x's rows the operand A, [L, H, 2I] out
+    assert ("wgrad", (total, H), (total, 2 * inter), ends.tolist(), (E, H, 2 * inter)) in calls[
+        "mok"
+    ]
+    assert ("gather", 0, (40, H), (total,), (E, H, 2 * inter)) in calls["mok"]
     for kept in (False, True):  # the gathering experts' kernel, g / u recomputed or read back
         assert ("dh gather", (40, H), (total,), (total, inter), kept) in calls["mok"]
     assert ("whole gather", (40, H), total, "saved") in calls["mok"]

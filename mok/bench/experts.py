@@ -11,7 +11,10 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
   as they lie were its fastest; K-major copies were slower, docs/perf-notes.md);
   ``mok-gather`` rows (at one rank's backward): the same GEMM with x's (dy's) rows gathered from
   the tokens inside the kernel (``mok.experts._wgrad_gathered``), where the others read the
-  dispatched copy; ``bwd_recompute``, ``bwd_from_saved`` and ``bwd_saved_all`` have such rows too
+  dispatched copy; ``dW_gate_up``'s ``mok-t`` / ``mok-gather-t`` rows: its transpose x^T dgu
+  ([H, 2I] per expert, not transposed back), so x's rows are the kernel's 128-column operand A
+  (gathered: a third of a k-block's bytes instead of two thirds); ``bwd_recompute``,
+  ``bwd_from_saved`` and ``bwd_saved_all`` have such rows too
   (the experts' kernel gathering x and dy, ``mok.ops.swiglu_backward_gather_sm90``; the whole
   gathered backward, ``mok.experts.swiglu_backward_gathered``, one launch per GEMM);
 - ``gate_up_dgrad`` = dgu @ W_gu: mok's GEMM (``mok.experts.gate_up_dgrad``, the fused
@@ -177,6 +180,7 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
         )
 
     c_gu = torch.empty(E, 2 * inter, H, device=device, dtype=torch.bfloat16)
+    c_gu_t = torch.empty(E, H, 2 * inter, device=device, dtype=torch.bfloat16)
     c_d = torch.empty(E, H, inter, device=device, dtype=torch.bfloat16)
     saved = None
     if "bwd_from_saved" in pieces or "bwd_saved_all" in pieces:
@@ -187,6 +191,9 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
             "mok": lambda: ops.wgrad_sm90(dgu, x, offs, c_gu),
             "torch": lambda: torch._grouped_mm(dgu.T, x, offs=offs),
             "mok-gather": lambda: me._wgrad_gathered(dgu, tokens, row_src, K, 1, offs, None),
+            # its transpose x^T dgu [H, 2I]: x's rows the 128-wide operand A (no transpose back)
+            "mok-t": lambda: ops.wgrad_sm90(x, dgu, offs, c_gu_t),
+            "mok-gather-t": lambda: me._wgrad_gathered(dgu, tokens, row_src, K, 0, offs, None),
         },
         "dW_down": {
             "mok": lambda: ops.wgrad_sm90(dy, hw, offs, c_d),
