@@ -38,6 +38,14 @@
 
 namespace mok {
 
+// Token t's shared-expert output row (in2: bf16, or fp32 with kFlagSharedFp32), the sum's
+// starting value; null without a shared expert (kFlagHasShared).
+__device__ __forceinline__ const void* shared_row(const Params& p, int64_t t, int64_t row_bytes) {
+  if (!(p.flags & kFlagHasShared)) return nullptr;
+  const int64_t width = (p.flags & kFlagSharedFp32) ? 2 : 1;  // fp32: twice a bf16 row's bytes
+  return static_cast<const uint8_t*>(p.in2) + t * row_bytes * width;
+}
+
 // acc += w_k * src_k[c] for k = 0..n-1 in k order: vector c of each term's row (src_k / w_k
 // from the warp's shared slots; src 0: the term is w_k * 0).
 __device__ __forceinline__ void add_terms(OrderedSum8& acc, const uint64_t* s_src,
@@ -108,7 +116,6 @@ __device__ __forceinline__ void reduce_tokens(const Ctx& c, int mode, WarpTerms&
   const uint8_t* slots = c.sym(p.rank, p.off_slots);
   const int32_t* dst_rank = p.sched + p.o_dst_rank;
   const int32_t* dst_index = p.sched + p.o_dst_index;
-  const bool has_shared = (p.flags & kFlagHasShared) != 0;
   const bool shared_fp32 = (p.flags & kFlagSharedFp32) != 0;
   for (int t = gwarp; t < p.num_tokens; t += nwarps) {
     const int i = t * K + lane;
@@ -135,9 +142,7 @@ __device__ __forceinline__ void reduce_tokens(const Ctx& c, int mode, WarpTerms&
       terms.w[warp][lane] = w;
     }
     __syncwarp();
-    const void* init = nullptr;
-    if (has_shared)
-      init = static_cast<const uint8_t*>(p.in2) + t * row_bytes * (shared_fp32 ? 2 : 1);
+    const void* init = shared_row(p, t, row_bytes);
     uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out0) + t * row_bytes);
     warp_weighted_sum(out, init, shared_fp32, terms.src[warp], terms.w[warp], K, n16, lane);
     __syncwarp();
@@ -200,10 +205,7 @@ struct DedupSumMeta {
       w[n] = 1.0f;
       ++n;
     }
-    init = 0;
-    if (p.flags & kFlagHasShared)
-      init = reinterpret_cast<uint64_t>(static_cast<const uint8_t*>(p.in2) +
-                                        t * rb * ((p.flags & kFlagSharedFp32) ? 2 : 1));
+    init = reinterpret_cast<uint64_t>(shared_row(p, t, rb));
     out = reinterpret_cast<uint64_t>(static_cast<uint8_t*>(p.out0) + t * rb);
     return n;
   }
@@ -529,8 +531,7 @@ __device__ __forceinline__ void tma_sum_rows(const Ctx& c, int stages, uint8_t* 
       const uint32_t peer = ring.peer[slot];
       const int t = ring.token[slot];
       const uint8_t* st = smem + s * stage_bytes;
-      const uint8_t* init =
-          has_shared ? static_cast<const uint8_t*>(p.in2) + t * rb * (fp32 ? 2 : 1) : nullptr;
+      const auto* init = static_cast<const uint8_t*>(shared_row(p, t, rb));
       uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out0) + t * rb);
       // The local terms (at most one partial) are loaded before the adds of each step.
       const uint4* own = nullptr;

@@ -50,7 +50,6 @@ __global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const __grid
     // reduce below), which is then skipped.
     const bool one_rank = p.num_ranks == 1;
     const int32_t* d_src_token = p.sched + p.o_dedup_src_token;
-    const bool has_shared = (p.flags & kFlagHasShared) != 0;
     const bool shared_fp32 = (p.flags & kFlagSharedFp32) != 0;
     for (int row = gwarp; row < num_dedup; row += nwarps) {
       const int fr = lane < K ? fan_rows[row * K + lane] : -1;
@@ -62,12 +61,9 @@ __global__ void __launch_bounds__(kCommThreads) combine_push_kernel(const __grid
       __syncwarp();
       if (one_rank) {
         const int64_t t = d_src_token[row];
-        const void* init =
-            has_shared ? static_cast<const uint8_t*>(p.in2) + t * row_bytes * (shared_fp32 ? 2 : 1)
-                       : nullptr;
         warp_weighted_sum_one_rank(
-            reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out0) + t * row_bytes), init,
-            shared_fp32, terms.src[warp], terms.w[warp], n, n16, lane);
+            reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out0) + t * row_bytes),
+            shared_row(p, t, row_bytes), shared_fp32, terms.src[warp], terms.w[warp], n, n16, lane);
       } else {
         uint8_t* slot = c.sym(d_src_rank[row], p.off_slots) + d_slot[row] * row_bytes;
         warp_weighted_sum(reinterpret_cast<uint4*>(slot), nullptr, false, terms.src[warp],

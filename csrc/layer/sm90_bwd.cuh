@@ -729,6 +729,23 @@ __device__ __forceinline__ uint8_t* wgrad_zero() {
   return bwd_stages() + kWgradStages * kStageBytes + 4 * kEpiBytes;
 }
 
+// Weight-gradient tile (e, mb, nb) of problem `prob`: its fields into stage `stage`'s
+// stage_tile (the stage already waited for), by one thread; returns its k-blocks (64 rows each,
+// 0 for an expert without rows).
+__device__ __forceinline__ int wgrad_tile_fields(const WgradKernelArgs& k, int prob, int e, int mb,
+                                                 int nb, int stage) {
+  const int start = e == 0 ? 0 : k.ends[e - 1];
+  const int rows = k.ends[e] - start;
+  const int k_blocks = rows > 0 ? (rows + 63) / 64 : 0;
+  vol(gsh.stage_tile[stage][0]) = e;
+  vol(gsh.stage_tile[stage][1]) = mb;
+  vol(gsh.stage_tile[stage][2]) = nb;
+  vol(gsh.stage_tile[stage][3]) = k_blocks;
+  vol(gsh.stage_tile[stage][4]) = k_blocks > 0 ? (rows - (k_blocks - 1) * 64 + 15) / 16 : 0;
+  vol(gsh.stage_tile[stage][5]) = prob;
+  return k_blocks;
+}
+
 // Loads weight-gradient tile (e, mb, nb) of problem `prob` (its operands in k) into the stages
 // from `stage` on, the tile's fields in the first one's stage_tile.
 __device__ __forceinline__ void wgrad_load_tile(const WgradKernelArgs& k, int prob, int e, int mb,
@@ -736,15 +753,7 @@ __device__ __forceinline__ void wgrad_load_tile(const WgradKernelArgs& k, int pr
   uint8_t* stages = bwd_stages();
   mbar_wait(&gsh.empty[stage], phase ^ 1);
   const int start = e == 0 ? 0 : k.ends[e - 1];
-  const int rows = k.ends[e] - start;
-  const int k_blocks = rows > 0 ? (rows + 63) / 64 : 0;
-  const int last_steps = k_blocks > 0 ? (rows - (k_blocks - 1) * 64 + 15) / 16 : 0;
-  vol(gsh.stage_tile[stage][0]) = e;
-  vol(gsh.stage_tile[stage][1]) = mb;
-  vol(gsh.stage_tile[stage][2]) = nb;
-  vol(gsh.stage_tile[stage][3]) = k_blocks;
-  vol(gsh.stage_tile[stage][4]) = last_steps;
-  vol(gsh.stage_tile[stage][5]) = prob;
+  const int k_blocks = wgrad_tile_fields(k, prob, e, mb, nb, stage);
   if (k_blocks == 0) {  // a zero tile: the stage says so and carries nothing
     mbar_arrive(&gsh.full[stage]);
     if (++stage == kWgradStages) stage = 0, phase ^= 1;
@@ -832,14 +841,7 @@ __device__ __forceinline__ void wgrad_gather_producer(const WgradKernelArgs& k,
     const int rows = end - start;
     const int k_blocks = rows > 0 ? (rows + 63) / 64 : 0;
     mbar_wait(&gsh.empty[stage], phase ^ 1);
-    if (t == 0) {
-      vol(gsh.stage_tile[stage][0]) = e;
-      vol(gsh.stage_tile[stage][1]) = mb;
-      vol(gsh.stage_tile[stage][2]) = nb;
-      vol(gsh.stage_tile[stage][3]) = k_blocks;
-      vol(gsh.stage_tile[stage][4]) = k_blocks > 0 ? (rows - (k_blocks - 1) * 64 + 15) / 16 : 0;
-      vol(gsh.stage_tile[stage][5]) = 0;
-    }
+    if (t == 0) wgrad_tile_fields(k, 0, e, mb, nb, stage);
     if (k_blocks == 0) {  // a zero tile: the stage says so and carries nothing
       if (t == 0) mbar_arrive(&gsh.full[stage]);
       mbar_arrive(&gsh.full[stage]);
