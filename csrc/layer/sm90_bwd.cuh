@@ -817,10 +817,12 @@ constexpr int kWgradGatherThreads = 128;  // the producer warpgroup
 // 256-byte rows of A), the four warps taking turns by row, so each warp has 16 rows per
 // k-block (B: 16 instructions a thread, A: 8) and the copies come from all four of the SM's
 // schedulers. Lane l < 16 reads the token of the warp's l-th row and hands it round by
-// shuffles. The full barriers take 1 + 128 arrivals (thread 0's with the TMA bytes, then one
-// per thread once its copies landed). (With warp 3 alone copying, 64 instructions a thread per
-// k-block of B, the gathering weight gradients ran at a fraction of the TMA kernel's speed:
-// docs/perf-notes.md.)
+// shuffles; it is read one k-block ahead (issued after the k-block's copies, before the next
+// k-block's wait for an empty stage; a tile's first before the tile's wait), so the copies never
+// wait for a token's load. The full barriers take 1 + 128 arrivals (thread 0's with the TMA
+// bytes, then one per thread once its copies landed). (With warp 3 alone copying, 64
+// instructions a thread per k-block of B, the gathering weight gradients ran at a fraction of
+// the TMA kernel's speed: docs/perf-notes.md.)
 template <int kOperand>
 __device__ __forceinline__ void wgrad_gather_producer(const WgradKernelArgs& k,
                                                       const WgradGather& g, int n_tiles) {
@@ -835,11 +837,23 @@ __device__ __forceinline__ void wgrad_gather_producer(const WgradKernelArgs& k,
   uint8_t* stages = bwd_stages();
   int stage = 0;
   uint32_t phase = 0;
+  // lane l < 16: the token of the warp's l-th row of the k-block at row0 (-1: none)
+  auto tokens_at = [&](int row0, int end) {
+    int tok = -1;
+    if (lane < 16) {
+      const int r =
+          (lane / kRowsPerStep) * kRowsPerTurn + warp * kRowsPerStep + lane % kRowsPerStep;
+      const int s = row0 + r < end ? g.src[row0 + r] : -1;
+      tok = s >= 0 ? s / g.topk : -1;
+    }
+    return tok;
+  };
   for (int i = blockIdx.x; i < n_tiles; i += gridDim.x) {
     const int e = i / per_expert, mb = (i % per_expert) / n_blocks, nb = i % n_blocks;
     const int start = e == 0 ? 0 : k.ends[e - 1], end = k.ends[e];
     const int rows = end - start;
     const int k_blocks = rows > 0 ? (rows + 63) / 64 : 0;
+    int tok = k_blocks > 0 ? tokens_at(start, end) : -1;  // the first k-block's
     mbar_wait(&gsh.empty[stage], phase ^ 1);
     if (t == 0) wgrad_tile_fields(k, 0, e, mb, nb, stage);
     if (k_blocks == 0) {  // a zero tile: the stage says so and carries nothing
@@ -867,13 +881,6 @@ __device__ __forceinline__ void wgrad_gather_producer(const WgradKernelArgs& k,
                         row0);
         }
       }
-      int tok = -1;  // lane l < 16: the token of the warp's l-th row of this k-block
-      if (lane < 16) {
-        const int r = (lane / kRowsPerStep) * kRowsPerTurn + warp * kRowsPerStep +
-                      lane % kRowsPerStep;
-        const int s = row0 + r < end ? g.src[row0 + r] : -1;
-        tok = s >= 0 ? s / g.topk : -1;
-      }
       uint8_t* base = sa + (kOperand == 0 ? 0 : kStageA);
 #pragma unroll 4  // a few copies' addresses live at a time: the warpgroup has 56 registers
       for (int q = 0; q < kSteps; ++q) {
@@ -883,6 +890,7 @@ __device__ __forceinline__ void wgrad_gather_producer(const WgradKernelArgs& k,
         cp_async16_zfill(dst, g.rows + (tk >= 0 ? static_cast<int64_t>(tk) * g.cols + col : 0),
                          tk >= 0 ? 16 : 0);
       }
+      if (kb + 1 < k_blocks) tok = tokens_at(row0 + 64, end);  // the next k-block's
       cp_async_mbar_arrive(&gsh.full[stage]);
       if (++stage == kWgradStages) stage = 0, phase ^= 1;
     }
