@@ -696,9 +696,7 @@ if __name__ == "__main__":  # pragma: no cover - maintenance entry point
     ep.add_argument("--peak", type=float, default=790.0, help="dense bf16 TFLOP/s of the GPU")
     cp = sub.add_parser("sonicmoe", help="a mok.bench train --suite sonicmoe CSV against "
                         "SonicMoE's published H100 figures")  # fmt: skip
-    cp.add_argument(
-        "--csv", default="mok/bench/results/h100x1-train-sonicmoe-da-2026-12-07.csv"
-    )
+    cp.add_argument("--csv", default="mok/bench/results/h100x1-train-sonicmoe-da-2026-12-07.csv")
     cp.add_argument(
         "--out", default="build/sonicmoe-h100.png",
         help="PNG (docs/img/sonicmoe-h100.png: the README's figure)",
