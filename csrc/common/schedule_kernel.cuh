@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   extern __shared__ int32_t smem[];
   const Ctx c(p);
   if (block_aborted(c)) return;
+  stamp(p, 0);  // phase stamps (kFlagStamps): entry, routing exchanged, tables, exit
   // NOTE: NK is the stride of a rank's routing in the route buffer (max_tokens rows); every
   // loop over a rank's tokens stops at that rank's own count.
   const int R = p.num_ranks, N = p.max_tokens, K = p.num_topk, E = p.num_experts;
@@ -90,6 +91,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   // NOTE: one signal per rank and epoch (block 0 only): the wait target is the epoch.
   if (blockIdx.x == 0) block_signal_all(c, kSigRoute);
   if (!block_wait_all(c, kSigRoute, static_cast<uint64_t>(p.epoch))) return;
+  stamp(p, 1);
   const int32_t* status =
       reinterpret_cast<const int32_t*>(c.sym(me, p.off_route_status)) + par * kMaxRanks * kRouteStatusWords;
   for (int r = 0; r < R; ++r) {
@@ -223,6 +225,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
       record_error(c, kErrCapacity, 0, d, run, p.capacity, overflow_at);
   }
   if (!grid_sync(c)) return;
+  stamp(p, 2);
 
   // ---- phase 3: positions --------------------------------------------------------------
   int32_t* src_rank = s + p.o_src_rank;
@@ -322,6 +325,8 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
     }
     __syncwarp();
   }
+  __syncthreads();  // every warp's walk done before the block's exit stamp
+  stamp(p, 3);
 }
 
 }  // namespace mok
