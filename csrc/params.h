@@ -125,7 +125,7 @@ enum Flags : int {
   kFlagSkipLocal = 32,     // dedup buffer without this rank's own rows (they stay in x)
   kFlagGather = 64,        // dedup_sum: cp.async gather ring (many loads in flight per warp)
   kFlagDedup = 128,        // fused layer: dedup pull (one NVLink row per token and rank)
-  kFlagStamps = 256,       // dedup_pull dispatch / dedup_sum: in3 = per-block phase stamps
+  kFlagStamps = 256,       // dedup_pull dispatch, dedup_sum, schedule: in3 = phase stamps
   kFlagFault = 512,        // fused layer, tests only: the worker that claims tile (int)in3 fails
   kFlagKeep = 1024,        // dedup_sum: keep the partials (no "consumed" signal: more sums follow)
   kFlagSourceOrder = 2048,  // schedule: an expert's rows by source rank, then token (not in turns)

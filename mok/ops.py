@@ -133,6 +133,7 @@ def build_schedule(
     p.in0, p.in1 = topk_idx.data_ptr(), topk_weights.data_ptr()
     if ws.config.row_order == "source":
         p.flags |= _ext.FLAG_SOURCE_ORDER
+    _stamps(ws, p)
     ws.launch("schedule", p, ws.schedule_blocks())
     ws.advance("route")
 

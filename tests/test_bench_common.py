@@ -344,3 +344,26 @@ def test_one_rank_gather_only_where_the_run_stands_for_one_rank():
     with pytest.raises(RuntimeError), one_rank_gather(2):
         raise RuntimeError("boom")
     assert ml.GATHER_AT_ONE_RANK
+
+
+def test_phase_split_of_per_block_stamps():
+    """Two calls of two blocks (us): the first call is left out; each phase runs from the last
+    block past the one before it (the first from the first entry), the gap from the previous
+    call's last exit."""
+    t = torch.tensor(
+        [
+            [[0.0, 5.0, 9.0, 10.0], [1.0, 6.0, 8.0, 11.0]],
+            [[20.0, 23.0, 30.0, 31.0], [21.0, 24.0, 33.0, 35.0]],
+        ]
+    )
+    split = comm.phase_split(t, comm.SCHEDULE_PHASES)
+    got = {k: v.tolist() for k, v in split.items()}
+    assert got == {
+        "exchange": [4.0],  # 24 - 20
+        "tables": [9.0],  # 33 - 24
+        "spread": [3.0],  # 33 - 30
+        "positions": [2.0],  # 35 - 33
+        "span": [15.0],  # 35 - 20
+        "gap": [9.0],  # 20 - 11
+    }
+    assert list(comm.phase_split(t))[:2] == ["handshake", "stream"]

@@ -31,7 +31,7 @@ int launch(int kind, const Params& params, int grid, void* stream_ptr) {
   switch (kind) {
     case kKernelSchedule:
       e = launch_cooperative(schedule_kernel, params, grid, kScheduleThreads,
-                             sizeof(int32_t) * kScheduleWarps * params.num_experts, stream);
+                             schedule_smem_bytes(params.num_experts), stream);
       break;
     case kKernelDispatchPull:
       e = launch_cooperative(dispatch_pull_kernel, params, grid, kCommThreads, copy_smem(params),

@@ -25,6 +25,16 @@ namespace mok {
 
 constexpr int kScheduleThreads = 256;
 constexpr int kScheduleWarps = kScheduleThreads / 32;
+// Routing entries (ids and weights) a warp of the schedule's positions phase stages in shared
+// memory at a time: a whole number of tokens (kMaxTopk entries or fewer each), read by coalesced
+// loads instead of one dependent load per token in the walk.
+constexpr int kRouteWindow = 256;
+static_assert(kRouteWindow >= kMaxTopk, "a window holds at least one token's entries");
+// The schedule kernel's dynamic shared memory: per warp, a running count per expert and the
+// routing window.
+__host__ __device__ constexpr size_t schedule_smem_bytes(int num_experts) {
+  return sizeof(int32_t) * kScheduleWarps * (num_experts + 2 * kRouteWindow);
+}
 
 __device__ __forceinline__ int round_robin_pos(const int32_t* counts, int num_ranks, int occ,
                                                int src) {

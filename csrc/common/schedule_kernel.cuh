@@ -41,11 +41,12 @@ __device__ __forceinline__ void all_gather_routing(const Ctx& c, const int32_t* 
 
 // in0: topk_idx [num_tokens, num_topk] int32; in1: topk_weights [num_tokens, num_topk] fp32.
 // num_tokens may exceed max_tokens: then nothing is read and every rank reports the count.
-// Dynamic shared memory: kScheduleWarps * num_experts int32.
+// Dynamic shared memory: schedule_smem_bytes(num_experts) (common/schedule.cuh).
 __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid_constant__ Params p) {
   extern __shared__ int32_t smem[];
   const Ctx c(p);
   if (block_aborted(c)) return;
+  stamp(p, 0);  // phase stamps (kFlagStamps): entry, routing exchanged, tables, exit
   // NOTE: NK is the stride of a rank's routing in the route buffer (max_tokens rows); every
   // loop over a rank's tokens stops at that rank's own count.
   const int R = p.num_ranks, N = p.max_tokens, K = p.num_topk, E = p.num_experts;
@@ -90,6 +91,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   // NOTE: one signal per rank and epoch (block 0 only): the wait target is the epoch.
   if (blockIdx.x == 0) block_signal_all(c, kSigRoute);
   if (!block_wait_all(c, kSigRoute, static_cast<uint64_t>(p.epoch))) return;
+  stamp(p, 1);
   const int32_t* status =
       reinterpret_cast<const int32_t*>(c.sym(me, p.off_route_status)) + par * kMaxRanks * kRouteStatusWords;
   for (int r = 0; r < R; ++r) {
@@ -223,6 +225,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
       record_error(c, kErrCapacity, 0, d, run, p.capacity, overflow_at);
   }
   if (!grid_sync(c)) return;
+  stamp(p, 2);
 
   // ---- phase 3: positions --------------------------------------------------------------
   int32_t* src_rank = s + p.o_src_rank;
@@ -249,6 +252,10 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   float* fan_w = reinterpret_cast<float*>(s + p.o_fan_w);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int32_t* running = smem + warp * E;
+  // this warp's routing window: the ids, then the weights, of kRouteWindow / K tokens
+  int32_t* win_e = smem + kScheduleWarps * E + warp * 2 * kRouteWindow;
+  float* win_w = reinterpret_cast<float*>(win_e + kRouteWindow);
+  const int win_tokens = kRouteWindow / K;
   const unsigned lt_mask = (1u << lane) - 1;
   for (int q = blockIdx.x * kScheduleWarps + warp; q < R * NC; q += gridDim.x * kScheduleWarps) {
     const int r = q / NC, ch = q % NC;
@@ -257,9 +264,19 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
     int drun = dhist[r * NC + ch];
     __syncwarp();
     for (int t = t0; t < t1; ++t) {
+      if ((t - t0) % win_tokens == 0) {  // the next window of the chunk's routing
+        __syncwarp();  // the last window's reads done
+        const int n = min(t1 - t, win_tokens) * K;
+        for (int j = lane; j < n; j += 32) {
+          win_e[j] = route[r * NK + t * K + j];
+          win_w[j] = route_w[r * NK + t * K + j];
+        }
+        __syncwarp();
+      }
+      const int wi = (t - t0) % win_tokens * K + lane;  // this lane's entry in the window
       const bool active = lane < K;
       const int i = t * K + lane;
-      const int e = active ? route[r * NK + i] : 0;
+      const int e = active ? win_e[wi] : 0;
       const int d = e / L;
       int occ = 0;
       if (active) occ = running[e];
@@ -300,7 +317,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
           // Fan-out list in k order: the order the dedup combine sums the rows in.
           const int j = __popc(here & lt_mask);
           fan_rows[dpos * K + j] = pos;
-          fan_w[dpos * K + j] = route_w[r * NK + i];
+          fan_w[dpos * K + j] = win_w[wi];
           fanout[pos] = dpos;
         }
         if (lane == n_here && n_here < K) fan_rows[dpos * K + n_here] = -1;
@@ -308,6 +325,8 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
     }
     __syncwarp();
   }
+  __syncthreads();  // every warp's walk done before the block's exit stamp
+  stamp(p, 3);
 }
 
 }  // namespace mok

@@ -45,7 +45,8 @@ __device__ __forceinline__ bool block_aborted(const Ctx& c) {
 
 // Phase stamps of a communication kernel (kFlagStamps): thread 0 of each block writes the
 // globaltimer at phase `i` (0 entry, 1 after the peers' ready signal, 2 after the copies or
-// sums, 3 before exit) into in3, uint64 [gridDim.x][kNumStamps]. Diagnostics only.
+// sums, 3 before exit; the schedule: 0 entry, 1 routing exchanged, 2 tables (histograms, scans,
+// offsets) done, 3 positions done) into in3, uint64 [gridDim.x][kNumStamps]. Diagnostics only.
 constexpr int kNumStamps = 4;
 __device__ __forceinline__ void stamp(const Params& p, int i) {
   if ((p.flags & kFlagStamps) && threadIdx.x == 0)

@@ -64,33 +64,47 @@ def _remote_pull_dedup_combine(h: dict, rank: int, world: int) -> int:
     return sum(int((dst == d).any(dim=1).sum()) for d in range(world) if d != rank)
 
 
-def _phase_stamps(ws, fn, calls: int = 20) -> dict[str, float]:
-    """Median per-call phase split (us) of a dedup dispatch / dedup_sum call from the kernels'
-    per-block globaltimer stamps (``ws.stamps``), max over ranks: handshake (entry of the
-    first block to the last block past the peers' ready signal), stream (to the last block's
-    end of copies), spread (first to last block ending its copies), exit (to the last block's
-    exit), span (first entry to last exit) and gap (last exit of the previous call to this
-    call's first entry, back to back)."""
+# Names of the four stamps' intervals: a dedup dispatch / dedup_sum (handshake with the peers,
+# the copies or sums, exit) and the schedule (the routing exchange, the tables: histograms,
+# scans and offsets, the positions walk).
+COMM_PHASES = ("handshake", "stream", "exit")
+SCHEDULE_PHASES = ("exchange", "tables", "positions")
+
+
+def phase_split(
+    t: torch.Tensor, names: tuple[str, str, str] = COMM_PHASES
+) -> dict[str, torch.Tensor]:
+    """Per-call phase split (us) from per-block stamps ``t`` [calls, blocks, 4] (us: entry,
+    then the ends of three phases): each phase from the last block past the one before it to
+    the last block past it (the first from the first block's entry), ``spread`` (first to last
+    block ending the second phase), ``span`` (first entry to last exit) and ``gap`` (last exit
+    of the previous call to this call's first entry, back to back). The first call is left
+    out (it may wait for the peers' previous work)."""
+    entry, ready, done, leave = (t[..., k] for k in range(4))
+    return {
+        names[0]: (ready.amax(1) - entry.amin(1))[1:],
+        names[1]: (done.amax(1) - ready.amax(1))[1:],
+        "spread": (done.amax(1) - done.amin(1))[1:],
+        names[2]: (leave.amax(1) - done.amax(1))[1:],
+        "span": (leave.amax(1) - entry.amin(1))[1:],
+        "gap": entry.amin(1)[1:] - leave.amax(1)[:-1],
+    }
+
+
+def _phase_stamps(ws, fn, calls: int = 20, blocks: int | None = None, names=COMM_PHASES):
+    """Median per-call phase split (us, :func:`phase_split`) of a kernel that writes per-block
+    globaltimer stamps into ``ws.stamps`` (a dedup dispatch or dedup_sum on the communication
+    SMs, or the schedule on ``blocks`` blocks), max over ranks."""
     from mok import _ext
 
-    stamps = torch.zeros(
-        calls, ws.config.num_comm_sms, _ext.NUM_STAMPS, dtype=torch.int64, device="cuda"
-    )
+    blocks = ws.config.num_comm_sms if blocks is None else blocks
+    stamps = torch.zeros(calls, blocks, _ext.NUM_STAMPS, dtype=torch.int64, device="cuda")
     for i in range(calls):
         ws.stamps = stamps[i]
         fn()
     ws.stamps = None
     torch.cuda.synchronize()
-    t = stamps.cpu().double() / 1e3
-    entry, ready, done, leave = (t[..., k] for k in range(4))
-    split = {  # the first call is left out (it may wait for the peer's previous work)
-        "handshake": (ready.amax(1) - entry.amin(1))[1:],
-        "stream": (done.amax(1) - ready.amax(1))[1:],
-        "spread": (done.amax(1) - done.amin(1))[1:],
-        "exit": (leave.amax(1) - done.amax(1))[1:],
-        "span": (leave.amax(1) - entry.amin(1))[1:],
-        "gap": entry.amin(1)[1:] - leave.amax(1)[:-1],
-    }
+    split = phase_split(stamps.cpu().double() / 1e3, names)
     return dict(zip(split, max_over_ranks([v.median() for v in split.values()]), strict=True))
 
 
@@ -134,6 +148,11 @@ def bench_mok(
     sch = mf.build_schedule
     t = time_cuda(lambda: sch(idx, w, ws), iters, warmup)
     add("schedule", "-", "-", "local", t, 0, ws.schedule_blocks())
+    if stamps:
+        split = _phase_stamps(
+            ws, lambda: sch(idx, w, ws), blocks=ws.schedule_blocks(), names=SCHEDULE_PHASES
+        )
+        _print_stamps("schedule", t, split)
     xb = ws.x_buffer
     for eng in engines:
         # Comparable unit: one row per (token, destination rank) into the dedup buffer.
@@ -354,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--csv", default="mok-bench-comm.csv")
     ap.add_argument(
-        "--stamps", action="store_true", help="print the dedup kernels' per-phase split (us)"
+        "--stamps",
+        action="store_true",
+        help="print the dedup kernels' and the schedule's per-phase split (us)",
     )
     return ap
 
