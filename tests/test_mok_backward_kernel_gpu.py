@@ -30,6 +30,28 @@ def _operands(hidden, inter, sizes, tail, seed=0):
     return expert_operands(hidden, inter, sizes, 37 if tail else 0, seed)
 
 
+def _gathered_rows(hidden, sizes, topk, seed):
+    """Tokens x and grad_out [T, hidden] bf16 and the receive rows of a gathered backward:
+    src (token * topk + k; -1 for about a tenth of the rows inside groups, padding, and for the
+    37 rows past the last group), the rows a / dy copied out of them (zeros where src is -1)
+    and row weights (0 there); T = 70000 // topk + 3, so sources pass 65535. Returns (x,
+    grad_out, src, rows, n, a, dy, row_w), n the rows of the groups."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = 70000 // topk + 3
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    grad_out = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    rows, n = sum(sizes) + 37, sum(sizes)
+    src = torch.randint(0, tokens * topk, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    src[torch.rand(rows, device="cuda", generator=g) < 0.1] = -1
+    src[n:] = -1
+    real = (src >= 0)[:, None]
+    tok = (src.clamp(min=0) // topk).long()
+    a = torch.where(real, x[tok], 0).contiguous()
+    dy = torch.where(real, grad_out[tok], 0).contiguous()
+    row_w = torch.rand(rows, device="cuda", generator=g) * (src >= 0)
+    return x, grad_out, src, rows, n, a, dy, row_w
+
+
 def _oracle(a, wgu, wd, dy, row_w, sizes):
     """fp64 w h, dgu and <h, dy @ w_down> per row."""
     inter = wd.shape[-1]
@@ -235,19 +257,7 @@ def test_backward_gathers_its_rows_bitwise(hidden, inter, sizes, topk, into, sav
     from mok.experts import grouped_swiglu_saving, swiglu_backward, swiglu_backward_gathered
 
     _, wgu, wd, _, _, offs = _operands(hidden, inter, sizes, True, seed=9)
-    g = torch.Generator(device="cuda").manual_seed(13)
-    tokens = 70000 // topk + 3
-    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    grad_out = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    rows, n = sum(sizes) + 37, sum(sizes)
-    src = torch.randint(0, tokens * topk, (rows,), device="cuda", generator=g, dtype=torch.int32)
-    src[torch.rand(rows, device="cuda", generator=g) < 0.1] = -1
-    src[n:] = -1
-    real = (src >= 0)[:, None]
-    tok = (src.clamp(min=0) // topk).long()
-    a = torch.where(real, x[tok], 0).contiguous()
-    dy = torch.where(real, grad_out[tok], 0).contiguous()
-    row_w = torch.rand(rows, device="cuda", generator=g) * (src >= 0)
+    x, grad_out, src, rows, n, a, dy, row_w = _gathered_rows(hidden, sizes, topk, seed=13)
 
     def accumulators():
         if not into:
@@ -520,19 +530,7 @@ def test_the_transposed_switch_changes_no_bit(hidden, inter, sizes, topk, into, 
     from mok.experts import grouped_swiglu_saving, swiglu_backward, swiglu_backward_gathered
 
     _, wgu, wd, _, _, offs = _operands(hidden, inter, sizes, True, seed=9)
-    g = torch.Generator(device="cuda").manual_seed(23)
-    tokens = 70000 // topk + 3
-    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    grad_out = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    rows, n = sum(sizes) + 37, sum(sizes)
-    src = torch.randint(0, tokens * topk, (rows,), device="cuda", generator=g, dtype=torch.int32)
-    src[torch.rand(rows, device="cuda", generator=g) < 0.1] = -1
-    src[n:] = -1
-    real = (src >= 0)[:, None]
-    tok = (src.clamp(min=0) // topk).long()
-    a = torch.where(real, x[tok], 0).contiguous()
-    dy = torch.where(real, grad_out[tok], 0).contiguous()
-    row_w = torch.rand(rows, device="cuda", generator=g) * (src >= 0)
+    x, grad_out, src, rows, n, a, dy, row_w = _gathered_rows(hidden, sizes, topk, seed=23)
     gu = grouped_swiglu_saving(a, wgu, wd, offs)[1]
 
     def accumulators():
