@@ -59,7 +59,9 @@ def test_bad_arguments_stop_before_any_gpu_work(argv, env, why, monkeypatch, cap
 
 
 def test_groups_are_padded_to_the_row_tile():
-    ends, total = experts.padded_groups(torch.tensor([5, 0, 64, 65]), 64)
+    # top-1 routing: 5 tokens to expert 0, none to 1, 64 to 2, 65 to 3
+    idx = torch.tensor([0] * 5 + [2] * 64 + [3] * 65, dtype=torch.int32)[:, None]
+    ends, total, _ = experts.gathered_rows(idx, 4, 64)
     assert ends.tolist() == [64, 64, 128, 256] and ends.dtype == torch.int32 and total == 256
 
 
@@ -160,8 +162,7 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     tiny = get_shape("tiny")  # 16 experts (8 at EP2), 256 x 128, top-4
     E, H, inter = tiny.num_experts // 2, tiny.hidden, tiny.intermediate
     idx = draw(40, E, tiny.num_topk, "uniform", bench_routing_seed(40))[0]
-    counts = torch.bincount(idx.reshape(-1).long(), minlength=E)
-    ends, total = experts.padded_groups(counts, unfused_row_tile(mok.MoKConfig()))
+    ends, total, _ = experts.gathered_rows(idx, E, unfused_row_tile(mok.MoKConfig()))
     for r in rec.rows:
         assert (r["model"], r["num_experts"], r["hidden"], r["intermediate"]) == (
             "tiny",
@@ -225,9 +226,7 @@ def test_gathered_rows_list_each_experts_entries_in_token_order(
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randperm(experts_, generator=g)[:topk] for _ in range(tokens)]
     idx = (torch.stack(rows) if rows else torch.zeros(0, topk, dtype=torch.long)).to(torch.int32)
-    counts = torch.bincount(idx.reshape(-1).long(), minlength=experts_)
-    ends, total = experts.padded_groups(counts, align)
-    row_src = experts.gathered_rows(idx, ends, total)
+    ends, total, row_src = experts.gathered_rows(idx, experts_, align)
     assert row_src.shape == (total,) and row_src.dtype == torch.int32
     flat = idx.reshape(-1).tolist()
     start = 0

@@ -20,7 +20,7 @@ from sim.app.cli import main
 from sim.app.validate import summarise, validate_layer_rows
 from sim.core.topology import get_topology
 from sim.fused.fit import (
-    _FINE,
+    FINE_GRIDS,
     fit_knobs,
     is_profile_fit_row,
     objective,
@@ -239,7 +239,7 @@ def test_committed_ep1_profile():
     best = objective(fit, prof)
     assert best == pytest.approx(prof.fit["objective"], abs=1e-4)
     for k in knobs:  # a local minimum on the fine grids
-        grid = list(_FINE[k])
+        grid = list(FINE_GRIDS[k])
         i = grid.index(getattr(prof, k))
         for j in (i - 1, i + 1):
             if 0 <= j < len(grid):

@@ -22,7 +22,7 @@ import pytest
 from sim.app.cli import main
 from sim.app.validate import rerun_spearman, spearman, summarise, validate_layer_rows
 from sim.core.hardware import load_gpu
-from sim.fused.fit import _FINE, FUSED_KNOBS, objective
+from sim.fused.fit import FINE_GRIDS, FUSED_KNOBS, objective
 from sim.fused.model import fused_layer
 from sim.fused.profile import FusedProfile, load_fused_profile
 from sim.fused.tiles import STAGE_BYTES, kblock_us, run_tiles, tile_order
@@ -325,9 +325,9 @@ def test_committed_profile_is_a_local_fit_minimum():
     assert sum(r["mode"] == "pull" for r in fit) == 2  # Qwen3 at 8 SMs
     best = objective(fit, prof)
     assert best == pytest.approx(prof.fit["objective"], abs=1e-4)
-    assert prof.gemm_efficiency == _FINE["gemm_efficiency"][-1] == 1.0
+    assert prof.gemm_efficiency == FINE_GRIDS["gemm_efficiency"][-1] == 1.0
     for k in FUSED_KNOBS:
-        grid = list(_FINE[k])
+        grid = list(FINE_GRIDS[k])
         i = grid.index(getattr(prof, k))
         for j in (i - 1, i + 1):
             if 0 <= j < len(grid):

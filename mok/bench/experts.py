@@ -102,14 +102,6 @@ class ExpertsRecorder(OneGpuRecorder):
         )
 
 
-def padded_groups(counts: torch.Tensor, align: int) -> tuple[torch.Tensor, int]:
-    """(int32 group ends of ``counts`` rows per expert, each padded up to a multiple of
-    ``align``; the padded row total)."""
-    padded = (counts + align - 1) // align * align
-    ends = padded.cumsum(0).to(torch.int32)
-    return ends, int(padded.sum())
-
-
 def piece_flops(piece: str, rows: int, hidden: int, inter: int) -> int:
     """Useful FLOPs of a piece over ``rows`` routed rows."""
     gemm = 2 * rows * hidden * inter  # one [rows, H] x [H, I] GEMM
@@ -126,20 +118,16 @@ def piece_flops(piece: str, rows: int, hidden: int, inter: int) -> int:
     }[piece]
 
 
-def gathered_rows(idx: torch.Tensor, offs: torch.Tensor, rows: int) -> torch.Tensor:
-    """int32 [rows]: for each receive row of the padded groups ``offs`` (group ends), the flat
-    routing entry (token * K + k) it holds, each expert's entries in token order; -1 for a
-    padding row."""
-    flat = idx.reshape(-1).long()
-    order = torch.sort(flat, stable=True).indices  # entries grouped by expert, token order
-    experts = flat[order]
-    counts = torch.bincount(flat, minlength=offs.shape[0])
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()  # padded group starts
-    first = torch.cumsum(counts, 0) - counts  # each expert's first place in `order`
-    place = torch.arange(flat.shape[0], device=flat.device) - first[experts]
-    row_src = torch.full((rows,), -1, dtype=torch.int32, device=flat.device)
-    row_src[starts[experts] + place] = order.to(torch.int32)
-    return row_src
+def gathered_rows(idx: torch.Tensor, num_experts: int, align: int):
+    """The one-rank schedule of routing ``idx`` [n, K] (:func:`reference.schedule.build_schedule`):
+    (int32 group ends, each expert's region padded to a multiple of ``align``; the padded row
+    total; int32 [total] row sources: the flat routing entry token * K + k of each receive row,
+    each expert's entries in token order, -1 for a padding row), on ``idx``'s device."""
+    from reference.schedule import build_schedule
+
+    s = build_schedule(idx.cpu()[None], num_experts, 0, row_tile=align)
+    to = dict(dtype=torch.int32, device=idx.device)
+    return s.offsets[1:].to(**to), s.num_rows, s.src_index.to(**to)
 
 
 def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, warm_s=0.0):
@@ -155,9 +143,11 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
     E, H, inter, K = shape.num_experts, shape.hidden, shape.intermediate, shape.num_topk
     seed = bench_routing_seed(n)
     idx, _, _ = draw_routing(n, E, K, skew, seed=seed)
-    counts = torch.bincount(idx.reshape(-1).long(), minlength=E)
-    offs, R = padded_groups(counts, unfused_row_tile(mok.MoKConfig()))
-    real = int(counts.sum())
+    # receive row r holds routing entry row_src[r] (token row_src[r] // K), each group's entries
+    # in token order, padding rows -1: the gathering kernels read `tokens` through it, the
+    # others the rows as a dispatched copy
+    offs, R, row_src = gathered_rows(idx, E, unfused_row_tile(mok.MoKConfig()))
+    real = idx.numel()
     g = torch.Generator(device=device).manual_seed(13)
 
     def rnd(*s, scale=1.0):
@@ -170,9 +160,6 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
     base = dict(model=model, hidden=H, intermediate=inter, num_experts=E, num_topk=K, skew=skew)
     base.update(tokens_per_rank=n, routing_seed=seed, emulated_ep=emulate_ep or 1)
     base.update(rows=real, padded_rows=R)
-    # the gathering kernels' view of the same rows: receive row r is entry row_src[r] (token
-    # row_src[r] // K of `tokens`), each group's entries in token order, padding rows -1
-    row_src = gathered_rows(idx, offs, R)
     tokens, dy_tokens = rnd(n, H), rnd(n, H)
     row_w32 = row_w.float().contiguous()
 

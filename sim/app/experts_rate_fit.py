@@ -11,7 +11,7 @@ three knobs that set the layer model's GEMM rates under ``--gemm-profile``
 (:func:`sim.core.gemm_waves.kernel_waves`: ``gemm_efficiency``, ``tile_fixed_us``,
 ``operand_tbps``) on the ``mok`` rows of the pieces :data:`FIT_PIECES` (predicted as
 ``mok-sim validate`` predicts them, :func:`sim.app.validate_experts.validate_experts_rows`),
-with the search of the fused fit (:func:`sim.fused.fit._pattern` on its fine grids, from
+with the search of the fused fit (:func:`sim.fused.fit.pattern_search` on its fine grids, from
 ``mok-fused-h200x1``'s values), and reports:
 
 - the fit rows' errors and the held-out experts rows (``bwd_saved_all``, a sum of the fitted
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from sim.app.validate import validate_train_rows
 from sim.app.validate_experts import validate_experts_rows
-from sim.fused.fit import _FINE, _pattern
+from sim.fused.fit import FINE_GRIDS, pattern_search
 from sim.fused.profile import FusedProfile, load_fused_profile
 from sim.measured import measured_path, read_rows
 
@@ -104,7 +104,7 @@ def fit_experts_rates(
     def obj(rs, prof):
         return sum(abs(math.log1p(e)) for _, e in experts_errors(rs, files.path(prof)))
 
-    prof, best = _pattern(fit_rows, start, _FINE, math.inf, RATE_KNOBS, obj=obj)
+    prof, best = pattern_search(fit_rows, start, FINE_GRIDS, math.inf, RATE_KNOBS, obj=obj)
     return prof.replace(
         source=f"fitted by sim.app.experts_rate_fit on the mok rows of {', '.join(FIT_PIECES)} "
         f"in mok/bench/results/{EXPERTS_CSV} ({', '.join(sorted({r['model'] for r in fit_rows}))};"

@@ -35,7 +35,7 @@ and the fitted profile says which (``fit["knobs"]``, ``fit["fixed"]``).
 Objective: sum over the fit rows of ``|log(predicted / measured)|`` (as :mod:`sim.comm.fit`).
 Search: for each ``tile_fixed_us`` of a coarse grid, coordinate descent over the other knobs on
 coarse grids; then a pattern search over all fitted knobs on fine grids from the best start
-(:func:`_pattern`). A few minutes (``mok-sim validate --refit`` on the layer CSVs; ``ep1`` on
+(:func:`pattern_search`). A few minutes (``mok-sim validate --refit`` on the layer CSVs; ``ep1`` on
 the 2 fit rows of ``h200x1-layer-2026-12-01.csv``: seconds).
 """
 
@@ -51,12 +51,14 @@ from sim.fused.profile import FusedProfile
 from sim.measured import FusedFit, fused_fit
 
 __all__ = [
+    "FINE_GRIDS",
     "FUSED_KNOBS",
     "fit_fused_profile",
     "fit_knobs",
     "profile_fit",
     "is_profile_fit_row",
     "objective",
+    "pattern_search",
 ]
 
 FUSED_KNOBS = (
@@ -79,9 +81,9 @@ _COARSE = {
     "comm_rate_factor": _log_grid(0.1, 2.0, 30),
     "remote_rate_factor": _log_grid(0.2, 2.0, 20),
 }
-# fine grids: steps of about 0.5 %; searched locally (:func:`_pattern`), so their size costs
+# fine grids: steps of about 0.5 %; searched locally (:func:`pattern_search`), so their size costs
 # little
-_FINE = {
+FINE_GRIDS = {
     "tile_fixed_us": tuple(np.round(np.arange(0.0, 16.001, 0.05), 2)),
     "gemm_efficiency": tuple(np.round(np.arange(0.40, 1.0001, 0.005), 3)),
     "operand_tbps": tuple(np.round(np.arange(4.0, 20.001, 0.05), 2)),
@@ -126,7 +128,7 @@ def _descend(rows, prof, grids, best, keys) -> tuple[FusedProfile, float]:
     return prof, best
 
 
-def _pattern(rows, prof, grids, best, keys, obj=None) -> tuple[FusedProfile, float]:
+def pattern_search(rows, prof, grids, best, keys, obj=None) -> tuple[FusedProfile, float]:
     """Pattern search on the fine grids from ``prof`` (snapped to them): move one knob by
     +-step grid points while that lowers the objective, for each step of
     :data:`_PATTERN_STEPS`. NOTE: small steps of one knob at a time follow the ridges that
@@ -274,7 +276,9 @@ def fit_fused_profile(
                 start_prof, best = p, o
     elif knobs:
         start_prof, best = _descend(fit_rows, prof, _COARSE, best, knobs)
-    p, best = _pattern(fit_rows, start_prof, _FINE, best, knobs) if knobs else (prof, best)
+    p, best = (
+        pattern_search(fit_rows, start_prof, FINE_GRIDS, best, knobs) if knobs else (prof, best)
+    )
     mean = best / len(fit_rows)
     log(f"fine: objective {best:.4f} (mean |log err| {mean:.4f} over {len(fit_rows)} rows)")
     out = {
