@@ -63,8 +63,9 @@ struct SwigluBwdLaunch {
 int launch_swiglu_bwd(const SwigluBwdLaunch& args, int grid, void* stream);
 
 // The experts' weight gradients C[e] = A[e]^T B[e] (layer/sm90_bwd.cuh wgrad_kernel): raw
-// device pointers of bf16 A [rows, m], B [rows, n], C [num_experts, m, n] and the int32 group
-// ends [num_experts] (multiples of 16); m a multiple of 128, n of 256.
+// device pointers of bf16 A [rows, m], B [rows, n], C [num_experts, m, n] (transposed:
+// [num_experts, n, m]) and the int32 group ends [num_experts] (multiples of 16); m a multiple of
+// 128, n of 256.
 struct WgradLaunch {
   const void* a;
   const void* b;
@@ -79,6 +80,9 @@ struct WgradLaunch {
   const void* gather_rows;
   const int32_t* gather_src;
   int64_t gather_tokens, gather_topk, gather_operand;
+  // 1: C^T stored, C [num_experts, n, m] (the same sums; dW_gate_up computed as x^T dgu, stored
+  // in the weight's [L, 2I, H] layout); with a gather only of operand 0. 0: C as above.
+  int64_t transposed;
 };
 
 // Launches it with at most `grid` blocks on `stream`. Returns a cudaError_t value
@@ -127,6 +131,9 @@ struct FusedBwdLaunch {
   // same values); 0: each thread stores its words to d_a.
   int64_t da_staged;
   int64_t fault;  // tests only: the dh task that never reports done (-1: none)
+  // 1: d_w_gate_up's tiles computed as dh.a^T dgu (the rows as the 128-column operand) and
+  // stored transposed (WgradLaunch::transposed), in the same [L, 2I, H] layout; 0: dgu^T a.
+  int64_t wgu_transposed;
 };
 
 // The counter words a launch of `rows` rows in `num_experts` groups needs: the next task, one

@@ -216,7 +216,9 @@ def swiglu_backward(
             contiguous, H a multiple of 64, I of 128, at most KERNEL_MAX_EXPERTS groups).
         wgrad_kernel: the weight gradients in mok's Hopper kernel (:func:`mok.ops.wgrad_sm90`)
             where ``kernel`` holds, every group end is a multiple of 16 (``group_align``) and
-            the output a multiple of 128 x 256; else torch's GEMMs. None (the default): the
+            the output a multiple of 128 x 256 (with ``mok.ops.WGRAD_GU_TRANSPOSED``
+            d_w_gate_up as the kernel's transposed form: H a multiple of 128, 2I of 256); else
+            torch's GEMMs. None (the default): the
             kernel for grouped rows (``offs``; on the H200 it runs DeepSeek-V3's per-expert
             weight gradients at 470-550 TFLOP/s against 384-470 for torch's grouped GEMM), torch
             for one dense expert (the shared expert: cuBLAS over thousands of rows).
@@ -278,7 +280,8 @@ def swiglu_backward(
         d_a = d_a.to(d_a_dtype)
     wk = kernel and (offs is not None if wgrad_kernel is None else wgrad_kernel)
     into = (None, None) if wgrad_into is None else wgrad_into
-    d_wgu = _wgrad(dgu, a, offs, wk, group_align, into[0])
+    # dW_gate_up = dgu^T a, or (switch on) computed as a^T dgu stored transposed
+    d_wgu = _wgrad(dgu, a, offs, wk, group_align, into[0], ops.WGRAD_GU_TRANSPOSED)
     d_wd = _wgrad(dy, hw, offs, wk, group_align, into[1])  # sum over rows of dy (x) w h
     return d_a, d_w, d_wgu, d_wd
 
@@ -342,18 +345,28 @@ def swiglu_backward_gathered(
     )
     d_a = gate_up_dgrad(dgu, w_gate_up, offs)
     into = _checked_into(wgrad_into, w_gate_up, w_down) or (None, None)
-    d_wgu = _wgrad_gathered(dgu, x, row_src, num_topk, 1, offs, into[0])  # dgu^T x rows
+    # dgu^T x rows (switch on: x rows^T dgu, x's rows the 128-column operand, stored transposed)
+    d_wgu = _wgrad_gathered(dgu, x, row_src, num_topk, 1, offs, into[0], ops.WGRAD_GU_TRANSPOSED)
     d_wd = _wgrad_gathered(hw, grad_out, row_src, num_topk, 0, offs, into[1])  # dy rows^T hw
     return d_a, sum_partials(part), d_wgu, d_wd
 
 
-def _wgrad_gathered(other, tokens, row_src, num_topk, operand, offs, into):
+def _wgrad_gathered(other, tokens, row_src, num_topk, operand, offs, into, transposed=False):
     """:func:`_wgrad` by mok's kernel with operand ``operand`` (0: A, 1: B) gathered from
-    ``tokens``; ``other`` is the operand read as it is."""
+    ``tokens``; ``other`` is the operand read as it is. ``transposed`` (operand 1 only): the
+    same [L, M, N] result computed as tokens^T other, the gathered rows the kernel's operand A,
+    each tile stored transposed."""
     m, n = (tokens.shape[1], other.shape[1]) if operand == 0 else (other.shape[1], tokens.shape[1])
+    if transposed and operand != 1:
+        raise ValueError(
+            f"_wgrad_gathered: transposed computes tokens^T other with the tokens as operand 0; "
+            f"it takes them as operand 1 of the result, got operand {operand}"
+        )
+    k_op = 0 if transposed else operand  # the kernel's gathered operand
 
     def launch(c, accumulate):
-        ops.wgrad_gather_sm90(other, tokens, row_src, num_topk, operand, offs, c, accumulate)
+        ops.wgrad_gather_sm90(other, tokens, row_src, num_topk, k_op, offs, c, accumulate,
+                              transposed)  # fmt: skip
 
     return _wgrad_out(launch, offs.shape[0], m, n, other, into)
 
@@ -534,20 +547,34 @@ def sum_partials(part: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _wgrad(a: torch.Tensor, b: torch.Tensor, offs, kernel: bool, group_align: int, into=None):
+def _wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs,
+    kernel: bool,
+    group_align: int,
+    into=None,
+    transposed: bool = False,
+):
     """``a[e]^T b[e]`` per group (one [M, N] without ``offs``): mok's Hopper kernel where the
     shapes and the groups' alignment allow it, else torch's grouped GEMM. ``into``: an fp32
-    accumulator the fp32 sums are added onto (and returned)."""
+    accumulator the fp32 sums are added onto (and returned). ``transposed``: the kernel computes
+    b^T a (b's rows its 128-column operand) and stores each tile transposed, the same [M, N]
+    result; it then needs N a multiple of 128 and M of 256."""
     rows, m, n = a.shape[0], a.shape[1], b.shape[1]
     aligned = group_align % 16 == 0 if offs is not None else rows % 16 == 0
-    if not (kernel and aligned and rows > 0 and m % 128 == 0 and n % 256 == 0):
+    fits = n % 128 == 0 and m % 256 == 0 if transposed else m % 128 == 0 and n % 256 == 0
+    if not (kernel and aligned and rows > 0 and fits):
         if into is None:
             return _mm(a.T, b, offs)
         return into.add_(_mm32(a.T, b, offs))
     ends = _group_ends(offs, rows, a.device)
 
     def launch(c, accumulate):
-        ops.wgrad_sm90(a, b, ends, c, accumulate)
+        if transposed:
+            ops.wgrad_sm90(b, a, ends, c, accumulate, True)
+        else:
+            ops.wgrad_sm90(a, b, ends, c, accumulate)
 
     c = _wgrad_out(launch, ends.shape[0], m, n, a, into)
     return c if offs is not None or into is not None else c[0]

@@ -51,6 +51,17 @@ PREFETCH_GU = False
 # both (docs/perf-notes.md, "d_a's epilogue staged").
 STAGED_DA = True
 
+# Whether the experts' backward computes dW_gate_up as its transpose x^T dgu, each tile stored
+# transposed into the weight's [L, 2I, H] layout (the weight-gradient kernels' ``transposed``
+# form): x's rows are then the kernel's 128-column operand, so the one-rank backward that
+# gathers them copies a third of each k-block's bytes by cp.async instead of two thirds. Read by
+# mok.experts where dW_gate_up is computed with one launch per GEMM (dispatched or gathered
+# rows) and here by the fused backward's launches (bwd_fused_sm90, bwd_layer_sm90), so that
+# every path of one setting computes it the same way: the gathered and dispatched backwards
+# give the same bits, and EP > 1 EP1's. Off until measured (docs/perf-notes.md, "dW_gate_up
+# stored transposed").
+WGRAD_GU_TRANSPOSED = False
+
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
 ENGINES = ("tma", "vector")
 # dedup_sum also has the cp.async gather ring (v3; slower than vector on 2x H200, kept for study).
@@ -518,25 +529,35 @@ def wgrad_sm90(
     a: torch.Tensor,  # [R, M] bf16, rows grouped by expert
     b: torch.Tensor,  # [R, N] bf16
     group_ends: torch.Tensor,  # [L] int32, multiples of 16
-    c: torch.Tensor,  # [L, M, N] bf16 or fp32 out: c[e] = a[e]^T b[e] (zero for an empty group)
+    # [L, M, N] bf16 or fp32 out: c[e] = a[e]^T b[e] (zero for an empty group); [L, N, M] with
+    # transposed: c[e] = (a[e]^T b[e])^T
+    c: torch.Tensor,
     accumulate: bool = False,  # fp32 c only: c[e] += a[e]^T b[e] (an fp32 gradient accumulator)
+    transposed: bool = False,  # each tile stored transposed (the same sums)
 ) -> None:
     """The experts' weight-gradient kernel (csrc/layer/sm90_bwd.cuh wgrad_kernel), over every
     SM of the GPU. With ``accumulate`` each element of ``c`` gets one fp32 add of its tile's sum
-    (no split-K), so the result does not depend on the order of the tiles."""
-    _launch_wgrad(a, b, a.shape[0], a.shape[1], b.shape[1], group_ends, c, accumulate, None)
+    (no split-K), so the result does not depend on the order of the tiles. ``transposed``: the
+    same tiles, each stored as its transpose (dW_gate_up computed as x^T dgu, x's rows the
+    128-column operand, into the weight's [L, 2I, H] layout); M a multiple of 128 and N of 256
+    either way."""
+    _launch_wgrad(
+        a, b, a.shape[0], a.shape[1], b.shape[1], group_ends, c, accumulate, None, transposed
+    )
 
 
-def _launch_wgrad(a, b, rows, m, n, group_ends, c, accumulate, gather) -> None:
+def _launch_wgrad(a, b, rows, m, n, group_ends, c, accumulate, gather, transposed=False) -> None:
     """One launch of the weight-gradient kernel; ``gather``: None, or (tokens, row_src,
     num_topk, operand) with operand 0 (A) or 1 (B) read from ``tokens`` (its ``a`` / ``b`` then
-    unused)."""
+    unused); ``transposed``: C^T stored, c [L, n, m]."""
     if c.dtype not in (torch.bfloat16, torch.float32):
         raise MoKUnsupportedError(f"wgrad_sm90: c must be bf16 or fp32, got {c.dtype}")
     if accumulate and c.dtype != torch.float32:
         raise MoKUnsupportedError(
             f"wgrad_sm90: accumulate=True adds into an fp32 c (a main_grad buffer), got {c.dtype}"
         )
+    if transposed:
+        _check_transposed(rows, m, n, c, gather)
     out = 0 if c.dtype == torch.bfloat16 else (2 if accumulate else 1)
     dev = c.device
     tokens, row_src, topk, operand = gather if gather is not None else (None, None, 0, 0)
@@ -555,13 +576,35 @@ def _launch_wgrad(a, b, rows, m, n, group_ends, c, accumulate, gather) -> None:
         0 if tokens is None else tokens.shape[0],
         topk,
         operand,
+        int(transposed),
         budget_sms(dev),
         torch.cuda.current_stream(dev).cuda_stream,
     )
 
 
+def _check_transposed(rows, m, n, c, gather) -> None:
+    """The transposed form's refusals: a gather only of operand 0 (x's rows as A of x^T dgu),
+    its kernel's M (a's columns: H for dW_gate_up) a multiple of 128 and N (b's: 2I) of 256, and
+    c [L, N, M]."""
+    if gather is not None and gather[3] != 0:
+        raise MoKUnsupportedError(
+            "wgrad_gather_sm90(transposed=True): the transposed form gathers operand 0 only "
+            f"(x's rows as A of x^T dgu), got operand {gather[3]}"
+        )
+    if m % 128 or n % 256:
+        raise MoKUnsupportedError(
+            f"wgrad_sm90(transposed=True): a [{rows}, {m}] and b [{rows}, {n}]: the transposed "
+            "form needs a's columns (H of x^T dgu) a multiple of 128 and b's (2I) of 256"
+        )
+    if c.dim() != 3 or tuple(c.shape[1:]) != (n, m):
+        raise MoKInputError(
+            f"wgrad_sm90(transposed=True): c must be [L, {n}, {m}] (each group's a^T b "
+            f"transposed), got {tuple(c.shape)}"
+        )
+
+
 @wgrad_sm90.register_fake
-def _(a, b, group_ends, c, accumulate=False) -> None:
+def _(a, b, group_ends, c, accumulate=False, transposed=False) -> None:
     return None
 
 
@@ -604,8 +647,9 @@ def wgrad_gather_sm90(
     num_topk: int,
     operand: int,  # 0: A gathered, 1: B gathered
     group_ends: torch.Tensor,  # [L] int32, multiples of 16
-    c: torch.Tensor,  # [L, M, N] bf16 or fp32 out
+    c: torch.Tensor,  # [L, M, N] bf16 or fp32 out ([L, N, M] with transposed)
     accumulate: bool,
+    transposed: bool = False,  # C^T stored (operand 0 gathered only)
 ) -> None:
     """:func:`wgrad_sm90` with one operand's rows gathered from ``tokens`` (row r is
     ``tokens[row_src[r] // num_topk]``, zeros where ``row_src`` is -1) instead of read from a
@@ -613,11 +657,12 @@ def wgrad_gather_sm90(
     rows = other.shape[0]
     a, b = (None, other) if operand == 0 else (other, None)
     m, n = (tokens.shape[1], other.shape[1]) if operand == 0 else (other.shape[1], tokens.shape[1])
-    _launch_wgrad(a, b, rows, m, n, group_ends, c, accumulate, (tokens, row_src, num_topk, operand))
+    gather = (tokens, row_src, num_topk, operand)
+    _launch_wgrad(a, b, rows, m, n, group_ends, c, accumulate, gather, transposed)
 
 
 @wgrad_gather_sm90.register_fake
-def _(other, tokens, row_src, num_topk, operand, group_ends, c, accumulate) -> None:
+def _(other, tokens, row_src, num_topk, operand, group_ends, c, accumulate, transposed=False):
     return None
 
 
@@ -737,6 +782,7 @@ def _launch_bwd_fused(
         *peers,
         int(PREFETCH_GU),
         int(STAGED_DA),
+        int(WGRAD_GU_TRANSPOSED),
         budget_sms(dev),
         torch.cuda.current_stream(dev).cuda_stream if ws is None else ws.stream(),
     )

@@ -84,11 +84,11 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         fn()  # torch's pieces for real; mok's through the stand-ins below
         return Timing(100.0, 90.0, 120.0)
 
-    def wgrad(a, b, ends, c, accumulate=False):
-        calls["mok"].append(("wgrad", a.shape, b.shape, ends.tolist(), c.shape))
+    def wgrad(a, b, ends, c, accumulate=False, transposed=False):
+        calls["mok"].append(("wgrad", a.shape, b.shape, ends.tolist(), c.shape, transposed))
 
-    def wgrad_gather(other, tokens, row_src, topk, operand, ends, c, accumulate):
-        calls["mok"].append(("gather", operand, tokens.shape, row_src.shape, c.shape))
+    def wgrad_gather(other, tokens, row_src, topk, operand, ends, c, accumulate, transposed=False):
+        calls["mok"].append(("gather", operand, tokens.shape, row_src.shape, c.shape, transposed))
 
     def bwd(a, wgu, wd, dy, row_w, offs, saved=None):
         calls["mok"].append(("bwd", saved is not None, offs.tolist()))
@@ -97,7 +97,7 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         calls["mok"].append(("dgrad", dgu.shape, wgu.shape))
 
     def whole(a, wgu, wd, dy, row_w, offs, fused=None, group_align=1, saved_gu=None):
-        calls["mok"].append(("whole", fused, group_align, saved_gu))
+        calls["mok"].append(("whole", fused, group_align, saved_gu, ops.WGRAD_GU_TRANSPOSED))
 
     def saving(a, wgu, wd, offs):
         calls["mok"].append(("saving", offs.tolist()))
@@ -112,7 +112,7 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         calls["mok"].append(("dh gather", x.shape, src.shape, hw.shape, gu32 is not None))
 
     def whole_gather(x, dy, src, topk, rows, wgu, wd, row_w, ends, into, saved):
-        calls["mok"].append(("whole gather", x.shape, rows, saved))
+        calls["mok"].append(("whole gather", x.shape, rows, saved, ops.WGRAD_GU_TRANSPOSED))
 
     monkeypatch.setattr(ops, "swiglu_backward_gather_sm90", dh_gather)
     monkeypatch.setattr(me, "swiglu_backward_gathered", whole_gather)
@@ -134,6 +134,8 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         ("dW_gate_up", "mok-gather"),
         ("dW_gate_up", "mok-t"),
         ("dW_gate_up", "mok-gather-t"),
+        ("dW_gate_up", "mok-ts"),
+        ("dW_gate_up", "mok-gather-ts"),
         ("dW_down", "mok"),
         ("dW_down", "torch"),
         ("dW_down", "mok-gather"),
@@ -147,6 +149,8 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         ("bwd_saved_all", "mok"),
         ("bwd_saved_all", "mok-serial"),
         ("bwd_saved_all", "mok-gather"),
+        ("bwd_saved_all", "mok-ts"),
+        ("bwd_saved_all", "mok-gather-ts"),
         ("fwd_saving", "mok"),
         ("fwd_saving", "torch"),
         ("fwd_gate_up", "mok"),
@@ -172,27 +176,33 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
         assert r["flops"] == experts.piece_flops(r["piece"], 40 * tiny.num_topk, H, inter)
         assert r["tflops"] == round(r["flops"] / 100e6, 1)
     # mok's kernels got the padded groups, the weight gradients their [L, M, N] outputs
-    assert ("wgrad", (total, 2 * inter), (total, H), ends.tolist(), (E, 2 * inter, H)) in calls[
-        "mok"
-    ]
-    assert ("wgrad", (total, H), (total, inter), ends.tolist(), (E, H, inter)) in calls["mok"]
+    got = calls["mok"]
+    gu, hd, gu_t = (E, 2 * inter, H), (E, H, inter), (E, H, 2 * inter)
+    assert ("wgrad", (total, 2 * inter), (total, H), ends.tolist(), gu, False) in got
+    assert ("wgrad", (total, H), (total, inter), ends.tolist(), hd, False) in got
     # the gathering kernels: x's rows (operand B) and dy's (operand A) from 40 tokens
-    assert ("gather", 1, (40, H), (total,), (E, 2 * inter, H)) in calls["mok"]
-    assert ("gather", 0, (40, H), (total,), (E, H, inter)) in calls["mok"]
+    assert ("gather", 1, (40, H), (total,), gu, False) in got
+    assert ("gather", 0, (40, H), (total,), hd, False) in got
     # dW_gate_up's transpose: x's rows the operand A, [L, H, 2I] out
-    assert ("wgrad", (total, H), (total, 2 * inter), ends.tolist(), (E, H, 2 * inter)) in calls[
-        "mok"
-    ]
-    assert ("gather", 0, (40, H), (total,), (E, H, 2 * inter)) in calls["mok"]
+    assert ("wgrad", (total, H), (total, 2 * inter), ends.tolist(), gu_t, False) in got
+    assert ("gather", 0, (40, H), (total,), gu_t, False) in got
+    # and stored transposed: the same operands, [L, 2I, H] out
+    assert ("wgrad", (total, H), (total, 2 * inter), ends.tolist(), gu, True) in got
+    assert ("gather", 0, (40, H), (total,), gu, True) in got
     for kept in (False, True):  # the gathering experts' kernel, g / u recomputed or read back
-        assert ("dh gather", (40, H), (total,), (total, inter), kept) in calls["mok"]
-    assert ("whole gather", (40, H), total, "saved") in calls["mok"]
+        assert ("dh gather", (40, H), (total,), (total, inter), kept) in got
+    # the whole gathered backward, with the transposed dW_gate_up switch off and on (and back
+    # off after its rows)
+    for switch in (False, True):
+        assert ("whole gather", (40, H), total, "saved", switch) in got
+    assert not ops.WGRAD_GU_TRANSPOSED
     assert ("bwd", True, ends.tolist()) in calls["mok"]  # from the saved g / u
     assert ("saving kernel", (total, H), ends.tolist()) in calls["mok"]
     assert ("dgrad", (total, 2 * inter), (E, 2 * inter, H)) in calls["mok"]
     tile = unfused_row_tile(mok.MoKConfig())
     for fused in (True, False):  # the whole backward, from the saved g / u, aligned groups
-        assert ("whole", fused, tile, "saved") in calls["mok"]
+        assert ("whole", fused, tile, "saved", False) in calls["mok"]
+    assert ("whole", True, tile, "saved", True) in calls["mok"]  # mok-ts: the switch on
     assert "tiny  uniform      dW_gate_up        mok     100.0 us" in capsys.readouterr().out
     rec.write()
     lines = (tmp_path / "experts.csv").read_text().splitlines()

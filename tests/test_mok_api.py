@@ -130,6 +130,10 @@ def test_custom_ops_trace_with_fake_tensors():
         part = torch.zeros(1, rows)
         torch.ops.mok.swiglu_backward_sm90(recv, recv, gu, wd, ends, None, hw, dgu, part, None, 0)
         torch.ops.mok.wgrad_sm90(dgu, recv, ends, gu.transpose(1, 2).contiguous())
+        # the transposed form (dW_gate_up as x^T dgu into [L, 2I, H]), and the gathering op
+        torch.ops.mok.wgrad_sm90(recv, dgu, ends, gu, False, True)
+        src = torch.zeros(rows, dtype=torch.int32)
+        torch.ops.mok.wgrad_gather_sm90(dgu, x, src, k, 0, ends, gu, False, True)
         return out
 
     n, h, k = 8, 64, 2
@@ -146,7 +150,7 @@ def test_custom_ops_trace_with_fake_tensors():
     gm = make_fx(layer, tracing_mode="fake")(*args)
     called = {str(nd.target) for nd in gm.graph.nodes if nd.op == "call_function"}
     ops = ("build_schedule", "dispatch", "fanout", "combine", "dedup_partials", "dedup_sum")
-    for op in (*ops, "layer_forward", "swiglu_backward_sm90", "wgrad_sm90"):
+    for op in (*ops, "layer_forward", "swiglu_backward_sm90", "wgrad_sm90", "wgrad_gather_sm90"):
         assert any(f"mok.{op}" in c for c in called), (op, called)
 
 

@@ -30,6 +30,28 @@ def _operands(hidden, inter, sizes, tail, seed=0):
     return expert_operands(hidden, inter, sizes, 37 if tail else 0, seed)
 
 
+def _gathered_rows(hidden, sizes, topk, seed):
+    """Tokens x and grad_out [T, hidden] bf16 and the receive rows of a gathered backward:
+    src (token * topk + k; -1 for about a tenth of the rows inside groups, padding, and for the
+    37 rows past the last group), the rows a / dy copied out of them (zeros where src is -1)
+    and row weights (0 there); T = 70000 // topk + 3, so sources pass 65535. Returns (x,
+    grad_out, src, rows, n, a, dy, row_w), n the rows of the groups."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = 70000 // topk + 3
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    grad_out = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    rows, n = sum(sizes) + 37, sum(sizes)
+    src = torch.randint(0, tokens * topk, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    src[torch.rand(rows, device="cuda", generator=g) < 0.1] = -1
+    src[n:] = -1
+    real = (src >= 0)[:, None]
+    tok = (src.clamp(min=0) // topk).long()
+    a = torch.where(real, x[tok], 0).contiguous()
+    dy = torch.where(real, grad_out[tok], 0).contiguous()
+    row_w = torch.rand(rows, device="cuda", generator=g) * (src >= 0)
+    return x, grad_out, src, rows, n, a, dy, row_w
+
+
 def _oracle(a, wgu, wd, dy, row_w, sizes):
     """fp64 w h, dgu and <h, dy @ w_down> per row."""
     inter = wd.shape[-1]
@@ -235,19 +257,7 @@ def test_backward_gathers_its_rows_bitwise(hidden, inter, sizes, topk, into, sav
     from mok.experts import grouped_swiglu_saving, swiglu_backward, swiglu_backward_gathered
 
     _, wgu, wd, _, _, offs = _operands(hidden, inter, sizes, True, seed=9)
-    g = torch.Generator(device="cuda").manual_seed(13)
-    tokens = 70000 // topk + 3
-    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    grad_out = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    rows, n = sum(sizes) + 37, sum(sizes)
-    src = torch.randint(0, tokens * topk, (rows,), device="cuda", generator=g, dtype=torch.int32)
-    src[torch.rand(rows, device="cuda", generator=g) < 0.1] = -1
-    src[n:] = -1
-    real = (src >= 0)[:, None]
-    tok = (src.clamp(min=0) // topk).long()
-    a = torch.where(real, x[tok], 0).contiguous()
-    dy = torch.where(real, grad_out[tok], 0).contiguous()
-    row_w = torch.rand(rows, device="cuda", generator=g) * (src >= 0)
+    x, grad_out, src, rows, n, a, dy, row_w = _gathered_rows(hidden, sizes, topk, seed=13)
 
     def accumulators():
         if not into:
@@ -373,3 +383,191 @@ def test_the_saved_gu_prefetch_changes_no_bit(hidden, inter, sizes, monkeypatch)
         for i, name in enumerate(("d_a", "d_row_weight", "d_w_gate_up", "d_w_down")):
             o, p = (off[i][:n], on[i][:n]) if i < 2 else (off[i], on[i])
             assert torch.equal(o, p), f"{name} of the {path} backward differs with the prefetch"
+
+
+# ---- dW_gate_up computed as x^T dgu, stored transposed (mok.ops.WGRAD_GU_TRANSPOSED) ----------
+
+
+def _wgrad_outputs(call, shape, base):
+    """The three outputs of one weight-gradient call ``call(c, accumulate)``: bf16 and fp32 c
+    (NaN-filled first: every element must be written) and fp32 ``base`` + the sums
+    (accumulate)."""
+    bf = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    call(bf, False)
+    f32 = torch.full(shape, float("nan"), device="cuda")
+    call(f32, False)
+    acc = base.clone()
+    call(acc, True)
+    return bf, f32, acc
+
+
+@pytest.mark.parametrize(("m", "n", "sizes"), WGRAD_CASES)
+def test_wgrad_kernel_transposed_against_fp64(m, n, sizes):
+    """``transposed=True``: c [L, N, M] holds (a[e]^T b[e])^T (dW_gate_up computed as x^T dgu,
+    x's rows the 128-column operand, stored in the weight's [L, 2I, H] layout). bf16, fp32 and
+    fp32 added onto c, against the fp64 oracle as the plain form's tests do (the bf16 rule with
+    torch's grouped GEMM as the bf16 reference; tests/tolerances.assert_fp32_gemm): rows of the
+    next group and past the last group (nonzero) add nothing, empty groups give zeros (and add
+    nothing), bf16 is the fp32 result rounded, fp32-add the base plus the fp32 result, each
+    bitwise repeatable.
+
+    Last, each output is compared bitwise with the plain form's (c = a^T b) transposed back. The
+    tiles and each element's k order (16-row steps over its group's rows) are the same and only
+    the epilogue writes elsewhere, so we expect the same bits; that assumes the tensor cores sum
+    an element's products in an order that does not depend on which operand is A. If only that
+    comparison fails, the transposed store is right and the assumption is wrong (then the
+    switch test test_the_transposed_switch_changes_no_bit fails too)."""
+    from mok import ops
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    rows = sum(sizes) + 40
+    a = torch.randn(rows, m, device="cuda", generator=g).bfloat16()
+    b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    L = len(sizes)
+    base = torch.randn(L, n, m, device="cuda", generator=g)
+
+    def transposed(c, accumulate):
+        ops.wgrad_sm90(a, b, offs, c, accumulate, True)
+
+    bf, f32, acc = _wgrad_outputs(transposed, (L, n, m), base)
+    ref = torch._grouped_mm(a.T, b, offs=offs)  # [L, M, N] bf16
+    r = 0
+    for e, k in enumerate(sizes):
+        ae, be = a[r : r + k].double(), b[r : r + k].double()
+        if k == 0:
+            assert not bf[e].any() and not f32[e].any(), f"group {e} is empty: zeros"
+        else:
+            oracle = (ae.T @ be).T
+            tol.assert_bf16_rule(bf[e].double().cpu(), ref[e].T.double().cpu(), oracle.cpu())
+            tol.assert_fp32_gemm(f32[e], oracle, (ae.abs().T @ be.abs()).T)
+        r += k
+    assert torch.equal(f32.bfloat16(), bf), "the bf16 output is the fp32 one rounded"
+    assert torch.equal(acc, base + f32), "fp32-add adds the fp32 sums onto c"
+    again = _wgrad_outputs(transposed, (L, n, m), base)
+    for name, x, y in zip(("bf16", "fp32", "fp32-add"), (bf, f32, acc), again, strict=True):
+        assert torch.equal(x, y), f"{name}: two runs differ"
+
+    def plain(c, accumulate):
+        ops.wgrad_sm90(a, b, offs, c, accumulate)
+
+    flat = _wgrad_outputs(plain, (L, m, n), base.transpose(1, 2).contiguous())
+    for name, x, y in zip(("bf16", "fp32", "fp32-add"), (bf, f32, acc), flat, strict=True):
+        assert torch.equal(x, y.transpose(1, 2)), f"{name}: not the plain form's bits"
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "sizes", "topk"),
+    [(256, 512, [16, 80, 0, 208, 64], 4), (1024, 768, [48, 0, 304, 16, 128], 8)],
+)
+def test_wgrad_gather_kernel_transposed_is_the_copied_rows(m, n, sizes, topk):
+    """The gathering kernel's transposed form (``wgrad_gather_sm90(..., operand=0,
+    transposed=True)``: x's rows gathered from the tokens by cp.async as operand A, C^T stored)
+    gives bitwise the TMA kernel's transposed form on the same rows copied out first, bf16, fp32
+    and fp32-add, bitwise repeatable (so the oracle checks of the test above hold for it too;
+    the fp32 output is checked against fp64 here as well): padding rows (-1: zeros) inside
+    groups, repeated tokens, source rows past 65535, empty groups, and rows past the last group
+    whose sources are real tokens (not read). A gathered operand 1 in the transposed form is
+    refused."""
+    from mok import ops
+    from mok.errors import MoKUnsupportedError
+
+    g = torch.Generator(device="cuda").manual_seed(17)
+    tokens = 70000 // topk + 3
+    x = torch.randn(tokens, m, device="cuda", generator=g).to(torch.bfloat16)
+    rows, n_real = sum(sizes) + 37, sum(sizes)
+    src = torch.randint(0, tokens * topk, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    src[:n_real][torch.rand(n_real, device="cuda", generator=g) < 0.1] = -1  # padding rows
+    a = torch.where((src >= 0)[:, None], x[(src.clamp(min=0) // topk).long()], 0).contiguous()
+    b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    L = len(sizes)
+    base = torch.randn(L, n, m, device="cuda", generator=g)
+
+    def copied(c, accumulate):
+        ops.wgrad_sm90(a, b, offs, c, accumulate, True)
+
+    def gathered(c, accumulate):
+        ops.wgrad_gather_sm90(b, x, src, topk, 0, offs, c, accumulate, True)
+
+    want = _wgrad_outputs(copied, (L, n, m), base)
+    got = _wgrad_outputs(gathered, (L, n, m), base)
+    again = _wgrad_outputs(gathered, (L, n, m), base)
+    for name, w, x_, y in zip(("bf16", "fp32", "fp32-add"), want, got, again, strict=True):
+        assert torch.equal(x_, w), f"{name}: the gathered rows give other bits than the copied"
+        assert torch.equal(x_, y), f"{name}: two runs differ"
+    r = 0
+    for e, k in enumerate(sizes):
+        ae, be = a[r : r + k].double(), b[r : r + k].double()
+        if k == 0:
+            assert not got[1][e].any(), f"group {e} is empty: zeros"
+        else:
+            tol.assert_fp32_gemm(got[1][e], (ae.T @ be).T, (ae.abs().T @ be.abs()).T)
+        r += k
+    with pytest.raises(MoKUnsupportedError, match="operand 0 only"):
+        ops.wgrad_gather_sm90(a, x, src, topk, 1, offs, torch.empty_like(got[1]), False, True)
+
+
+@pytest.mark.parametrize("into", [False, True])
+@pytest.mark.parametrize(
+    ("hidden", "inter", "sizes", "topk"),
+    [(1024, 512, [304, 80, 0, 0, 512], 4), (2048, 768, [48, 304, 0, 64, 80, 128, 192, 208], 8)],
+)
+def test_the_transposed_switch_changes_no_bit(hidden, inter, sizes, topk, into, monkeypatch):
+    """``mok.ops.WGRAD_GU_TRANSPOSED`` off and on, every path of the experts' backward that
+    computes dW_gate_up with mok's kernels: from saved g / u in one launch (the fused kernel),
+    one launch per GEMM, recomputing g / u, and gathering the rows from the tokens (from saved
+    g / u and recomputing), with bf16 weight gradients or fp32 ones added onto accumulators.
+
+    Within each setting every path gives the same bits (the gathered backward is the dispatched
+    one's, as the switch promises; with it on all of them compute x^T dgu stored transposed).
+    Across the settings it asserts bitwise equality too: dgu^T x (x's rows operand B) and x^T dgu
+    stored transposed (x's rows operand A) sum the same products per element in the same k
+    order, so we expect the same bits, assuming the tensor cores' sum does not depend on which
+    operand is A. A failure of only that comparison means the switch changes bits (within the
+    oracle tolerances the transposed kernels' own tests check), not that a path is wrong."""
+    from mok import ops
+    from mok.experts import grouped_swiglu_saving, swiglu_backward, swiglu_backward_gathered
+
+    _, wgu, wd, _, _, offs = _operands(hidden, inter, sizes, True, seed=9)
+    x, grad_out, src, rows, n, a, dy, row_w = _gathered_rows(hidden, sizes, topk, seed=23)
+    gu = grouped_swiglu_saving(a, wgu, wd, offs)[1]
+
+    def accumulators():
+        if not into:
+            return None
+        return tuple(torch.full(w.shape, 0.5, device="cuda") for w in (wgu, wd))
+
+    def dispatched(**kw):
+        into = accumulators()
+        return swiglu_backward(a, wgu, wd, dy, row_w, offs, group_align=16, wgrad_into=into, **kw)
+
+    def gathered(saved):
+        into = accumulators()
+        return swiglu_backward_gathered(
+            x, grad_out, src, topk, rows, wgu, wd, row_w, offs, into, saved
+        )
+
+    runs = {}
+    for switch in (False, True):
+        monkeypatch.setattr(ops, "WGRAD_GU_TRANSPOSED", switch)
+        runs[switch] = {
+            "fused": dispatched(saved_gu=gu, fused=True),
+            "serial": dispatched(saved_gu=gu, fused=False),
+            "recompute": dispatched(),
+            "gathered": gathered(gu),
+            "gathered recompute": gathered(None),
+        }
+        torch.cuda.synchronize()
+    names = ("d_a", "d_row_weight", "d_w_gate_up", "d_w_down")
+    for switch, paths in runs.items():
+        first = paths["fused"]
+        for path, outs in paths.items():
+            for i, name in enumerate(names):
+                o, p = (outs[i][:n], first[i][:n]) if i < 2 else (outs[i], first[i])
+                assert torch.equal(o, p), f"switch {switch}: {name} of {path} != fused"
+    for path, off in runs[False].items():
+        on = runs[True][path]
+        for i, name in enumerate(names):
+            o, p = (off[i][:n], on[i][:n]) if i < 2 else (off[i], on[i])
+            assert torch.equal(o, p), f"{name} of the {path} backward differs with the switch"

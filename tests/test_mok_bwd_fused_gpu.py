@@ -149,6 +149,52 @@ def test_fused_backward_adds_fp32_weight_gradients_into_main_grad():
         assert torch.equal(f, s)
 
 
+@pytest.mark.parametrize(("hidden", "inter", "sizes"), CASES)
+def test_fused_weight_gradients_transposed_are_the_standalone_kernels(
+    hidden, inter, sizes, monkeypatch
+):
+    """``mok.ops.WGRAD_GU_TRANSPOSED`` on: the fused launch's dW_gate_up tiles compute a^T dgu
+    and store each tile transposed (its problem 0; dW_down's tiles, problem 1, as they are, in
+    the same consumers and store warps). Its weight-gradient tasks alone (BWD_RUN_WGRAD, hw and
+    dgu as inputs), bf16, fp32 and fp32 added onto the outputs: dW_gate_up is bitwise the
+    standalone kernel's transposed form (``wgrad_sm90(a, dgu, ..., transposed=True)``) and
+    dW_down bitwise its plain form, every element written, empty groups zeros; bitwise the
+    whole launch's (BWD_RUN_ALL from saved g / u) as well."""
+    a, wgu, wd, dy, row_w, offs, gu32 = _operands(hidden, inter, sizes, seed=7)
+    rows = a.shape[0]
+    g = torch.Generator(device="cuda").manual_seed(9)
+    hw = torch.randn(rows, inter, device="cuda", generator=g).bfloat16()
+    dgu = torch.randn(rows, 2 * inter, device="cuda", generator=g).bfloat16()
+    monkeypatch.setattr(ops, "WGRAD_GU_TRANSPOSED", True)
+    bases = tuple(torch.randn(w.shape, device="cuda", generator=g) for w in (wgu, wd))
+
+    def fresh(i, dtype, add):  # weight gradient i's output: NaNs, or the base to add onto
+        if add:
+            return bases[i].clone()
+        return torch.full(bases[i].shape, float("nan"), dtype=dtype, device="cuda")
+
+    for out in ("bf16", "fp32", "fp32-add"):
+        dtype, add = (torch.bfloat16, False) if out == "bf16" else (torch.float32, out != "fp32")
+        d_wgu, d_wd = fresh(0, dtype, add), fresh(1, dtype, add)
+        ops.bwd_fused_sm90(
+            a, dy, wgu, None, offs, None, None, hw, dgu, None, None, d_wgu, d_wd, add,
+            ops.BWD_RUN_WGRAD, -1,
+        )  # fmt: skip
+        want_gu, want_d = fresh(0, dtype, add), fresh(1, dtype, add)
+        ops.wgrad_sm90(a, dgu, offs, want_gu, add, True)
+        ops.wgrad_sm90(dy, hw, offs, want_d, add)
+        assert torch.equal(d_wgu, want_gu), f"{out}: dW_gate_up != the transposed kernel's"
+        assert torch.equal(d_wd, want_d), f"{out}: dW_down != the plain kernel's"
+        for e, k in enumerate(sizes):
+            if k == 0 and not add:
+                assert not d_wgu[e].any() and not d_wd[e].any(), f"{out}: group {e} not zeros"
+    # the whole launch: its dW_gate_up the transposed kernel's on its own dgu
+    got = swiglu_backward(a, wgu, wd, dy, row_w, offs, group_align=16, saved_gu=gu32, fused=True)
+    serial = swiglu_backward(a, wgu, wd, dy, row_w, offs, group_align=16, saved_gu=gu32,
+                             fused=False)  # fmt: skip
+    assert torch.equal(got[2], serial[2]) and torch.equal(got[3], serial[3])
+
+
 def test_fused_backward_refuses_what_it_does_not_take():
     """fused=True with operands the kernel does not take raises, saying why."""
     a, wgu, wd, dy, row_w, offs, gu32 = _operands(256, 256, CASES[0][2], seed=4)

@@ -47,6 +47,16 @@ def test_training_on_shared_gpu_ranks(nproc):
     _train(nproc, *TRAIN_ARGS[nproc])
 
 
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_training_with_dw_gate_up_transposed_on_shared_gpu_ranks():
+    """``mok.ops.WGRAD_GU_TRANSPOSED`` on in every process (dW_gate_up as x^T dgu stored
+    transposed, EP1's run included): EP2's gradients against the reference and bitwise against
+    EP1 of the whole batch (the one-rank gathered backward against the dispatched and the fused
+    ones, all transposed), determinism, a rank without tokens."""
+    _train(2, "--quick", "--repeats", "3", "--wgrad-gu-transposed")
+
+
 # Above eight ranks (an NVL72 rack's EP sizes): a tiny 64-expert layer, every rank on GPU 0.
 WIDE_EP_SIZES = [16, 32, 64]
 

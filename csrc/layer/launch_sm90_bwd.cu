@@ -93,23 +93,31 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
 
 namespace {
 
-template <int kOut>
+template <int kOut, bool kT>
 int launch_wgrad_out(const WgradKernelArgs& k, int grid, cudaStream_t stream) {
-  return launch_with_smem(wgrad_kernel<kOut>, k, grid, kLayerThreads, kWgradSmem, stream);
+  return launch_with_smem(wgrad_kernel<kOut, kT>, k, grid, kLayerThreads, kWgradSmem, stream);
 }
 
-template <int kOut, int kOperand>
+template <bool kT>
+int launch_wgrad_plain(const WgradKernelArgs& k, int64_t out, int grid, cudaStream_t stream) {
+  if (out == kWgradF32) return launch_wgrad_out<kWgradF32, kT>(k, grid, stream);
+  if (out == kWgradF32Add) return launch_wgrad_out<kWgradF32Add, kT>(k, grid, stream);
+  return launch_wgrad_out<kWgradBf16, kT>(k, grid, stream);
+}
+
+template <int kOut, int kOperand, bool kT>
 int launch_wgrad_gather(const WgradGatherKernelArgs& a, int grid, cudaStream_t stream) {
-  return launch_with_smem(wgrad_gather_kernel<kOut, kOperand>, a, grid, kLayerThreads, kWgradSmem,
-                          stream);
+  return launch_with_smem(wgrad_gather_kernel<kOut, kOperand, kT>, a, grid, kLayerThreads,
+                          kWgradSmem, stream);
 }
 
-template <int kOperand>
+template <int kOperand, bool kT>
 int launch_wgrad_gather_out(const WgradGatherKernelArgs& a, int64_t out, int grid,
                             cudaStream_t stream) {
-  if (out == kWgradF32) return launch_wgrad_gather<kWgradF32, kOperand>(a, grid, stream);
-  if (out == kWgradF32Add) return launch_wgrad_gather<kWgradF32Add, kOperand>(a, grid, stream);
-  return launch_wgrad_gather<kWgradBf16, kOperand>(a, grid, stream);
+  if (out == kWgradF32) return launch_wgrad_gather<kWgradF32, kOperand, kT>(a, grid, stream);
+  if (out == kWgradF32Add)
+    return launch_wgrad_gather<kWgradF32Add, kOperand, kT>(a, grid, stream);
+  return launch_wgrad_gather<kWgradBf16, kOperand, kT>(a, grid, stream);
 }
 
 }  // namespace
@@ -117,20 +125,24 @@ int launch_wgrad_gather_out(const WgradGatherKernelArgs& a, int64_t out, int gri
 int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
   if (const int arch = require_sm90()) return arch;
   const int64_t M = l.m, N = l.n, L = l.num_experts;
+  // transposed: C^T [L * N, M] stored (its rows index the kernel's N)
+  const bool tr = l.transposed == 1;
   if (l.rows <= 0 || M <= 0 || M % kTileM != 0 || N <= 0 || N % kTileN != 0 || L < 1 ||
       grid < 1 || l.rows > INT32_MAX || L * M > INT32_MAX || l.out < kWgradBf16 ||
-      l.out > kWgradF32Add)
+      l.out > kWgradF32Add || (l.transposed != 0 && !tr) || (tr && L * N > INT32_MAX))
     return static_cast<int>(cudaErrorInvalidValue);
   const bool gather = l.gather_rows != nullptr;
   const int64_t g_op = gather ? l.gather_operand : -1;
-  if (gather && ((g_op != 0 && g_op != 1) || l.gather_src == nullptr || l.gather_topk < 1 ||
-                 l.gather_tokens < 1 || l.gather_tokens * l.gather_topk > INT32_MAX))
+  if (gather && ((g_op != 0 && g_op != 1) || (tr && g_op != 0) || l.gather_src == nullptr ||
+                 l.gather_topk < 1 || l.gather_tokens < 1 ||
+                 l.gather_tokens * l.gather_topk > INT32_MAX))
     return static_cast<int>(cudaErrorInvalidValue);
   WgradKernelArgs k{};
+  const int64_t c_rows = tr ? L * N : L * M, c_cols = tr ? M : N;
   if ((g_op != 0 && !encode_bf16_map(&k.map_a, l.a, l.rows, M, 64, 64)) ||
       (g_op != 1 && !encode_bf16_map(&k.map_b, l.b, l.rows, N, 64, 64)) ||
-      !(l.out == kWgradBf16 ? encode_bf16_map(&k.map_c, l.c, L * M, N, 64, 64)
-                            : encode_f32_map(&k.map_c, l.c, L * M, N, 64, 32)))
+      !(l.out == kWgradBf16 ? encode_bf16_map(&k.map_c, l.c, c_rows, c_cols, 64, 64)
+                            : encode_f32_map(&k.map_c, l.c, c_rows, c_cols, 64, 32)))
     return static_cast<int>(cudaErrorInvalidValue);
   k.ends = l.ends;
   k.m = static_cast<int>(M);
@@ -146,19 +158,28 @@ int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
     a.g.src = l.gather_src;
     a.g.topk = static_cast<int>(l.gather_topk);
     a.g.cols = static_cast<int>(g_op == 0 ? M : N);
-    return g_op == 0 ? launch_wgrad_gather_out<0>(a, l.out, grid, stream)
-                     : launch_wgrad_gather_out<1>(a, l.out, grid, stream);
+    if (tr) return launch_wgrad_gather_out<0, true>(a, l.out, grid, stream);
+    return g_op == 0 ? launch_wgrad_gather_out<0, false>(a, l.out, grid, stream)
+                     : launch_wgrad_gather_out<1, false>(a, l.out, grid, stream);
   }
-  if (l.out == kWgradF32) return launch_wgrad_out<kWgradF32>(k, grid, stream);
-  if (l.out == kWgradF32Add) return launch_wgrad_out<kWgradF32Add>(k, grid, stream);
-  return launch_wgrad_out<kWgradBf16>(k, grid, stream);
+  return tr ? launch_wgrad_plain<true>(k, l.out, grid, stream)
+            : launch_wgrad_plain<false>(k, l.out, grid, stream);
 }
 
 namespace {
 
-template <int kOut>
+template <int kOut, bool kWguT>
 int launch_fused_out(const FusedBwdKernelArgs& k, int grid, cudaStream_t stream) {
-  return launch_with_smem(bwd_fused_kernel<kOut>, k, grid, kLayerThreads, kFusedSmem, stream);
+  return launch_with_smem(bwd_fused_kernel<kOut, kWguT>, k, grid, kLayerThreads, kFusedSmem,
+                          stream);
+}
+
+template <bool kWguT>
+int launch_fused_wgrad_out(const FusedBwdKernelArgs& k, int64_t out, int grid,
+                           cudaStream_t stream) {
+  if (out == kWgradF32) return launch_fused_out<kWgradF32, kWguT>(k, grid, stream);
+  if (out == kWgradF32Add) return launch_fused_out<kWgradF32Add, kWguT>(k, grid, stream);
+  return launch_fused_out<kWgradBf16, kWguT>(k, grid, stream);
 }
 
 }  // namespace
@@ -185,7 +206,8 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   if (R <= 0 || H <= 0 || H % 256 != 0 || I <= 0 || I % 256 != 0 || L < 1 ||
       L > kBwdMaxExperts || grid < 1 || R > INT32_MAX / 2 || L * 2 * I > INT32_MAX ||
       L * H > INT32_MAX || l.counters == nullptr || l.counters_len < n_counters ||
-      l.wgrad_out < kWgradBf16 || l.wgrad_out > kWgradF32Add || l.run < 1 || l.run > kBwdRunAll)
+      l.wgrad_out < kWgradBf16 || l.wgrad_out > kWgradF32Add || l.run < 1 || l.run > kBwdRunAll ||
+      l.wgu_transposed < 0 || l.wgu_transposed > 1)
     return static_cast<int>(cudaErrorInvalidValue);
   const bool xfer = l.row_src != nullptr;
   // With peers a rank without tokens takes part (its experts get the peers' rows).
@@ -225,9 +247,12 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   // d_a's staged epilogue (without transfers): its TMA store map
   k.da_staged = l.da_staged != 0 && !xfer && (l.run & kBwdRunDa);
   if (ok && k.da_staged) ok = encode_bf16_map(&k.map_da_st, l.d_a, R, H, kEpiStoreRows, 64);
+  // dW_gate_up as a^T dgu stored transposed: a is its A, dgu its B; C^T's map [L * 2I, H] is the
+  // map of C = dgu^T a
+  const bool wgu_t = l.wgu_transposed != 0 && (l.run & kBwdRunWgrad);
   if (ok && (l.run & kBwdRunWgrad)) {
-    ok = encode_bf16_map(&k.wgrad[0].map_a, d.dgu, R, 2 * I, 64, 64) &&
-         encode_bf16_map(&k.wgrad[0].map_b, d.a, R, H, 64, 64) &&
+    ok = encode_bf16_map(&k.wgrad[0].map_a, wgu_t ? d.a : d.dgu, R, wgu_t ? H : 2 * I, 64, 64) &&
+         encode_bf16_map(&k.wgrad[0].map_b, wgu_t ? d.dgu : d.a, R, wgu_t ? 2 * I : H, 64, 64) &&
          encode_bf16_map(&k.wgrad[1].map_a, d.dy, R, H, 64, 64) &&
          encode_bf16_map(&k.wgrad[1].map_b, d.hw, R, I, 64, 64);
     if (ok && !f32)
@@ -273,7 +298,8 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
     }
   }
   k.wgrad[0].ends = k.wgrad[1].ends = d.ends;
-  k.wgrad[0].m = static_cast<int>(2 * I), k.wgrad[0].n = static_cast<int>(H);
+  k.wgrad[0].m = static_cast<int>(wgu_t ? H : 2 * I);
+  k.wgrad[0].n = static_cast<int>(wgu_t ? 2 * I : H);
   k.wgrad[1].m = static_cast<int>(H), k.wgrad[1].n = static_cast<int>(I);
   k.wgrad[0].num_experts = k.wgrad[1].num_experts = static_cast<int>(L);
   k.counters = l.counters;
@@ -284,9 +310,8 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   const cudaError_t z =
       cudaMemsetAsync(l.counters, 0, sizeof(uint32_t) * n_counters, stream);
   if (z != cudaSuccess) return finish_launch(z);
-  if (l.wgrad_out == kWgradF32) return launch_fused_out<kWgradF32>(k, grid, stream);
-  if (l.wgrad_out == kWgradF32Add) return launch_fused_out<kWgradF32Add>(k, grid, stream);
-  return launch_fused_out<kWgradBf16>(k, grid, stream);
+  return wgu_t ? launch_fused_wgrad_out<true>(k, l.wgrad_out, grid, stream)
+               : launch_fused_wgrad_out<false>(k, l.wgrad_out, grid, stream);
 }
 
 }  // namespace mok

@@ -459,6 +459,13 @@ __device__ __forceinline__ float2 lds_f2(const void* p) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(p)));
   return v;
 }
+// 4-byte stores to a shared-memory address (smem_addr's 32-bit window).
+__device__ __forceinline__ void sts_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void sts_f32(uint32_t addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
 
 // The epilogue of warpgroup wg's 64 rows of a tile, in the m64n128 accumulator layout (thread
 // (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) and columns 8j + 2 (lane % 4) (+ 1) for
@@ -689,11 +696,25 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
 // goes on with its next tile while one lane of its store warp writes them out by TMA tensor
 // stores. (Copied out by the store warp's lanes with 16-byte stores, a chunk took ~4500
 // clocks, more than the tile's MMAs: the consumers waited for their buffers ~40 % of the time.)
+//
+// Stored transposed (WgradTrans): the same tiles of A^T B written as C^T, C [L, N, M]: dW_gate_up
+// computed as x^T dgu (x's rows the 128-column operand A: gathered at one rank, a third of a
+// k-block's bytes instead of two thirds) and stored in the weight's [L, 2I, H] layout. Each
+// warpgroup's 64 M x 128 N accumulator chunk becomes 128 rows x 64 columns of C^T, staged in the
+// same buffers at transposed places (wgrad_stage_t, wgrad_stage_f32_t).
 
 // What the kernel writes: bf16 C; fp32 C; or fp32 C added onto what C holds (a caller's fp32
 // gradient accumulator, as `main_grad` in Megatron: one TMA reduce-add per element, from the
 // one tile that owns it, so the sum is the same bits whatever the order of the tiles).
 enum WgradOut : int { kWgradBf16 = 0, kWgradF32 = 1, kWgradF32Add = 2 };
+
+// Which tiles are stored transposed: none; every tile (the standalone kernels' transposed
+// form); problem 0's only (the fused backward's dW_gate_up as x^T dgu, its dW_down as it is).
+enum WgradTrans : int { kWgradTNone = 0, kWgradTAll = 1, kWgradTProb0 = 2 };
+template <int kT>
+__device__ __forceinline__ bool wgrad_transposed(int prob) {
+  return kT == kWgradTAll || (kT == kWgradTProb0 && prob == 0);
+}
 
 constexpr int kWgradStages = 3;
 constexpr int kWgradBoxBytes = 64 * 128;  // one staged box of C: 64 rows of 128 bytes
@@ -704,7 +725,8 @@ constexpr int kWgradSmem = 1024 + kWgradStages * kStageBytes + 4 * kEpiBytes + k
 struct WgradKernelArgs {
   CUtensorMap map_a;  // A [rows, M], 64-row x 64-column boxes
   CUtensorMap map_b;  // B [rows, N], 64-row x 64-column boxes
-  CUtensorMap map_c;  // C [L * M, N], 64-row boxes of 128 bytes (TMA stores)
+  // C [L * M, N] (stored transposed: [L * N, M]), 64-row boxes of 128 bytes (TMA stores)
+  CUtensorMap map_c;
   const int32_t* ends;  // [L] group ends (multiples of 16)
   int m, n, num_experts;
 };
@@ -918,20 +940,29 @@ __device__ __forceinline__ void tma_add_2d(const CUtensorMap* map, const void* s
 
 // One staged chunk of consumer warpgroup wg (its two boxes at `epi`, or the zero block for an
 // expert without rows) into C by TMA, as one bulk group: stored, or for kWgradF32Add added onto
-// C (nothing for a zero chunk: the group is then empty).
+// C (nothing for a zero chunk: the group is then empty). col0: the chunk's first N column.
+// Transposed (`tr`): the chunk is rows e N + col0.. of C^T [L * N, M], at its columns
+// mb * 128 + wg * 64..; a bf16 chunk's two boxes are its rows 0..63 and 64..127 (64 columns
+// each), an fp32 chunk's its columns 0..31 and 32..63 (64 rows each). No box reaches another
+// expert's rows (N is a multiple of 256) or past M (a multiple of 128).
 template <int kOut>
 __device__ __forceinline__ void wgrad_store_chunk(const WgradKernelArgs& k, const uint8_t* epi,
-                                                  bool zero, int e, int mb, int col0, int wg) {
+                                                  bool zero, int e, int mb, int col0, int wg,
+                                                  bool tr = false) {
   constexpr int kBoxCols = kOut == kWgradBf16 ? 64 : 32;
-  const int row = e * k.m + mb * kTileM + wg * 64;
+  const int col = tr ? mb * kTileM + wg * 64 : col0;
+  const int row = tr ? e * k.n + col0 : e * k.m + mb * kTileM + wg * 64;
+  const bool below = tr && kOut == kWgradBf16;  // the second box 64 rows on, else beside
   if (kOut == kWgradF32Add) {
     if (!zero) {
-      tma_add_2d(&k.map_c, epi, col0, row);
-      tma_add_2d(&k.map_c, epi + kWgradBoxBytes, col0 + kBoxCols, row);
+      tma_add_2d(&k.map_c, epi, col, row);
+      tma_add_2d(&k.map_c, epi + kWgradBoxBytes, below ? col : col + kBoxCols,
+                 below ? row + 64 : row);
     }
   } else {
-    tma_store_2d(&k.map_c, epi, col0, row);
-    tma_store_2d(&k.map_c, zero ? epi : epi + kWgradBoxBytes, col0 + kBoxCols, row);
+    tma_store_2d(&k.map_c, epi, col, row);
+    tma_store_2d(&k.map_c, zero ? epi : epi + kWgradBoxBytes, below ? col : col + kBoxCols,
+                 below ? row + 64 : row);
   }
   bulk_commit();
 }
@@ -949,16 +980,18 @@ __device__ __forceinline__ void wgrad_epi_free(int wg, int b, uint32_t uses, int
   }
 }
 
-// The staged chunk handed on: to the store warp (a job), or with kSelf stored by thread 0 from
-// `self` (the one problem of the gathering kernel).
+// The staged chunk handed on: to the store warp (a job; it knows from the problem whether the
+// chunk is transposed), or with kSelf stored by thread 0 from `self` (the one problem of the
+// gathering kernel; `tr`: staged transposed).
 template <int kOut, bool kSelf>
 __device__ __forceinline__ void wgrad_epi_hand(const WgradKernelArgs* self, bool zero, int e,
                                                int mb, int col0, int prob, int wg, int b,
-                                               int tid) {
+                                               int tid, bool tr = false) {
   named_sync(1 + wg, 128);
   if (tid != 0) return;
   if constexpr (kSelf) {
-    wgrad_store_chunk<kOut>(*self, zero ? wgrad_zero() : wgrad_epi(wg, b), zero, e, mb, col0, wg);
+    wgrad_store_chunk<kOut>(*self, zero ? wgrad_zero() : wgrad_epi(wg, b), zero, e, mb, col0, wg,
+                            tr);
   } else {
     vol(gsh.jobs[wg][b][0]) = e, vol(gsh.jobs[wg][b][1]) = mb, vol(gsh.jobs[wg][b][2]) = col0;
     vol(gsh.jobs[wg][b][3]) = zero, vol(gsh.jobs[wg][b][4]) = prob;
@@ -1020,12 +1053,106 @@ __device__ __forceinline__ void wgrad_stage_f32(const float (&acc)[64], int hh, 
   wgrad_epi_hand<kOut, kSelf>(self, zero, e, mb, col0, prob, wg, b, tid);
 }
 
+// The transposed staging (tiles stored as C^T): byte offsets in a warpgroup's chunk buffer, two
+// boxes of 64 rows x 128 bytes in the 128-byte swizzle (row r at 128 r, its 16-byte unit u at
+// u ^ (r % 8)), as C^T's map stores them. Consumer thread tid (0..127: warp w, lane l) holds
+// accumulator rows m = 16 w + l / 4 (+ 8 hr) and columns n = 8 j + 2 (l % 4) (+ 1): C^T's
+// columns and rows. Each function gives the place of column group j = 0; group j lies
+// j x kWgradTStep bytes on (8 rows of 128 bytes: the same swizzle phase). Neither layout needs
+// padding: the swizzle alone puts every store's 32 lanes in 32 distinct banks.
+constexpr int kWgradTStep = 8 * 128;
+// bf16 (a 64 x 128 chunk: C^T rows n = 0..127 in two boxes, columns m = 0..63): one 32-bit word
+// per (j, hr), C^T row n + o (o = (l / 4) % 2) at columns m' = 16 w + 8 hr + 2 (l / 8) and
+// m' + 1, built from this thread's element and lane l ^ 4's (accumulator row m ^ 1). A store's
+// lanes: rows 8 j + 2 (l % 4) + o, the eight rows of one swizzle period, each at one 16-byte
+// unit (2 w + hr before the swizzle) in four words.
+__host__ __device__ constexpr int wgrad_t_bf16_at(int tid, int hr) {
+  const int w = tid / 32, l = tid % 32;
+  const int x = 2 * (l % 4) + (l / 4) % 2;  // the row % 8
+  return x * 128 + (((2 * w + hr) ^ x) << 4) + 4 * (l / 8);
+}
+// fp32 (a 64 x 64 chunk: C^T rows n = 64 hh.. of the accumulator's 128, columns m = 0..31 in
+// box 0, 32..63 in box 1): one 4-byte word per (jj, hr, q) of the chunk's column groups
+// j = 8 hh + jj, C^T row 8 jj + 2 (l % 4) + q at column 16 w + 8 hr + l / 4 (box w / 2). A
+// store's lanes: four rows of one parity x eight consecutive columns (units u and u ^ 1), eight
+// distinct units after the swizzle.
+__host__ __device__ constexpr int wgrad_t_f32_at(int tid, int hr, int q) {
+  const int w = tid / 32, l = tid % 32;
+  const int x = 2 * (l % 4) + q;                // the row % 8
+  const int u = 4 * (w % 2) + 2 * hr + l / 16;  // column (16 (w % 2) + 8 hr + l / 4) of the box
+  return (w / 2) * kWgradBoxBytes + x * 128 + ((u ^ x) << 4) + 4 * ((l / 4) % 4);
+}
+
+// wgrad_stage of a tile stored transposed: the chunk of `acc` (C's columns col0..col0 + 127 of
+// warpgroup wg's 64 rows) as C^T's rows col0.. x 64 columns (wgrad_t_bf16_at). Each thread
+// packs both of its columns n and n + 1 (rows m, m + 8), keeps one and swaps the other with lane
+// l ^ 4 (o = 0 keeps n, o = 1 keeps n + 1), so a word holds rows m & ~1 and m | 1 of one column:
+// one shuffle and two stores per j, the bf16 rounding the same as wgrad_stage's.
+template <int kOut, bool kSelf>
+__device__ __forceinline__ void wgrad_stage_t(const float (&acc)[64], bool zero, int e, int mb,
+                                              int col0, int prob, int wg, int b, uint32_t uses,
+                                              int tid, const WgradKernelArgs* self) {
+  wgrad_epi_free<kSelf>(wg, b, uses, tid);
+  if (!zero) {
+    const uint32_t at0 = smem_addr(wgrad_epi(wg, b)) + wgrad_t_bf16_at(tid, 0);
+    const uint32_t at1 = smem_addr(wgrad_epi(wg, b)) + wgrad_t_bf16_at(tid, 1);
+    const bool o = (tid / 4) % 2 != 0;
+    // the words of hr 0 (low halves) and hr 1 (high halves), row m & ~1's element first
+    const uint32_t sel0 = o ? 0x1054u : 0x5410u, sel1 = o ? 0x3276u : 0x7632u;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t c0 = pack_bf16x2(acc[4 * j], acc[4 * j + 2]);      // column n: m, m + 8
+      const uint32_t c1 = pack_bf16x2(acc[4 * j + 1], acc[4 * j + 3]);  // column n + 1
+      const uint32_t got = __shfl_xor_sync(~0u, o ? c0 : c1, 4);
+      const uint32_t keep = o ? c1 : c0;
+      sts_b32(at0 + j * kWgradTStep, __byte_perm(keep, got, sel0));
+      sts_b32(at1 + j * kWgradTStep, __byte_perm(keep, got, sel1));
+    }
+    fence_proxy_async_shared();  // these writes before the TMA's reads
+  }
+  wgrad_epi_hand<kOut, kSelf>(self, zero, e, mb, col0, prob, wg, b, tid, true);
+}
+
+// wgrad_stage_f32 of a tile stored transposed: columns 64 hh.. of the chunk in `acc` as C^T's 64
+// rows col0.. (wgrad_t_f32_at), one 4-byte store per element: 32 stores, as many shared-memory
+// wavefronts as wgrad_stage_f32's 16 8-byte ones, and no shuffle.
+// NOTE: both transposed stagings step from per-thread 32-bit shared addresses of j = 0: with
+// each element's place computed whole, or from generic pointers, ptxas spilled the fused
+// backward's consumers (288-472 bytes of stack, against 32 without the transposed form).
+template <int kOut, bool kSelf>
+__device__ __forceinline__ void wgrad_stage_f32_t(const float (&acc)[64], int hh, bool zero,
+                                                  int e, int mb, int col0, int prob, int wg,
+                                                  int b, uint32_t uses, int tid,
+                                                  const WgradKernelArgs* self) {
+  wgrad_epi_free<kSelf>(wg, b, uses, tid);
+  if (!zero) {
+    const uint32_t epi = smem_addr(wgrad_epi(wg, b));
+    uint32_t at[2][2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) at[hr][q] = epi + wgrad_t_f32_at(tid, hr, q);
+    }
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+          sts_f32(at[hr][q] + jj * kWgradTStep, acc[4 * (8 * hh + jj) + 2 * hr + q]);
+      }
+    }
+    fence_proxy_async_shared();
+  }
+  wgrad_epi_hand<kOut, kSelf>(self, zero, e, mb, col0, prob, wg, b, tid, true);
+}
+
 // Store warp of consumer warpgroup wg (its lane 0): takes the chunks in order (buffers 0, 1, 0,
 // ...), stores each chunk's two boxes (or the zero block twice) by TMA into its problem's C
-// (probs[problem]) and gives the buffer back once the TMA has read it; the writes to C are
-// waited for only at the end. kWgradF32Add adds the boxes onto C instead, and adds nothing for
-// an expert without rows.
-template <int kOut>
+// (probs[problem]; transposed as kT says) and gives the buffer back once the TMA has read it;
+// the writes to C are waited for only at the end. kWgradF32Add adds the boxes onto C instead,
+// and adds nothing for an expert without rows.
+template <int kOut, int kT = kWgradTNone>
 static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs* probs, int wg) {
   for (uint32_t n = 0;; ++n) {
     const int b = n & 1;
@@ -1034,8 +1161,9 @@ static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs* probs, i
     if (e < 0) break;
     const int mb = vol(gsh.jobs[wg][b][1]), col0 = vol(gsh.jobs[wg][b][2]);
     const bool zero = vol(gsh.jobs[wg][b][3]) != 0;
-    const WgradKernelArgs& k = probs[vol(gsh.jobs[wg][b][4])];
-    wgrad_store_chunk<kOut>(k, zero ? wgrad_zero() : wgrad_epi(wg, b), zero, e, mb, col0, wg);
+    const int prob = vol(gsh.jobs[wg][b][4]);
+    wgrad_store_chunk<kOut>(probs[prob], zero ? wgrad_zero() : wgrad_epi(wg, b), zero, e, mb,
+                            col0, wg, wgrad_transposed<kT>(prob));
     bulk_wait_read<0>();
     mbar_arrive(&gsh.epi_empty[wg][b]);
   }
@@ -1044,8 +1172,9 @@ static __device__ __noinline__ void wgrad_storer(const WgradKernelArgs* probs, i
 
 // kGathered: the gathering kernel's consumers: stages filled in part by cp.async
 // (wgrad_gather_producer), so a proxy fence before each k-block's MMAs; no store warps, so
-// thread 0 stores each staged chunk itself from `self` (its one problem).
-template <int kOut, bool kGathered = false>
+// thread 0 stores each staged chunk itself from `self` (its one problem). kT: which tiles are
+// staged transposed (WgradTrans).
+template <int kOut, bool kGathered = false, int kT = kWgradTNone>
 __device__ __forceinline__ void wgrad_consumer(int wg, const WgradKernelArgs* self = nullptr) {
   const int tid = threadIdx.x % 128;
   int stage = 0, prev_stage = 0;
@@ -1074,10 +1203,21 @@ __device__ __forceinline__ void wgrad_consumer(int wg, const WgradKernelArgs* se
     const bool zero = k_blocks == 0;
     const int col0 = nb * kTileN;
     if (kOut == kWgradBf16) {
-      wgrad_stage<kOut, kGathered>(acc0, zero, e, mb, col0, prob, wg, 0, n >> 1, tid, self);
-      wgrad_stage<kOut, kGathered>(acc1, zero, e, mb, col0 + 128, prob, wg, 1, n >> 1, tid,
-                                   self);
+      if (wgrad_transposed<kT>(prob)) {
+        wgrad_stage_t<kOut, kGathered>(acc0, zero, e, mb, col0, prob, wg, 0, n >> 1, tid, self);
+        wgrad_stage_t<kOut, kGathered>(acc1, zero, e, mb, col0 + 128, prob, wg, 1, n >> 1, tid,
+                                       self);
+      } else {
+        wgrad_stage<kOut, kGathered>(acc0, zero, e, mb, col0, prob, wg, 0, n >> 1, tid, self);
+        wgrad_stage<kOut, kGathered>(acc1, zero, e, mb, col0 + 128, prob, wg, 1, n >> 1, tid,
+                                     self);
+      }
       n += 2;
+    } else if (wgrad_transposed<kT>(prob)) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q, ++n)  // the same quarters, as C^T's rows col0 + 64 q..
+        wgrad_stage_f32_t<kOut, kGathered>(q < 2 ? acc0 : acc1, q % 2, zero, e, mb,
+                                           col0 + 64 * q, prob, wg, n & 1, n >> 1, tid, self);
     } else {
 #pragma unroll
       for (int q = 0; q < 4; ++q, ++n)  // 64-column quarters: acc0's halves, then acc1's
@@ -1120,7 +1260,8 @@ __device__ __forceinline__ void wgrad_init(uint32_t full_arrivals = 1) {
 
 // The weight-gradient kernels' body. kGather: -1, or the operand (0: A, 1: B) whose rows the
 // producer warpgroup gathers (wgrad_gather_producer, from g; thread 0 also loads the other).
-template <int kOut, int kGather>
+// kT: kWgradTNone, or kWgradTAll (every tile stored transposed, C [L, N, M]).
+template <int kOut, int kGather, int kT>
 __device__ __forceinline__ void wgrad_run(const WgradKernelArgs& k, const WgradGather& g) {
   wgrad_init(kGather < 0 ? 1 : 1 + kWgradGatherThreads);
   if (threadIdx.x == 0) mbar_init_fence();
@@ -1139,30 +1280,33 @@ __device__ __forceinline__ void wgrad_run(const WgradKernelArgs& k, const WgradG
       wgrad_producer(k, n_tiles);
     } else if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
       tma_prefetch_map(&k.map_c);
-      wgrad_storer<kOut>(&k, warp - 1);
+      wgrad_storer<kOut, kT>(&k, warp - 1);
     }
   } else {
     setmaxnreg_inc<224>();
     if (kGather >= 0 && threadIdx.x == 128) tma_prefetch_map(&k.map_c);
-    wgrad_consumer<kOut, (kGather >= 0)>(wg - 1, &k);
+    wgrad_consumer<kOut, (kGather >= 0), kT>(wg - 1, &k);
   }
 }
 
-template <int kOut>
+// kTransposed: C^T stored, [L, N, M] (the same tiles, k order and sums; only the epilogue
+// differs).
+template <int kOut, bool kTransposed = false>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     wgrad_kernel(const __grid_constant__ WgradKernelArgs k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  wgrad_run<kOut, -1>(k, WgradGather{});
+  wgrad_run<kOut, -1, kTransposed ? kWgradTAll : kWgradTNone>(k, WgradGather{});
 #endif
 }
 
 // wgrad_kernel with operand kOperand (0: A, 1: B) gathered by the producer warpgroup
-// (wgrad_gather_producer) and the chunks stored by the consumers themselves.
-template <int kOut, int kOperand>
+// (wgrad_gather_producer) and the chunks stored by the consumers themselves. The launcher builds
+// the transposed form with operand 0 only (x's rows as A of x^T dgu).
+template <int kOut, int kOperand, bool kTransposed = false>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     wgrad_gather_kernel(const __grid_constant__ WgradGatherKernelArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  wgrad_run<kOut, kOperand>(a.k, a.g);
+  wgrad_run<kOut, kOperand, kTransposed ? kWgradTAll : kWgradTNone>(a.k, a.g);
 #endif
 }
 

@@ -10,7 +10,8 @@
 //   d_a tiles     d_a = dgu @ w_gate_up[e] (the gate / up projections' input gradient, fp32
 //                 accumulators, bf16 out); 128 rows x 256 hidden columns, k over 2I;
 //   wgrad tiles   dW_gate_up[e] = dgu^T a, dW_down[e] = dy^T hw (sm90_bwd.cuh's weight-gradient
-//                 tiles, the same bits).
+//                 tiles, the same bits; with kWguT dW_gate_up as (a^T dgu)^T, the transposed
+//                 form of the standalone kernel).
 // Tasks are numbered: every dh tile (expert, column block, row block), then every d_a tile in
 // the same order, then per expert its dW_gate_up tiles and its dW_down tiles.
 //
@@ -126,7 +127,7 @@ struct BwdTransfers {
   const uint16_t* x;         // [T, H] the layer's input
   const int32_t* row_src;    // [rows] token * K + k of each receive row (-1: no token); or null
   uint16_t* dy_rows;         // [rows, H] out: grad_out by receive row (dh.map_dy's memory)
-  uint16_t* a_rows;          // [rows, H] out: x by receive row (wgrad[0].map_b's memory)
+  uint16_t* a_rows;          // [rows, H] out: x by receive row (wgrad[0]'s B; kWguT: its A)
   uint16_t* slots;           // [T * K, H] d_a by (token, k)
   const float* dx_shared;    // [T, H] fp32, the shared expert's input gradient, or null
   uint16_t* dx;              // [T, H] out
@@ -152,7 +153,9 @@ struct FusedBwdKernelArgs {
   // (da_staged, no transfers: fused_da_epilogue_staged); else each thread stores its own.
   CUtensorMap map_da_st;
   int da_staged;
-  WgradKernelArgs wgrad[2];  // 0: dW_gate_up = dgu^T a (M 2I, N H); 1: dW_down = dy^T hw (H, I)
+  // 0: dW_gate_up = dgu^T a (M 2I, N H; with kWguT a^T dgu, M H, N 2I, stored transposed);
+  // 1: dW_down = dy^T hw (M H, N I)
+  WgradKernelArgs wgrad[2];
   BwdTransfers xfer;
   // [0] the next task; then per row tile (tiles_before order) and per expert the dh tiles done;
   // then per row tile its copy done, the d_a tiles done and the stage tasks done (transfers).
@@ -764,7 +767,7 @@ __device__ __forceinline__ void fused_dh_epilogue(const FusedBwdKernelArgs& f,
   if (tid == 0) bulk_wait_all();  // hw / dgu written before the tile is reported done
 }
 
-template <int kOut>
+template <int kOut, bool kWguT>
 __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, const Ctx& c,
                                                int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -844,10 +847,12 @@ __device__ __forceinline__ void fused_consumer(const FusedBwdKernelArgs& f, cons
     }
   }
   if (tid == 0) bulk_wait_all();  // the staged d_a stores complete before this block exits
-  wgrad_consumer<kOut>(wg);
+  wgrad_consumer<kOut, false, kWguT ? kWgradTProb0 : kWgradTNone>(wg);
 }
 
-template <int kOut>
+// kWguT: dW_gate_up computed as x^T dgu (wgrad[0]: A the input rows, B dgu) and stored
+// transposed, in the weight's [L, 2I, H] layout; dW_down as it is.
+template <int kOut, bool kWguT = false>
 __global__ void __launch_bounds__(kLayerThreads, 1)
     bwd_fused_kernel(const __grid_constant__ FusedBwdKernelArgs f) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -872,11 +877,11 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
       if (f.run & kBwdRunDa) tma_prefetch_map(&f.map_dgu), tma_prefetch_map(&f.map_wgu);
       fused_producer(f, c);
     } else if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
-      wgrad_storer<kOut>(f.wgrad, warp - 1);
+      wgrad_storer<kOut, kWguT ? kWgradTProb0 : kWgradTNone>(f.wgrad, warp - 1);
     }
   } else {
     setmaxnreg_inc<224>();
-    fused_consumer<kOut>(f, c, wg - 1);
+    fused_consumer<kOut, kWguT>(f, c, wg - 1);
   }
 #endif
 }

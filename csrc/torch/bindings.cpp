@@ -109,7 +109,7 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
 void launch_wgrad(int64_t a, int64_t b, int64_t ends, int64_t c, int64_t rows, int64_t m,
                   int64_t n, int64_t num_experts, int64_t out, int64_t gather_rows,
                   int64_t gather_src, int64_t gather_tokens, int64_t gather_topk,
-                  int64_t gather_operand, int64_t grid, int64_t stream) {
+                  int64_t gather_operand, int64_t transposed, int64_t grid, int64_t stream) {
   mok::WgradLaunch l{};
   l.a = reinterpret_cast<const void*>(a);
   l.b = reinterpret_cast<const void*>(b);
@@ -120,10 +120,13 @@ void launch_wgrad(int64_t a, int64_t b, int64_t ends, int64_t c, int64_t rows, i
   l.gather_src = reinterpret_cast<const int32_t*>(gather_src);
   l.gather_tokens = gather_tokens, l.gather_topk = gather_topk;
   l.gather_operand = gather_operand;
+  l.transposed = transposed;
   const int err = mok::launch_wgrad(l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
   TORCH_CHECK(err == 0, "mok: launching the weight-gradient kernel (", std::to_string(rows),
               " rows, ", std::to_string(m), " x ", std::to_string(n), ", ",
-              std::to_string(num_experts), " experts) failed: ", mok::error_string(err));
+              std::to_string(num_experts), " experts",
+              transposed != 0 ? ", stored transposed" : "", ") failed: ",
+              mok::error_string(err));
 }
 
 // The experts' backward from saved g / u in one launch (api.h FusedBwdLaunch): Params (the
@@ -137,7 +140,7 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
                       int64_t slots, int64_t dx_shared, int64_t dx, int64_t num_tokens,
                       int64_t num_topk, int64_t dedup, int64_t copy_ahead, int64_t peers,
                       int64_t off_dy, int64_t off_row_grads, int64_t prefetch_gu,
-                      int64_t da_staged, int64_t grid, int64_t stream) {
+                      int64_t da_staged, int64_t wgu_transposed, int64_t grid, int64_t stream) {
   const auto params = unpack<mok::Params>(params_bytes, "Params");
   mok::FusedBwdLaunch l{};
   l.grad_out = reinterpret_cast<const void*>(grad_out);
@@ -167,6 +170,7 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
   l.counters = reinterpret_cast<uint32_t*>(counters);
   l.counters_len = counters_len, l.wgrad_out = wgrad_out, l.run = run, l.fault = fault;
   l.da_staged = da_staged;
+  l.wgu_transposed = wgu_transposed;
   const int err =
       mok::launch_bwd_fused(params, l, static_cast<int>(grid), reinterpret_cast<void*>(stream));
   TORCH_CHECK(err == 0, "mok: launching the fused experts' backward (",

@@ -13,8 +13,11 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
   the tokens inside the kernel (``mok.experts._wgrad_gathered``), where the others read the
   dispatched copy; ``dW_gate_up``'s ``mok-t`` / ``mok-gather-t`` rows: its transpose x^T dgu
   ([H, 2I] per expert, not transposed back), so x's rows are the kernel's 128-column operand A
-  (gathered: a third of a k-block's bytes instead of two thirds); ``bwd_recompute``,
-  ``bwd_from_saved`` and ``bwd_saved_all`` have such rows too
+  (gathered: a third of a k-block's bytes instead of two thirds); its ``mok-ts`` /
+  ``mok-gather-ts`` rows: that transpose with each tile stored transposed into the weight's
+  [L, 2I, H] layout (the kernels' ``transposed`` form, what ``mok.ops.WGRAD_GU_TRANSPOSED``
+  runs); ``bwd_recompute``, ``bwd_from_saved`` and ``bwd_saved_all`` have ``mok-gather`` rows
+  too
   (the experts' kernel gathering x and dy, ``mok.ops.swiglu_backward_gather_sm90``; the whole
   gathered backward, ``mok.experts.swiglu_backward_gathered``, one launch per GEMM);
 - ``gate_up_dgrad`` = dgu @ W_gu: mok's GEMM (``mok.experts.gate_up_dgrad``, the fused
@@ -28,7 +31,8 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
 - ``bwd_saved_all``: the routed experts' whole backward from saved g / u (dh with the SwiGLU
   backward, the gate / up dgrad, both weight gradients): mok's fused kernel, one launch
   (``swiglu_backward(..., fused=True)``), against mok's kernels one launch per GEMM
-  (``mok-serial``, the same bits); torch has no counterpart;
+  (``mok-serial``, the same bits); ``mok-ts`` / ``mok-gather-ts``: the fused and the gathered
+  backward with ``mok.ops.WGRAD_GU_TRANSPOSED`` on; torch has no counterpart;
 - ``fwd_gate_up``: the forward's gate / up GEMM with h = bf16(silu(g) u): mok's saving kernel
   (which writes the fp32 g / u too) against torch's grouped GEMM on the fused weight and the
   elementwise SwiGLU (``mok.experts.grouped_swiglu``'s first half);
@@ -173,6 +177,22 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
     if "bwd_from_saved" in pieces or "bwd_saved_all" in pieces:
         saved = me.grouped_swiglu_saving(x, wgu, wd, offs)[1]
     saving = dict(group_align=unfused_row_tile(mok.MoKConfig()), saved_gu=saved)
+
+    def transposed(fn):  # fn with dW_gate_up computed as x^T dgu, stored transposed
+        def call():
+            old, ops.WGRAD_GU_TRANSPOSED = ops.WGRAD_GU_TRANSPOSED, True
+            try:
+                return fn()
+            finally:
+                ops.WGRAD_GU_TRANSPOSED = old
+
+        return call
+
+    def whole_gathered():
+        return me.swiglu_backward_gathered(
+            tokens, dy_tokens, row_src, K, R, wgu, wd, row_w, offs, None, saved
+        )
+
     calls = {
         "dW_gate_up": {
             "mok": lambda: ops.wgrad_sm90(dgu, x, offs, c_gu),
@@ -181,6 +201,11 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
             # its transpose x^T dgu [H, 2I]: x's rows the 128-wide operand A (no transpose back)
             "mok-t": lambda: ops.wgrad_sm90(x, dgu, offs, c_gu_t),
             "mok-gather-t": lambda: me._wgrad_gathered(dgu, tokens, row_src, K, 0, offs, None),
+            # the same, each tile stored transposed into [L, 2I, H]
+            "mok-ts": lambda: ops.wgrad_sm90(x, dgu, offs, c_gu, False, True),
+            "mok-gather-ts": lambda: me._wgrad_gathered(
+                dgu, tokens, row_src, K, 1, offs, None, True
+            ),
         },
         "dW_down": {
             "mok": lambda: ops.wgrad_sm90(dy, hw, offs, c_d),
@@ -205,9 +230,11 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
             "mok-serial": lambda: me.swiglu_backward(
                 x, wgu, wd, dy, row_w, offs, fused=False, **saving
             ),
-            "mok-gather": lambda: me.swiglu_backward_gathered(
-                tokens, dy_tokens, row_src, K, R, wgu, wd, row_w, offs, None, saved
+            "mok-gather": whole_gathered,
+            "mok-ts": transposed(
+                lambda: me.swiglu_backward(x, wgu, wd, dy, row_w, offs, fused=True, **saving)
             ),
+            "mok-gather-ts": transposed(whole_gathered),
         },
         "fwd_saving": {
             "mok": lambda: me.grouped_swiglu_saving(x, wgu, wd, offs),

@@ -15,6 +15,9 @@ holds the global tokens of its count after those of ranks < r) and checks:
   many, bad routing on one rank (every rank raises, the next call works), and a rank that never
   enters the backward (``--timeout``: its peers raise MoKTimeoutError in time).
 
+``--wgrad-gu-transposed`` runs it all with ``mok.ops.WGRAD_GU_TRANSPOSED`` on (dW_gate_up as
+x^T dgu stored transposed, at every EP size and in EP1's run alike).
+
 Prints ``MOK-TRAIN-OK rank=R``; invariance differences are printed per tensor before failing.
 """
 
@@ -34,6 +37,7 @@ import torch.distributed as dist
 import mok
 import mok.autograd as ma
 from mok import functional as mf
+from mok import ops
 from mok.ranks import init_ranks
 from mok.spec.workload import ModelShape, make_routing
 from reference.moe import moe_backward, moe_forward
@@ -474,7 +478,10 @@ def main() -> int:
     ap.add_argument("--fuzz", type=int, default=0, help="fuzz cases (forward and backward)")
     ap.add_argument("--wide", action="store_true",
                     help="above eight ranks: the tiny 64-expert case (with --timeout: its shape)")  # fmt: skip
+    ap.add_argument("--wgrad-gu-transposed", action="store_true",
+                    help="mok.ops.WGRAD_GU_TRANSPOSED on (dW_gate_up as x^T dgu, transposed)")  # fmt: skip
     args = ap.parse_args()
+    ops.WGRAD_GU_TRANSPOSED = args.wgrad_gu_transposed
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_num_threads(2)  # the CPU reference
     dev = init_ranks("train_worker.py")
