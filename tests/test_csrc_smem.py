@@ -9,15 +9,13 @@ every rank count: a 512-byte table added to the fused layer's static shared stat
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CSRC = ROOT / "csrc"
-NVCC = shutil.which("nvcc")
+from tests.host_program import CSRC, NVCC, run_host_program
+
 # sm_90 (H100 / H200): 228 KiB per SM, of which a block may opt in to 227 KiB.
 MAX_SMEM_PER_BLOCK = 227 * 1024
 
@@ -62,17 +60,11 @@ def _static_smem(tmp: Path) -> dict[str, int]:
 def _dynamic_smem(tmp: Path) -> dict[str, int]:
     """The launchers' dynamic sizes, printed by a host program built from the same headers."""
     lines = [f'  std::printf("%d\\n", static_cast<int>({e}));' for e in DYNAMIC.values()]
-    (tmp / "sizes.cu").write_text(
+    source = (
         '#include <cstdio>\n#include "layer/sm90_fwd.cuh"\n#include "layer/sm90_bwd.cuh"\n'
         '#include "layer/sm90_bwd_fused.cuh"\nint main() {\n' + "\n".join(lines) + "\n}\n"
     )
-    build = subprocess.run(
-        [NVCC, "-std=c++17", f"-I{CSRC}", "-gencode=arch=compute_90a,code=sm_90a",
-         str(tmp / "sizes.cu"), "-o", str(tmp / "sizes")],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert build.returncode == 0, build.stderr[-3000:]
-    values = subprocess.run([str(tmp / "sizes")], capture_output=True, text=True, timeout=60)
+    values = run_host_program(source, tmp, "sizes")
     return dict(zip(DYNAMIC, map(int, values.stdout.split()), strict=True))
 
 

@@ -17,15 +17,9 @@ where it is missing).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CSRC = ROOT / "csrc"
-NVCC = shutil.which("nvcc")
+from tests.host_program import NVCC, run_host_program
 
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (builds a host program)")
 
@@ -168,12 +162,5 @@ int main() {
 
 
 def test_transposed_staging_places_every_element_once_without_bank_conflicts(tmp_path):
-    (tmp_path / "staging.cu").write_text(PROGRAM)
-    build = subprocess.run(
-        [NVCC, "-std=c++17", f"-I{CSRC}", "-gencode=arch=compute_90a,code=sm_90a",
-         str(tmp_path / "staging.cu"), "-o", str(tmp_path / "staging")],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(tmp_path / "staging")], capture_output=True, text=True, timeout=60)
+    run = run_host_program(PROGRAM, tmp_path, "staging")
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout[-3000:]
