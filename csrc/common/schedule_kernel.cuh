@@ -252,40 +252,54 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   float* fan_w = reinterpret_cast<float*>(s + p.o_fan_w);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int32_t* running = smem + warp * E;
-  // this warp's routing window: the ids, then the weights, of kRouteWindow / K tokens
+  // The walk takes kT = 32 / K tokens a step, token g of the step on lanes [g K, g K + K) (lane
+  // order is the (token, k) order of the sequential walk). Entries of one step that share an
+  // expert take their places in lane order; the dedup rows of the step's tokens that have rows
+  // here follow in token order. The same tables as one token a step (eight lanes of 32 at top-8,
+  // a chain of dependent steps four times as long).
+  const int kT = 32 / K;
+  const int g = lane / K, kk = lane % K;
+  const bool lane_used = g < kT;
+  const unsigned group_mask = lane_used ? (K == 32 ? ~0u : ((1u << K) - 1u) << (g * K)) : 0u;
+  const unsigned lt_mask = (1u << lane) - 1;
+  const unsigned before_token = (1u << (g * K)) - 1;  // the lanes of the step's earlier tokens
+  // this warp's routing window: the ids, then the weights, of win_tokens tokens (whole steps)
   int32_t* win_e = smem + kScheduleWarps * E + warp * 2 * kRouteWindow;
   float* win_w = reinterpret_cast<float*>(win_e + kRouteWindow);
-  const int win_tokens = kRouteWindow / K;
-  const unsigned lt_mask = (1u << lane) - 1;
+  const int win_tokens = kRouteWindow / K / kT * kT;
   for (int q = blockIdx.x * kScheduleWarps + warp; q < R * NC; q += gridDim.x * kScheduleWarps) {
     const int r = q / NC, ch = q % NC;
     const int t0 = ch * C, t1 = min(tokens_of(r), t0 + C);
     for (int e = lane; e < E; e += 32) running[e] = hist[(r * NC + ch) * E + e];
     int drun = dhist[r * NC + ch];
     __syncwarp();
-    for (int t = t0; t < t1; ++t) {
-      if ((t - t0) % win_tokens == 0) {  // the next window of the chunk's routing
+    for (int ts = t0; ts < t1; ts += kT) {
+      if ((ts - t0) % win_tokens == 0) {  // the next window of the chunk's routing
         __syncwarp();  // the last window's reads done
-        const int n = min(t1 - t, win_tokens) * K;
+        const int n = min(t1 - ts, win_tokens) * K;
         for (int j = lane; j < n; j += 32) {
-          win_e[j] = route[r * NK + t * K + j];
-          win_w[j] = route_w[r * NK + t * K + j];
+          win_e[j] = route[r * NK + ts * K + j];
+          win_w[j] = route_w[r * NK + ts * K + j];
         }
         __syncwarp();
       }
-      const int wi = (t - t0) % win_tokens * K + lane;  // this lane's entry in the window
-      const bool active = lane < K;
-      const int i = t * K + lane;
+      const int t = ts + g;
+      const bool active = lane_used && t < t1;
+      const int wi = (ts - t0) % win_tokens * K + lane;  // this lane's entry in the window
+      const int i = t * K + kk;
       const int e = active ? win_e[wi] : 0;
       const int d = e / L;
+      // occupancy: this chunk's earlier entries of expert e, the step's lower lanes included
+      const unsigned same_e = __match_any_sync(0xffffffffu, active ? e : -1 - lane);
       int occ = 0;
-      if (active) occ = running[e];
+      if (active) occ = running[e] + __popc(same_e & lt_mask);
       __syncwarp();
-      if (active) running[e] = occ + 1;
+      if (active && (same_e >> lane) == 1u) running[e] = occ + 1;  // the expert's last lane
       __syncwarp();
       const bool mine_dst = active && d == me;
-      const unsigned here = __ballot_sync(0xffffffffu, mine_dst);
-      if (r != me && here == 0) continue;
+      const unsigned here_all = __ballot_sync(0xffffffffu, mine_dst);
+      if (r != me && here_all == 0) continue;
+      const unsigned here = here_all & group_mask;  // my token's entries with rows here
       // NOTE: the sources take turns in each expert region (a minibatch draws rows from every
       // peer) unless kFlagSourceOrder asks for source-major order (the same row order, so the
       // same sums, at any number of ranks).
@@ -300,15 +314,16 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
         dst_rank[i] = d;
         dst_index[i] = pos;
       }
-      if (here) {
-        // Ordinal of this rank among the token's distinct destination ranks (ascending).
-        const unsigned same = __match_any_sync(0xffffffffu, active ? d : -1);
-        const bool first = active && (same & lt_mask) == 0;
-        const int ordinal = __popc(__ballot_sync(0xffffffffu, first && d < me));
-        const int dpos = round_robin_pos(dcount, R, drun, r);
-        ++drun;
+      // Ordinal of this rank among the token's distinct destination ranks (ascending).
+      const unsigned same = __match_any_sync(0xffffffffu, active ? g * (kMaxRanks + 1) + d : -1 - lane);
+      const bool first = active && (same & lt_mask) == 0;
+      const int ordinal = __popc(__ballot_sync(0xffffffffu, first && d < me) & group_mask);
+      // The step's tokens with rows here (one bit each, at their first lane), in token order.
+      const unsigned tokens_here = __ballot_sync(0xffffffffu, kk == 0 && here != 0);
+      if (here != 0) {
+        const int dpos = round_robin_pos(dcount, R, drun + __popc(tokens_here & before_token), r);
         const int n_here = __popc(here);
-        if (lane == 0) {
+        if (kk == 0) {
           d_src_rank[dpos] = r;
           d_src_token[dpos] = t;
           d_slot[dpos] = t * K + ordinal;
@@ -320,8 +335,9 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
           fan_w[dpos * K + j] = win_w[wi];
           fanout[pos] = dpos;
         }
-        if (lane == n_here && n_here < K) fan_rows[dpos * K + n_here] = -1;
+        if (kk == n_here && n_here < K) fan_rows[dpos * K + n_here] = -1;
       }
+      drun += __popc(tokens_here);
     }
     __syncwarp();
   }
