@@ -194,35 +194,74 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   if (!grid_sync(c)) return;
   int32_t* offsets = s + p.o_offsets;
   static_assert(kMaxRanks < kScheduleThreads, "block 0 takes one rank per thread, then one more");
-  if (blockIdx.x == 0) {  // thread d < R: rank d's offsets; thread R: the dedup total
+  if (blockIdx.x == 0) {
+    // Rank d's region starts, for every rank: a block-wide scan of the padded expert sizes in
+    // (rank, local expert) order, kScheduleThreads entries a pass, then each rank's start taken
+    // off its entries. (One thread per rank summing its experts one after another was a chain
+    // of L2 loads, one per local expert: ~20 us at 128 experts on one rank.)
+    __shared__ int warp_sum[kScheduleWarps];
+    __shared__ int rank_base[kMaxRanks];
+    __shared__ int over_at[kMaxRanks];
     __shared__ int lowest_over;
-    if (threadIdx.x == 0) lowest_over = R;
-    __syncthreads();
-    const int d = threadIdx.x;
-    int run = 0;
-    int overflow_at = -1;
-    if (d < R) {
-      offsets[d * (L + 1)] = 0;
-      for (int l = 0; l < L; ++l) {
+    const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, RL = R * L;
+    int carry = 0;  // the padded sizes of the passes before
+    for (int f0 = 0; f0 < RL; f0 += kScheduleThreads) {
+      const int f = f0 + tid;  // entry (rank f / L, local expert f % L)
+      int v = 0;
+      if (f < RL) {
         int t = 0;
-        for (int r = 0; r < R; ++r) t += counts[(d * L + l) * R + r];
-        run += (t + p.row_tile - 1) / p.row_tile * p.row_tile;
-        offsets[d * (L + 1) + l + 1] = run;
-        if (run > p.capacity && overflow_at < 0) overflow_at = d * L + l;
+        for (int r = 0; r < R; ++r) t += counts[f * R + r];
+        v = (t + p.row_tile - 1) / p.row_tile * p.row_tile;
       }
+      int incl = v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+      }
+      if (lane == 31) warp_sum[w] = incl;
+      __syncthreads();
+      int before = carry, pass = 0;
+      for (int q = 0; q < kScheduleWarps; ++q) {
+        if (q < w) before += warp_sum[q];
+        pass += warp_sum[q];
+      }
+      if (f < RL) offsets[f / L * (L + 1) + f % L + 1] = before + incl;
+      carry += pass;
+      __syncthreads();  // warp_sum read by every thread before the next pass writes it
+    }
+    if (tid < R) {
+      rank_base[tid] = tid == 0 ? 0 : offsets[(tid - 1) * (L + 1) + L];  // the ranks before
+      over_at[tid] = -1;
+    }
+    if (tid == 0) lowest_over = R;
+    __syncthreads();
+    for (int f = tid; f < RL; f += kScheduleThreads) offsets[f / L * (L + 1) + f % L + 1] -= rank_base[f / L];
+    if (tid < R) offsets[tid * (L + 1)] = 0;
+    __syncthreads();
+    // Rank d's first expert whose region ends past the capacity (the ends only grow).
+    for (int f = tid; f < RL; f += kScheduleThreads) {
+      const int at = f / L * (L + 1) + f % L;
+      if (offsets[at + 1] > p.capacity && offsets[at] <= p.capacity) {
+        over_at[f / L] = f;
+        atomicMin(&lowest_over, f / L);
+      }
+    }
+    __syncthreads();
+    const int d = tid;
+    if (d < R) {
+      const int run = offsets[d * (L + 1) + L];
       if (d == me) meta[kMetaNumRows] = run;
-      if (overflow_at >= 0) atomicMin(&lowest_over, d);
-    } else if (d == R) {
+      // NOTE: every rank checks every rank's capacity, so all ranks fail the same way instead
+      // of one rank stopping and the others timing out; the lowest overflowing rank reports
+      // (the first recorded error wins).
+      if (over_at[d] >= 0 && d == lowest_over)
+        record_error(c, kErrCapacity, 0, d, run, p.capacity, over_at[d]);
+    } else if (d == R) {  // the dedup total
       int total = 0;
       for (int r = 0; r < R; ++r) total += dcount[r];
       meta[kMetaNumDedup] = total;
     }
-    __syncthreads();
-    // NOTE: every rank checks every rank's capacity, so all ranks fail the same way instead of
-    // one rank stopping and the others timing out; the lowest overflowing rank reports (the
-    // first recorded error wins).
-    if (d < R && overflow_at >= 0 && d == lowest_over)
-      record_error(c, kErrCapacity, 0, d, run, p.capacity, overflow_at);
   }
   if (!grid_sync(c)) return;
   stamp(p, 2);
