@@ -62,3 +62,32 @@ def test_single_gpu_without_process_group():
     recv = mf.dispatch(x, s, "pull")
     real = (want.src_rank >= 0).nonzero().squeeze(1)
     assert torch.equal(recv[real.cuda()], x[(want.src_index[real] // K).cuda()])
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize(
+    ("tokens", "topk", "experts"),
+    [(333, 1, 8), (200, 2, 16), (301, 3, 64), (257, 6, 64), (1000, 8, 128), (97, 10, 32),
+     (130, 32, 64), (64, 5, 16)],
+)  # fmt: skip
+def test_schedule_tables_at_every_top_k(tokens, topk, experts):
+    """The schedule kernel's walk takes 32 // K tokens a step (the lanes of one step's tokens
+    share experts): at one rank its tables equal the reference's at top-k values that fill the
+    warp's lanes and values that leave some idle, token counts that end mid-step and mid-chunk."""
+    import torch
+
+    import mok
+    from mok import functional as mf
+    from mok.spec.workload import make_routing
+    from reference.schedule import build_schedule
+
+    t = make_routing(tokens, experts, topk, 1, "uniform", seed=tokens + topk)
+    idx, w = torch.from_numpy(t.topk_idx), torch.from_numpy(t.topk_weights)
+    ws = mok.get_workspace(
+        tokens, 256, topk, experts, torch.bfloat16, mok.MoKConfig(num_comm_sms=4)
+    )
+    got = mf.build_schedule(idx.cuda(), w.cuda(), ws).to_host()
+    want = build_schedule(idx.unsqueeze(0), experts, 0)
+    for f, v in got.items():  # every table, flattened (the views' shapes are not the point)
+        assert torch.equal(v.reshape(-1), getattr(want, f).reshape(-1).to(torch.int64)), f

@@ -194,35 +194,74 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   if (!grid_sync(c)) return;
   int32_t* offsets = s + p.o_offsets;
   static_assert(kMaxRanks < kScheduleThreads, "block 0 takes one rank per thread, then one more");
-  if (blockIdx.x == 0) {  // thread d < R: rank d's offsets; thread R: the dedup total
+  if (blockIdx.x == 0) {
+    // Rank d's region starts, for every rank: a block-wide scan of the padded expert sizes in
+    // (rank, local expert) order, kScheduleThreads entries a pass, then each rank's start taken
+    // off its entries. (One thread per rank summing its experts one after another was a chain
+    // of L2 loads, one per local expert: ~20 us at 128 experts on one rank.)
+    __shared__ int warp_sum[kScheduleWarps];
+    __shared__ int rank_base[kMaxRanks];
+    __shared__ int over_at[kMaxRanks];
     __shared__ int lowest_over;
-    if (threadIdx.x == 0) lowest_over = R;
-    __syncthreads();
-    const int d = threadIdx.x;
-    int run = 0;
-    int overflow_at = -1;
-    if (d < R) {
-      offsets[d * (L + 1)] = 0;
-      for (int l = 0; l < L; ++l) {
+    const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, RL = R * L;
+    int carry = 0;  // the padded sizes of the passes before
+    for (int f0 = 0; f0 < RL; f0 += kScheduleThreads) {
+      const int f = f0 + tid;  // entry (rank f / L, local expert f % L)
+      int v = 0;
+      if (f < RL) {
         int t = 0;
-        for (int r = 0; r < R; ++r) t += counts[(d * L + l) * R + r];
-        run += (t + p.row_tile - 1) / p.row_tile * p.row_tile;
-        offsets[d * (L + 1) + l + 1] = run;
-        if (run > p.capacity && overflow_at < 0) overflow_at = d * L + l;
+        for (int r = 0; r < R; ++r) t += counts[f * R + r];
+        v = (t + p.row_tile - 1) / p.row_tile * p.row_tile;
       }
+      int incl = v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+      }
+      if (lane == 31) warp_sum[w] = incl;
+      __syncthreads();
+      int before = carry, pass = 0;
+      for (int q = 0; q < kScheduleWarps; ++q) {
+        if (q < w) before += warp_sum[q];
+        pass += warp_sum[q];
+      }
+      if (f < RL) offsets[f / L * (L + 1) + f % L + 1] = before + incl;
+      carry += pass;
+      __syncthreads();  // warp_sum read by every thread before the next pass writes it
+    }
+    if (tid < R) {
+      rank_base[tid] = tid == 0 ? 0 : offsets[(tid - 1) * (L + 1) + L];  // the ranks before
+      over_at[tid] = -1;
+    }
+    if (tid == 0) lowest_over = R;
+    __syncthreads();
+    for (int f = tid; f < RL; f += kScheduleThreads) offsets[f / L * (L + 1) + f % L + 1] -= rank_base[f / L];
+    if (tid < R) offsets[tid * (L + 1)] = 0;
+    __syncthreads();
+    // Rank d's first expert whose region ends past the capacity (the ends only grow).
+    for (int f = tid; f < RL; f += kScheduleThreads) {
+      const int at = f / L * (L + 1) + f % L;
+      if (offsets[at + 1] > p.capacity && offsets[at] <= p.capacity) {
+        over_at[f / L] = f;
+        atomicMin(&lowest_over, f / L);
+      }
+    }
+    __syncthreads();
+    const int d = tid;
+    if (d < R) {
+      const int run = offsets[d * (L + 1) + L];
       if (d == me) meta[kMetaNumRows] = run;
-      if (overflow_at >= 0) atomicMin(&lowest_over, d);
-    } else if (d == R) {
+      // NOTE: every rank checks every rank's capacity, so all ranks fail the same way instead
+      // of one rank stopping and the others timing out; the lowest overflowing rank reports
+      // (the first recorded error wins).
+      if (over_at[d] >= 0 && d == lowest_over)
+        record_error(c, kErrCapacity, 0, d, run, p.capacity, over_at[d]);
+    } else if (d == R) {  // the dedup total
       int total = 0;
       for (int r = 0; r < R; ++r) total += dcount[r];
       meta[kMetaNumDedup] = total;
     }
-    __syncthreads();
-    // NOTE: every rank checks every rank's capacity, so all ranks fail the same way instead of
-    // one rank stopping and the others timing out; the lowest overflowing rank reports (the
-    // first recorded error wins).
-    if (d < R && overflow_at >= 0 && d == lowest_over)
-      record_error(c, kErrCapacity, 0, d, run, p.capacity, overflow_at);
   }
   if (!grid_sync(c)) return;
   stamp(p, 2);
@@ -252,40 +291,54 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
   float* fan_w = reinterpret_cast<float*>(s + p.o_fan_w);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int32_t* running = smem + warp * E;
-  // this warp's routing window: the ids, then the weights, of kRouteWindow / K tokens
+  // The walk takes kT = 32 / K tokens a step, token g of the step on lanes [g K, g K + K) (lane
+  // order is the (token, k) order of the sequential walk). Entries of one step that share an
+  // expert take their places in lane order; the dedup rows of the step's tokens that have rows
+  // here follow in token order. The same tables as one token a step (eight lanes of 32 at top-8,
+  // a chain of dependent steps four times as long).
+  const int kT = 32 / K;
+  const int g = lane / K, kk = lane % K;
+  const bool lane_used = g < kT;
+  const unsigned group_mask = lane_used ? (K == 32 ? ~0u : ((1u << K) - 1u) << (g * K)) : 0u;
+  const unsigned lt_mask = (1u << lane) - 1;
+  const unsigned before_token = (1u << (g * K)) - 1;  // the lanes of the step's earlier tokens
+  // this warp's routing window: the ids, then the weights, of win_tokens tokens (whole steps)
   int32_t* win_e = smem + kScheduleWarps * E + warp * 2 * kRouteWindow;
   float* win_w = reinterpret_cast<float*>(win_e + kRouteWindow);
-  const int win_tokens = kRouteWindow / K;
-  const unsigned lt_mask = (1u << lane) - 1;
+  const int win_tokens = kRouteWindow / K / kT * kT;
   for (int q = blockIdx.x * kScheduleWarps + warp; q < R * NC; q += gridDim.x * kScheduleWarps) {
     const int r = q / NC, ch = q % NC;
     const int t0 = ch * C, t1 = min(tokens_of(r), t0 + C);
     for (int e = lane; e < E; e += 32) running[e] = hist[(r * NC + ch) * E + e];
     int drun = dhist[r * NC + ch];
     __syncwarp();
-    for (int t = t0; t < t1; ++t) {
-      if ((t - t0) % win_tokens == 0) {  // the next window of the chunk's routing
+    for (int ts = t0; ts < t1; ts += kT) {
+      if ((ts - t0) % win_tokens == 0) {  // the next window of the chunk's routing
         __syncwarp();  // the last window's reads done
-        const int n = min(t1 - t, win_tokens) * K;
+        const int n = min(t1 - ts, win_tokens) * K;
         for (int j = lane; j < n; j += 32) {
-          win_e[j] = route[r * NK + t * K + j];
-          win_w[j] = route_w[r * NK + t * K + j];
+          win_e[j] = route[r * NK + ts * K + j];
+          win_w[j] = route_w[r * NK + ts * K + j];
         }
         __syncwarp();
       }
-      const int wi = (t - t0) % win_tokens * K + lane;  // this lane's entry in the window
-      const bool active = lane < K;
-      const int i = t * K + lane;
+      const int t = ts + g;
+      const bool active = lane_used && t < t1;
+      const int wi = (ts - t0) % win_tokens * K + lane;  // this lane's entry in the window
+      const int i = t * K + kk;
       const int e = active ? win_e[wi] : 0;
       const int d = e / L;
+      // occupancy: this chunk's earlier entries of expert e, the step's lower lanes included
+      const unsigned same_e = __match_any_sync(0xffffffffu, active ? e : -1 - lane);
       int occ = 0;
-      if (active) occ = running[e];
+      if (active) occ = running[e] + __popc(same_e & lt_mask);
       __syncwarp();
-      if (active) running[e] = occ + 1;
+      if (active && (same_e >> lane) == 1u) running[e] = occ + 1;  // the expert's last lane
       __syncwarp();
       const bool mine_dst = active && d == me;
-      const unsigned here = __ballot_sync(0xffffffffu, mine_dst);
-      if (r != me && here == 0) continue;
+      const unsigned here_all = __ballot_sync(0xffffffffu, mine_dst);
+      if (r != me && here_all == 0) continue;
+      const unsigned here = here_all & group_mask;  // my token's entries with rows here
       // NOTE: the sources take turns in each expert region (a minibatch draws rows from every
       // peer) unless kFlagSourceOrder asks for source-major order (the same row order, so the
       // same sums, at any number of ranks).
@@ -300,15 +353,16 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
         dst_rank[i] = d;
         dst_index[i] = pos;
       }
-      if (here) {
-        // Ordinal of this rank among the token's distinct destination ranks (ascending).
-        const unsigned same = __match_any_sync(0xffffffffu, active ? d : -1);
-        const bool first = active && (same & lt_mask) == 0;
-        const int ordinal = __popc(__ballot_sync(0xffffffffu, first && d < me));
-        const int dpos = round_robin_pos(dcount, R, drun, r);
-        ++drun;
+      // Ordinal of this rank among the token's distinct destination ranks (ascending).
+      const unsigned same = __match_any_sync(0xffffffffu, active ? g * (kMaxRanks + 1) + d : -1 - lane);
+      const bool first = active && (same & lt_mask) == 0;
+      const int ordinal = __popc(__ballot_sync(0xffffffffu, first && d < me) & group_mask);
+      // The step's tokens with rows here (one bit each, at their first lane), in token order.
+      const unsigned tokens_here = __ballot_sync(0xffffffffu, kk == 0 && here != 0);
+      if (here != 0) {
+        const int dpos = round_robin_pos(dcount, R, drun + __popc(tokens_here & before_token), r);
         const int n_here = __popc(here);
-        if (lane == 0) {
+        if (kk == 0) {
           d_src_rank[dpos] = r;
           d_src_token[dpos] = t;
           d_slot[dpos] = t * K + ordinal;
@@ -320,8 +374,9 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const __grid
           fan_w[dpos * K + j] = win_w[wi];
           fanout[pos] = dpos;
         }
-        if (lane == n_here && n_here < K) fan_rows[dpos * K + n_here] = -1;
+        if (kk == n_here && n_here < K) fan_rows[dpos * K + n_here] = -1;
       }
+      drun += __popc(tokens_here);
     }
     __syncwarp();
   }
