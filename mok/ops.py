@@ -58,9 +58,11 @@ STAGED_DA = True
 # mok.experts where dW_gate_up is computed with one launch per GEMM (dispatched or gathered
 # rows) and here by the fused backward's launches (bwd_fused_sm90, bwd_layer_sm90), so that
 # every path of one setting computes it the same way: the gathered and dispatched backwards
-# give the same bits, and EP > 1 EP1's. Off until measured (docs/perf-notes.md, "dW_gate_up
-# stored transposed").
-WGRAD_GU_TRANSPOSED = False
+# give the same bits, and EP > 1 EP1's. On: the gathering kernel ran 0.85 -> 0.65 ms a step at
+# SonicMoE's fine-grained shape, the TMA and fused kernels within 2 % either way (one H100;
+# docs/perf-notes.md, "dW_gate_up stored transposed"). Both settings give the same bits (a GPU
+# test compares every path with it off and on).
+WGRAD_GU_TRANSPOSED = True
 
 # Row-copy engines of the pull dispatches: bulk copies (TMA) or 16-byte vector loads (v1).
 ENGINES = ("tma", "vector")

@@ -75,6 +75,7 @@ def test_piece_flops_count_the_routed_rows_gemms():
 
 def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path, capsys):
     calls = {"mok": []}
+    default = ops.WGRAD_GU_TRANSPOSED
 
     def draw(n, e, k, skew, seed=None):
         t = make_routing(n, e, k, 1, skew, seed=seed)
@@ -195,13 +196,13 @@ def test_one_case_gives_a_row_per_piece_and_implementation(monkeypatch, tmp_path
     # off after its rows)
     for switch in (False, True):
         assert ("whole gather", (40, H), total, "saved", switch) in got
-    assert not ops.WGRAD_GU_TRANSPOSED
+    assert ops.WGRAD_GU_TRANSPOSED is default  # each row's setting undone after it
     assert ("bwd", True, ends.tolist()) in calls["mok"]  # from the saved g / u
     assert ("saving kernel", (total, H), ends.tolist()) in calls["mok"]
     assert ("dgrad", (total, 2 * inter), (E, 2 * inter, H)) in calls["mok"]
     tile = unfused_row_tile(mok.MoKConfig())
     for fused in (True, False):  # the whole backward, from the saved g / u, aligned groups
-        assert ("whole", fused, tile, "saved", False) in calls["mok"]
+        assert ("whole", fused, tile, "saved", False) in calls["mok"]  # mok, mok-serial: off
     assert ("whole", True, tile, "saved", True) in calls["mok"]  # mok-ts: the switch on
     assert "tiny  uniform      dW_gate_up        mok     100.0 us" in capsys.readouterr().out
     rec.write()

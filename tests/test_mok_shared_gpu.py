@@ -49,12 +49,12 @@ def test_training_on_shared_gpu_ranks(nproc):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_training_with_dw_gate_up_transposed_on_shared_gpu_ranks():
-    """``mok.ops.WGRAD_GU_TRANSPOSED`` on in every process (dW_gate_up as x^T dgu stored
-    transposed, EP1's run included): EP2's gradients against the reference and bitwise against
-    EP1 of the whole batch (the one-rank gathered backward against the dispatched and the fused
-    ones, all transposed), determinism, a rank without tokens."""
-    _train(2, "--quick", "--repeats", "3", "--wgrad-gu-transposed")
+def test_training_with_dw_gate_up_plain_on_shared_gpu_ranks():
+    """``mok.ops.WGRAD_GU_TRANSPOSED`` off in every process (dW_gate_up as dgu^T x, not the
+    default transposed form, EP1's run included): EP2's gradients against the reference and
+    bitwise against EP1 of the whole batch (the one-rank gathered backward against the
+    dispatched and the fused ones), determinism, a rank without tokens."""
+    _train(2, "--quick", "--repeats", "3", "--wgrad-gu-plain")
 
 
 # Above eight ranks (an NVL72 rack's EP sizes): a tiny 64-expert layer, every rank on GPU 0.

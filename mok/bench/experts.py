@@ -31,8 +31,9 @@ layer's row tile (as the backward's groups are). Pieces (useful FLOPs: the route
 - ``bwd_saved_all``: the routed experts' whole backward from saved g / u (dh with the SwiGLU
   backward, the gate / up dgrad, both weight gradients): mok's fused kernel, one launch
   (``swiglu_backward(..., fused=True)``), against mok's kernels one launch per GEMM
-  (``mok-serial``, the same bits); ``mok-ts`` / ``mok-gather-ts``: the fused and the gathered
-  backward with ``mok.ops.WGRAD_GU_TRANSPOSED`` on; torch has no counterpart;
+  (``mok-serial``, the same bits), these and ``mok-gather`` with ``mok.ops.WGRAD_GU_TRANSPOSED``
+  off; ``mok-ts`` / ``mok-gather-ts``: the fused and the gathered backward with it on (the
+  default); torch has no counterpart;
 - ``fwd_gate_up``: the forward's gate / up GEMM with h = bf16(silu(g) u): mok's saving kernel
   (which writes the fp32 g / u too) against torch's grouped GEMM on the fused weight and the
   elementwise SwiGLU (``mok.experts.grouped_swiglu``'s first half);
@@ -178,15 +179,18 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
         saved = me.grouped_swiglu_saving(x, wgu, wd, offs)[1]
     saving = dict(group_align=unfused_row_tile(mok.MoKConfig()), saved_gu=saved)
 
-    def transposed(fn):  # fn with dW_gate_up computed as x^T dgu, stored transposed
+    def switched(fn, on):  # fn with dW_gate_up as x^T dgu stored transposed (on) or as dgu^T x
         def call():
-            old, ops.WGRAD_GU_TRANSPOSED = ops.WGRAD_GU_TRANSPOSED, True
+            old, ops.WGRAD_GU_TRANSPOSED = ops.WGRAD_GU_TRANSPOSED, on
             try:
                 return fn()
             finally:
                 ops.WGRAD_GU_TRANSPOSED = old
 
         return call
+
+    def whole_fused():
+        return me.swiglu_backward(x, wgu, wd, dy, row_w, offs, fused=True, **saving)
 
     def whole_gathered():
         return me.swiglu_backward_gathered(
@@ -226,15 +230,14 @@ def run_case(rec, model, n, skew, pieces, iters, warmup, emulate_ep, device, war
             "mok-gather": lambda: dh_gathered(saved),
         },
         "bwd_saved_all": {
-            "mok": lambda: me.swiglu_backward(x, wgu, wd, dy, row_w, offs, fused=True, **saving),
-            "mok-serial": lambda: me.swiglu_backward(
-                x, wgu, wd, dy, row_w, offs, fused=False, **saving
+            "mok": switched(whole_fused, False),
+            "mok-serial": switched(
+                lambda: me.swiglu_backward(x, wgu, wd, dy, row_w, offs, fused=False, **saving),
+                False,
             ),
-            "mok-gather": whole_gathered,
-            "mok-ts": transposed(
-                lambda: me.swiglu_backward(x, wgu, wd, dy, row_w, offs, fused=True, **saving)
-            ),
-            "mok-gather-ts": transposed(whole_gathered),
+            "mok-gather": switched(whole_gathered, False),
+            "mok-ts": switched(whole_fused, True),
+            "mok-gather-ts": switched(whole_gathered, True),
         },
         "fwd_saving": {
             "mok": lambda: me.grouped_swiglu_saving(x, wgu, wd, offs),

@@ -19,8 +19,8 @@ holds the global tokens of its count after those of ranks < r) and checks:
 so in every EP1 run above): on and off, the same bits, one schedule kernel a step at one rank and
 two with peers.
 
-``--wgrad-gu-transposed`` runs it all with ``mok.ops.WGRAD_GU_TRANSPOSED`` on (dW_gate_up as
-x^T dgu stored transposed, at every EP size and in EP1's run alike).
+``--wgrad-gu-plain`` runs it all with ``mok.ops.WGRAD_GU_TRANSPOSED`` off (dW_gate_up as
+dgu^T x, not the default transposed form, at every EP size and in EP1's run alike).
 
 Prints ``MOK-TRAIN-OK rank=R``; invariance differences are printed per tensor before failing.
 """
@@ -520,12 +520,13 @@ def main() -> int:
     ap.add_argument("--fuzz", type=int, default=0, help="fuzz cases (forward and backward)")
     ap.add_argument("--wide", action="store_true",
                     help="above eight ranks: the tiny 64-expert case (with --timeout: its shape)")  # fmt: skip
-    ap.add_argument("--wgrad-gu-transposed", action="store_true",
-                    help="mok.ops.WGRAD_GU_TRANSPOSED on (dW_gate_up as x^T dgu, transposed)")  # fmt: skip
+    ap.add_argument("--wgrad-gu-plain", action="store_true",
+                    help="mok.ops.WGRAD_GU_TRANSPOSED off (dW_gate_up as dgu^T x)")  # fmt: skip
     ap.add_argument("--schedule-restore", action="store_true",
                     help="only the case of mok.autograd.RESTORE_SCHEDULE on and off")  # fmt: skip
     args = ap.parse_args()
-    ops.WGRAD_GU_TRANSPOSED = args.wgrad_gu_transposed
+    if args.wgrad_gu_plain:
+        ops.WGRAD_GU_TRANSPOSED = False
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_num_threads(2)  # the CPU reference
     dev = init_ranks("train_worker.py")
