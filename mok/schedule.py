@@ -466,7 +466,10 @@ def restore_schedule(
 
     Returns:
         The :class:`DeviceSchedule` (views into ``ws``, valid until the next build or restore
-        on it), with a route epoch of its own.
+        on it), with a route epoch of its own. NOTE: restored, its tables of
+        :data:`UNSAVED_TABLES` are not this routing's: the dedup fan weights in particular, so
+        (as after :meth:`DeviceSchedule.unit_weights`) it takes no weighted dedup combine, and
+        the fused layer does not take it.
 
     Raises:
         MoKInputError, MoKCapacityError, MoKTimeoutError: an error a kernel recorded on the
