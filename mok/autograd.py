@@ -6,7 +6,8 @@ saved. Backward (:class:`_MoE`), at any number of ranks, through mok's communica
 GEMMs, recomputing the forward activations (MoK's design: the expert's owner pulls, then pushes):
 
 * the schedule is built again from the saved routing and weights (the workspace's table may
-  belong to a later call by then; the build is deterministic, so the rows are the forward's);
+  belong to a later call by then; the build is deterministic, so the rows are the forward's),
+  or at one rank copied back from the tables the unfused forward kept (:data:`RESTORE_SCHEDULE`);
   each receive row's routing weight is read from the routing its home rank published in that
   build (:meth:`mok.schedule.DeviceSchedule.row_weights`: no transfer);
 * reverse combine: ``dispatch(grad_out)`` brings each token's output gradient to its receive
@@ -70,7 +71,7 @@ from mok.layer import (
 from mok.ops import TAGS, traced
 from mok.path_choice import check_fused_arg
 from mok.reference_layer import check_reference_inputs, group_size, reference_grads, reference_layer
-from mok.schedule import build_schedule, routed_rows_bound
+from mok.schedule import restore_schedule, routed_rows_bound
 from mok.sms import budget_sms, sm_budget
 from mok.spec.arch import arch_paths, refusal
 from mok.spec.config import MoKConfig
@@ -99,6 +100,17 @@ TRANSFERS_IN_LAUNCH = False
 # 512 and above (423 -> 389, 468 -> 427, 526 -> 451).
 GATHER_BACKWARD: bool | str = "auto"
 GATHER_BACKWARD_MAX_INTER = 256
+
+# True: at one rank the unfused forward keeps a device copy of the schedule tables its backward
+# reads (mok.schedule.DeviceSchedule.save: 4.2 MB at 24576 tokens, top-8 of 128 experts; only
+# where autograd records the call) and the backward copies them back
+# (mok.schedule.restore_schedule) instead of running the schedule kernel again: one schedule
+# kernel a step instead of two. The same bits either way (the build is deterministic); the fused
+# forward and more ranks build again, as does the traced layer (mok::moe / mok::moe_backward).
+# Its own switch so that one build times both. Predicted on one H100 (docs/perf-notes.md, "The
+# backward restores the forward's schedule at one rank"): the backward ~0.12 ms faster at
+# 24576 x 1536 x 256 (3.09 -> ~2.97 ms) and ~0.14 ms at the d = 4096 shapes; not measured yet.
+RESTORE_SCHEDULE = True
 
 
 def moe(
@@ -417,12 +429,17 @@ class _MoE(torch.autograd.Function):
         ctx, topk_idx, weights, num_experts, config, group, fused, recompute, into, *tensors
     ):
         saved = None if recompute else []
+        # the unfused forward's schedule (its workspace and row tile are the backward's)
+        scheds = [] if RESTORE_SCHEDULE and not fused else None
         out = moe_forward(
             tensors[0], topk_idx, tensors[1], weights, num_experts, config, group, fused,
-            _saved=saved,
+            _saved=saved, _schedule=scheds,
         )  # fmt: skip
         ctx.save_for_backward(topk_idx, *tensors, *(saved or [None, None]))
         ctx.args, ctx.into, ctx.fused = (num_experts, config, group), into, fused
+        # NOTE: a copy of its tables now, before a later call (another layer) builds on the
+        # same workspace; None at more ranks (DeviceSchedule.save)
+        ctx.schedule = scheds[0].save() if scheds else None
         return out
 
     @staticmethod
@@ -431,34 +448,36 @@ class _MoE(torch.autograd.Function):
         topk_idx, x, topk_weights, *leaves, saved_gu, saved_shared = ctx.saved_tensors
         grads = _backward(
             grad_out, x, topk_idx, topk_weights, leaves[:3], leaves[3:], *ctx.args,
-            (saved_gu, saved_shared), ctx.into, ctx.fused,
+            (saved_gu, saved_shared), ctx.into, ctx.fused, ctx.schedule,
         )  # fmt: skip
         return (None,) * 8 + grads
 
 
 def _backward(
     grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group,
-    saved=None, into=None, fused=False,
+    saved=None, into=None, fused=False, schedule=None,
 ):  # fmt: skip
     """:func:`_backward_on` under the config's SM budget (``MoKConfig.num_sms``)."""
     config = as_config(config)
     with sm_budget(config.num_sms):
         return _backward_on(
             grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group,
-            saved, into, fused,
+            saved, into, fused, schedule,
         )  # fmt: skip
 
 
 def _backward_on(
     grad_out, x, topk_idx, topk_weights, routed, shared, num_experts, config, group,
-    saved=None, into=None, fused=False,
+    saved=None, into=None, fused=False, schedule=None,
 ):  # fmt: skip
     """Gradients for (x, topk_weights, *routed, *shared), the leaves of :func:`_leaves`: one
     [L, 2I, H] gradient (and None) where gate and up came as one tensor. ``saved``: the fp32
     gate / up outputs the forward kept (recompute=False), (routed, shared), either None
     (computed again); ``fused``: the fused forward kept them (its receive rows, regions padded
     to its row tile). ``into``: the fp32 accumulators of the one gate_up leaf and of w_down
-    (either None) that their weight gradients are added onto; those leaves then get None."""
+    (either None) that their weight gradients are added onto; those leaves then get None.
+    ``schedule``: the forward's :class:`mok.schedule.SavedSchedule` (:data:`RESTORE_SCHEDULE`),
+    or None (the schedule is built again)."""
     saved_gu, saved_shared = (None, None) if saved is None else saved
     wd = routed[2]
     num_tokens, hidden = x.shape
@@ -481,9 +500,11 @@ def _backward_on(
             *_in_main_grad(zeros, routed, into),
         )
     # NOTE: the forward's schedule again (the routing, hence every row index, is the forward's):
-    # each receive row's routing weight comes from the routing its home rank published in the
-    # build; the reverse dispatch's combine sums the row gradients unweighted (unit_weights).
-    sched = build_schedule(topk_idx, topk_weights, ws)
+    # copied back from the tables the forward kept where that copy is of this workspace (one
+    # rank, mok.schedule.restore_schedule), else built again. Each receive row's routing weight
+    # comes from the routing its home rank published in the build; the reverse dispatch's
+    # combine sums the row gradients unweighted (unit_weights).
+    sched = restore_schedule(schedule, topk_idx, topk_weights, ws)
     cap = ws.capacity
     row_w = sched.row_weights()
     unit = sched.unit_weights()

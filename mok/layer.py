@@ -112,6 +112,7 @@ def moe_forward(
     fused: bool | str = False,
     *,
     _saved: list | None = None,
+    _schedule: list | None = None,
 ) -> torch.Tensor:
     """The MoE layer on this rank: schedule, dispatch, grouped SwiGLU experts, combine. Off CUDA
     it is the reference layer (:mod:`mok.reference_layer`: any float dtype, ``fused`` and
@@ -180,7 +181,7 @@ def moe_forward(
         )
     with sm_budget(config.num_sms):
         return _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused,
-                            _saved)  # fmt: skip
+                            _saved, _schedule)  # fmt: skip
 
 
 def resolve_path(
@@ -226,8 +227,13 @@ def resolve_path(
     return _resolve(fused, key, measure, tracing, name, group)
 
 
-def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group, fused, _saved):
-    """:func:`moe_forward` on CUDA, under its SM budget."""
+def _moe_forward(
+    x, topk_idx, topk_weights, weights, num_experts, config, group, fused, _saved, _schedule=None
+):
+    """:func:`moe_forward` on CUDA, under its SM budget. ``_schedule`` (a list): the unfused
+    path's :class:`mok.schedule.DeviceSchedule` is appended (:mod:`mok.autograd` keeps its
+    tables for the backward); the fused layer's is not (its workspace and row tile are not the
+    backward's)."""
     if not fused:
         config = unfused_config(config, budget_sms(x.device, config.num_sms))
     if x.ndim != 2 or x.dtype != torch.bfloat16:
@@ -265,6 +271,8 @@ def _moe_forward(x, topk_idx, topk_weights, weights, num_experts, config, group,
     sched = build_schedule(topk_idx, topk_weights, ws)
     if fused:
         return forward(x, sched, weights, keep=_fused_keep(x, weights, ws, _saved))
+    if _schedule is not None:
+        _schedule.append(sched)
     rows = received_rows_bound(ws, x.shape[0])
     # NOTE: checked on the device (no synchronisation): SwiGLU leaves rows past the bound
     # unwritten, so a wrong bound must stop the call rather than feed garbage to the combine.

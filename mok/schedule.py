@@ -1,5 +1,7 @@
 """The schedule on the device: :func:`build_schedule` all-gathers the routing into symmetric
-memory and builds this rank's schedule table there; :class:`DeviceSchedule` is its view.
+memory and builds this rank's schedule table there; :class:`DeviceSchedule` is its view. At one
+rank :meth:`DeviceSchedule.save` keeps a device copy of the tables a backward reads and
+:func:`restore_schedule` puts them back in place of a second build.
 
 Collective and asynchronous (no host-side counts); see :mod:`mok.functional` for the errors.
 """
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mok import ops
+from mok import _ext, ops
 from mok.checks import check_tensor
 from mok.errors import MoKInputError
 from mok.workspace import Workspace
@@ -19,7 +21,16 @@ from mok.workspace import Workspace
 if TYPE_CHECKING:
     pass
 
-__all__ = ["DeviceSchedule", "build_schedule", "received_rows_bound", "routed_rows_bound"]
+__all__ = [
+    "DeviceSchedule",
+    "SavedSchedule",
+    "UNSAVED_TABLES",
+    "build_schedule",
+    "received_rows_bound",
+    "restore_schedule",
+    "routed_rows_bound",
+    "saved_tables",
+]
 
 
 @dataclass
@@ -83,6 +94,24 @@ class DeviceSchedule:
         self._v("fan_w", R * N * K).view(torch.float32).fill_(1.0)
         ones = torch.ones_like(self.topk_weights)
         return DeviceSchedule(self.ws, self.topk_idx, ones, self.route_epoch)
+
+    def save(self) -> SavedSchedule | None:
+        """A device copy of the tables of this build that a backward at one rank reads
+        (:func:`saved_tables`), for :func:`restore_schedule`. Take it before the next build on
+        the workspace (the copy is queued on the current stream, after the build).
+
+        Returns:
+            The :class:`SavedSchedule` (a new int32 tensor of about ``(5 * num_topk + 3) *
+            num_tokens`` words: 4.2 MB at 24576 tokens, top-8 of 128 experts), or None where no
+            restore applies: with peers (their builds are collective) and without tokens (no
+            backward reads a schedule then).
+        """
+        ws, n = self.ws, self.num_tokens
+        if ws.num_ranks != 1 or n == 0:
+            return None
+        tables = saved_tables(ws, n)
+        data = torch.cat([ws.sched_view(name, words) for name, words in tables])
+        return SavedSchedule(ws.id, n, tables, data)
 
     @property
     def num_tokens(self) -> int:
@@ -328,6 +357,19 @@ def build_schedule(
             device (see the module docstring), raised by this call when an earlier one
             recorded it.
     """
+    idx, w = _routing(topk_idx, topk_weights, ws)
+    ops.build_schedule(idx, w, ws.sched, ws.id)
+    if idx.shape[0] > ws.max_tokens:
+        # Every rank learns of it in this schedule build; this rank knows now.
+        ws.check()
+    return DeviceSchedule(ws, idx, w, ws.epochs["route"])
+
+
+def _routing(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, ws: Workspace
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx as contiguous int32, topk_weights as contiguous fp32): the routing a build
+    publishes, after the checks of :func:`build_schedule`."""
     s = ws.shapes
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.ndim != 2:
         found = tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx)
@@ -339,13 +381,146 @@ def build_schedule(
     if topk_idx.dtype == torch.int64:
         # NOTE: ids outside int32 would wrap into range; clamped, the device check sees them.
         topk_idx = topk_idx.clamp(-(2**31), 2**31 - 1)
-    idx = topk_idx.to(torch.int32).contiguous()
-    w = topk_weights.to(torch.float32).contiguous()
-    ops.build_schedule(idx, w, ws.sched, ws.id)
-    if idx.shape[0] > ws.max_tokens:
-        # Every rank learns of it in this schedule build; this rank knows now.
-        ws.check()
+    return topk_idx.to(torch.int32).contiguous(), topk_weights.to(torch.float32).contiguous()
+
+
+# ---- the forward's schedule kept for its backward (one rank) ------------------------------
+
+
+@dataclass(frozen=True)
+class SavedSchedule:
+    """A device copy of the schedule tables a backward at one rank reads
+    (:meth:`DeviceSchedule.save`), for :func:`restore_schedule`.
+
+    Attributes:
+        ws_id: the id of the workspace whose build it copies (only that one takes it back).
+        num_tokens: the build's tokens (this rank's, the only rank).
+        tables: (table, int32 words from its start) of each copied table, in ``data``'s order.
+        data: [sum of the words] int32, the tables one after another.
+    """
+
+    ws_id: int
+    num_tokens: int
+    tables: tuple[tuple[str, int], ...]
+    data: torch.Tensor
+
+
+# The schedule tables a one-rank build writes that no copy keeps, and why a backward does not
+# need them back (tests/test_schedule_restore.py checks that these and saved_tables name every
+# table of the workspace's plan).
+UNSAVED_TABLES = {
+    "fanout": "read only by the fused forward's communication blocks, never by a backward",
+    "fan_w": "the backward sets every word to 1 (unit_weights) before any combine reads it",
+    "hist": "the build's per-chunk scratch, read only by the build itself",
+    "dhist": "the build's per-chunk scratch, read only by the build itself",
+    "ready": "the dispatches' per-minibatch counters: no build writes them",
+}
+
+
+def saved_tables(ws: Workspace, num_tokens: int) -> tuple[tuple[str, int], ...]:
+    """The schedule tables that :meth:`DeviceSchedule.save` copies at one rank, as (table, int32
+    words from its start) for a build of ``num_tokens`` tokens: every word the build writes
+    that a later kernel or a :class:`DeviceSchedule` view reads. The receive-row tables up to
+    :func:`received_rows_bound` (the build's ``num_rows`` is on the device); one dedup row per
+    token (each has its experts here); ``meta``'s first two words (``num_rows``,
+    ``num_dedup``), not its control words. :data:`UNSAVED_TABLES` names the rest."""
+    n, nk = num_tokens, num_tokens * ws.shapes.num_topk
+    rows = received_rows_bound(ws, n)
+    return (
+        ("counts", ws.shapes.num_experts),
+        ("offsets", ws.num_local_experts + 1),
+        ("src_rank", rows),
+        ("src_index", rows),
+        ("dst_rank", nk),
+        ("dst_index", nk),
+        ("dedup_src_rank", n),
+        ("dedup_src_token", n),
+        ("dedup_slot", n),
+        ("fan_rows", nk),
+        ("dcount", 1),
+        ("meta", 2),
+    )
+
+
+_ROUTE_SIGNAL = _ext.SIGNALS.index("route_ready")
+
+
+def restore_schedule(
+    saved: SavedSchedule | None,
+    topk_idx: torch.Tensor,  # [num_tokens, num_topk] int32/int64, the saved build's routing
+    topk_weights: torch.Tensor,  # [num_tokens, num_topk] float, its weights
+    ws: Workspace,
+) -> DeviceSchedule:
+    """:func:`build_schedule` of this routing, from the copy ``saved`` that the build of the same
+    routing on ``ws`` left (:meth:`DeviceSchedule.save`) instead of the schedule kernel: the
+    same tables and the same host and device state for every later kernel. Where the copy does
+    not apply it builds: ``saved`` None, another workspace (a one-rank workspace that grew is a
+    new one) or token count, more than one rank, a CUDA graph capture (whose kernels the build
+    refuses, as always).
+
+    Args:
+        saved: the copy, or None.
+        topk_idx: [num_tokens, num_topk] int32 or int64: the routing of the saved build.
+        topk_weights: [num_tokens, num_topk] float: its weights.
+        ws: the workspace (one rank).
+
+    Returns:
+        The :class:`DeviceSchedule` (views into ``ws``, valid until the next build or restore
+        on it), with a route epoch of its own. NOTE: restored, its tables of
+        :data:`UNSAVED_TABLES` are not this routing's: the dedup fan weights in particular, so
+        (as after :meth:`DeviceSchedule.unit_weights`) it takes no weighted dedup combine, and
+        the fused layer does not take it.
+
+    Raises:
+        MoKInputError, MoKCapacityError, MoKTimeoutError: an error a kernel recorded on the
+            device, as :func:`build_schedule` raises it.
+    """
+    if not _restorable(saved, topk_idx, ws):
+        return build_schedule(topk_idx, topk_weights, ws)
+    idx, w = _routing(topk_idx, topk_weights, ws)
+    ws.raise_if_failed()
+    # NOTE: what a one-rank build leaves that later kernels rely on, and how a restore leaves the
+    # same (csrc/common/schedule_kernel.cuh):
+    # - the tables of saved_tables, copied back; the tables of UNSAVED_TABLES keep their words;
+    # - the routing weights of the new route epoch, in its half of the double-buffered route_w
+    #   region (row_weights reads them there): the same fp32 words the build publishes. The
+    #   routing ids and the status words the build publishes beside them are read by that
+    #   build alone (each build writes its own before its signal, and reads after it);
+    # - the route signal: a build adds 1 to this rank's route_ready counter, and the next build
+    #   waits for it to reach its epoch, so the counter must follow the host's route epoch. The
+    #   restore adds 1 unless the workspace's abort word is set: an aborted build returns
+    #   before its signal, and the host then rolls the epochs back to a snapshot that counts
+    #   only the signalled builds (Workspace.raise_if_failed);
+    # - the control words of meta: a build without an input error leaves the grid barrier's
+    #   count, the routing-error words and the error claim as it found them, and its barriers
+    #   wait for the generation to move, not for a value. An input error in this routing was
+    #   found by the saved build, on this workspace, first: raised above, or recorded and
+    #   raised at a later call (the abort word set, every later kernel returns at once);
+    # - the host: the route epoch advanced and its snapshot kept (Workspace.advance).
+    # The copies and the add are stream-ordered torch ops on one rank's memory: nothing else
+    # writes it, and the next kernel on the stream sees them.
+    epoch = ws.epochs["route"] + 1
+    nk = idx.numel()
+    route_w = ws.sym_view("route_w", torch.int32, (2, 1, ws.max_tokens * ws.shapes.num_topk))
+    dst = [ws.sched_view(name, words) for name, words in saved.tables]
+    src = list(saved.data.split([words for _, words in saved.tables]))
+    torch._foreach_copy_(dst + [route_w[epoch & 1, 0, :nk]], src + [w.view(torch.int32).view(-1)])
+    signals = ws.sym_view("signals", torch.int64, (_ext.NUM_SIGNALS, _ext.MAX_RANKS))
+    abort = ws.sched_view("meta", _ext.META_WORDS)[_ext.META["abort"]]
+    signals[_ROUTE_SIGNAL, ws.rank].add_(abort == 0)
+    ws.advance("route")
     return DeviceSchedule(ws, idx, w, ws.epochs["route"])
+
+
+def _restorable(saved: SavedSchedule | None, topk_idx: torch.Tensor, ws: Workspace) -> bool:
+    """Whether ``saved`` is a copy of a build on ``ws`` of ``topk_idx``'s token count at one
+    rank, outside a CUDA graph capture."""
+    if saved is None or saved.ws_id != ws.id or ws.num_ranks != 1:
+        return False
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.ndim != 2:
+        return False
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return topk_idx.shape[0] == saved.num_tokens and not capturing
 
 
 def routed_rows_bound(num_tokens: int, num_topk: int, num_experts: int, row_tile: int) -> int:

@@ -15,6 +15,10 @@ holds the global tokens of its count after those of ranks < r) and checks:
   many, bad routing on one rank (every rank raises, the next call works), and a rank that never
   enters the backward (``--timeout``: its peers raise MoKTimeoutError in time).
 
+``--schedule-restore`` runs only the case of ``mok.autograd.RESTORE_SCHEDULE`` (on by default, and
+so in every EP1 run above): on and off, the same bits, one schedule kernel a step at one rank and
+two with peers.
+
 ``--wgrad-gu-plain`` runs it all with ``mok.ops.WGRAD_GU_TRANSPOSED`` off (dW_gate_up as
 dgu^T x, not the default transposed form, at every EP size and in EP1's run alike).
 
@@ -351,6 +355,44 @@ def api_case(dev) -> None:
     )
 
 
+def restore_case(dev, solo) -> None:
+    """mok.autograd.RESTORE_SCHEDULE at this EP size: with peers the backward builds its schedule
+    again whether the switch is on or off (two schedule kernels a step); on a group of this rank
+    alone (EP1 of the whole batch) it restores the forward's with the switch on (one). Every
+    result bitwise the switch off's, recomputing or from kept g / u."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    shape, n, skew = CASES[0]
+    p = problem(shape, [n] * R, skew, dev)
+    sl, local, full = p.rows(rank), p.w.shard(rank, R), slice(0, n * R)
+    cfg = mok.MoKConfig(num_comm_sms=8, wait_timeout_ms=wait_ms(60_000.0), dispatch_mode="pull")
+    builds, inner = [], ops.build_schedule
+
+    def counted(*args, **kwargs):
+        builds.append(1)
+        return inner(*args, **kwargs)
+
+    ops.build_schedule = counted
+    try:
+        for recompute in (True, False):
+            for group, rows, w in ((None, sl, local), (solo, full, p.w)):
+                where = f"recompute={recompute} {'EP1 of the batch' if group else f'EP{R}'}"
+                runs = {}
+                for on in (True, False):
+                    ma.RESTORE_SCHEDULE = on
+                    before = len(builds)
+                    runs[on] = run(p, rows, w, cfg, False, recompute, group=group)
+                    want = 1 if on and (group is not None or R == 1) else 2
+                    got = len(builds) - before
+                    check(got == want, f"{where}, switch {on}: {got} schedule builds, not {want}")
+                for name, t in runs[False].items():
+                    check(torch.equal(runs[True][name], t), f"{where}: {name} differs")
+    finally:
+        ops.build_schedule, ma.RESTORE_SCHEDULE = inner, True
+    mok.check()
+    mok.clear_workspaces()
+    print(f"rank {rank}: the schedule restored at one rank, built again at EP{R} ok", flush=True)
+
+
 def fuzz_cases(dev, num_cases: int) -> None:
     """The GPU fuzz test's cases (tests/test_mok_fuzz_gpu.py: shapes, routings incl. one hot
     expert and every token on the same experts, configs, ring wrap-around) at this EP size, each
@@ -480,6 +522,8 @@ def main() -> int:
                     help="above eight ranks: the tiny 64-expert case (with --timeout: its shape)")  # fmt: skip
     ap.add_argument("--wgrad-gu-plain", action="store_true",
                     help="mok.ops.WGRAD_GU_TRANSPOSED off (dW_gate_up as dgu^T x)")  # fmt: skip
+    ap.add_argument("--schedule-restore", action="store_true",
+                    help="only the case of mok.autograd.RESTORE_SCHEDULE on and off")  # fmt: skip
     args = ap.parse_args()
     if args.wgrad_gu_plain:
         ops.WGRAD_GU_TRANSPOSED = False
@@ -495,6 +539,8 @@ def main() -> int:
         if R > 1:
             timeout_case(dev, False, shape)
             timeout_case(dev, True, shape)
+    elif args.schedule_restore:
+        restore_case(dev, solo)
     elif args.wide:
         failures = case_checks(shape, [WIDE[1]] * R, WIDE[2], WIDE_MODES, solo, dev, 0)
     else:
@@ -509,7 +555,8 @@ def main() -> int:
             shape, counts, "hot:0.5", (*modes[:2], "fused saved in-launch"), solo, dev, 0
         )
         api_case(dev)
-    if not args.timeout:
+        restore_case(dev, solo)
+    if not (args.timeout or args.schedule_restore):
         if R > 1:
             bad_routing_case(dev, shape)
         if args.fuzz and not args.wide:
