@@ -51,9 +51,6 @@ struct SwigluBwdLaunch {
   const void* gather_dy;
   const int32_t* gather_src;
   int64_t gather_tokens, gather_topk;
-  // Modes 2 and the fused backward's dh tiles: 1 prefetches each tile's saved g / u into L2
-  // while its k-loop runs (for its epilogue), 0 does not; the results are the same either way.
-  int64_t prefetch_gu;
   int64_t mode;
   int64_t rows, hidden, inter, num_experts;
 };

@@ -36,14 +36,6 @@ __all__ = [
     "bwd_layer_sm90",
 ]
 
-# Whether the experts' backward kernels prefetch each dh tile's saved g / u (fp32) into L2
-# while the tile's k-loop runs, so the tile's epilogue reads them from L2 rather than HBM: the
-# backward from saved g / u (mode 2 of launch_swiglu_bwd) and the fused backward's dh tiles.
-# The same bits either way (a prefetch moves nothing the kernel reads); its own switch so one
-# build times both (docs/perf-notes.md, "g / u prefetched into L2"). Off: measured 4-18 % slower
-# on one H100 ("The L2 prefetch and the staged d_a: outcomes"); kept for study.
-PREFETCH_GU = False
-
 # Whether the fused backward's gate / up dgrad (d_a) stages each tile's output in shared memory
 # and stores it by TMA, overlapping the next tile's k-loop, instead of every thread storing its
 # words to global memory (launches without token transfers; with them d_a goes to scattered
@@ -485,7 +477,6 @@ def _launch_swiglu(a, dy, w_gate_up, w_down, group_ends, row_w, hw, dgu, part, g
         0 if gsrc is None else gsrc.data_ptr(),
         tokens,
         topk,
-        int(PREFETCH_GU),
         mode,
         rows,
         hidden,
@@ -782,7 +773,6 @@ def _launch_bwd_fused(
         int(dedup),
         ahead,
         *peers,
-        int(PREFETCH_GU),
         int(STAGED_DA),
         int(WGRAD_GU_TRANSPOSED),
         budget_sms(dev),

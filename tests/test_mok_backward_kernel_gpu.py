@@ -333,58 +333,6 @@ def test_swiglu_backward_adds_the_kernels_fp32_sums_into_main_grad():
         assert torch.equal(added, s0 + f32)
 
 
-@pytest.mark.parametrize(
-    ("hidden", "inter", "sizes"),
-    [
-        (1024, 512, [304, 80, 0, 0, 512]),
-        (2048, 768, [48, 304, 0, 64, 80, 128, 192, 208]),
-        (1024, 384, [144, 0, 16, 272]),  # I not a multiple of 256: 128-column dh tiles
-    ],
-)
-def test_the_saved_gu_prefetch_changes_no_bit(hidden, inter, sizes, monkeypatch):
-    """``mok.ops.PREFETCH_GU`` (each dh tile's saved g / u prefetched into L2) moves no bit: the
-    backward from saved g / u in one launch (the fused kernel), as one launch per GEMM (the
-    dh-only kernel, I a multiple of 256 or not) and with its rows gathered from the tokens
-    (where I is a multiple of 256), each the same with the prefetch on and off."""
-    from mok import ops
-    from mok.experts import grouped_swiglu_saving, swiglu_backward_gathered
-
-    _, wgu, wd, _, _, offs = _operands(hidden, inter, sizes, True, seed=5)
-    g = torch.Generator(device="cuda").manual_seed(21)
-    topk = 4
-    tokens = 20000
-    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    grad_out = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    rows, n = sum(sizes) + 37, sum(sizes)
-    src = torch.randint(0, tokens * topk, (rows,), device="cuda", generator=g, dtype=torch.int32)
-    src[n:] = -1
-    tok = (src.clamp(min=0) // topk).long()
-    real = (src >= 0)[:, None]
-    a = torch.where(real, x[tok], 0).contiguous()
-    dy = torch.where(real, grad_out[tok], 0).contiguous()
-    row_w = torch.rand(rows, device="cuda", generator=g)
-    gu = grouped_swiglu_saving(a, wgu, wd, offs)[1]
-    runs = {}
-    for prefetch in (False, True):
-        monkeypatch.setattr(ops, "PREFETCH_GU", prefetch)
-        runs[prefetch] = {
-            "fused": swiglu_backward(a, wgu, wd, dy, row_w, offs, group_align=16, saved_gu=gu),
-            "serial": swiglu_backward(
-                a, wgu, wd, dy, row_w, offs, group_align=16, saved_gu=gu, fused=False
-            ),
-        }
-        if inter % 256 == 0:
-            runs[prefetch]["gathered"] = swiglu_backward_gathered(
-                x, grad_out, src, topk, rows, wgu, wd, row_w, offs, None, gu
-            )
-        torch.cuda.synchronize()
-    for path, off in runs[False].items():
-        on = runs[True][path]
-        for i, name in enumerate(("d_a", "d_row_weight", "d_w_gate_up", "d_w_down")):
-            o, p = (off[i][:n], on[i][:n]) if i < 2 else (off[i], on[i])
-            assert torch.equal(o, p), f"{name} of the {path} backward differs with the prefetch"
-
-
 # ---- dW_gate_up computed as x^T dgu, stored transposed (mok.ops.WGRAD_GU_TRANSPOSED) ----------
 
 

@@ -246,13 +246,12 @@ def test_a_refused_kernel_launch_raises_with_its_shape():
         # m not a multiple of 128; then the 5 gather words (none) and the transposed switch
         ext.launch_wgrad(0, 0, 0, 0, 16, 100, 256, 1, 0, *([0] * 5), 0, 1, stream)
     with pytest.raises(RuntimeError, match=r"experts' backward kernel \(0 rows, hidden 512"):
-        # 11 operand words, the 5 gather words, the prefetch switch, the mode, then the shape
-        # (0 rows)
-        ext.launch_swiglu_bwd(*([0] * 11), *([0] * 5), 0, 0, 0, 512, 256, 1, 1, stream)
+        # 11 operand words, the 5 gather words, the mode, then the shape (0 rows)
+        ext.launch_swiglu_bwd(*([0] * 11), *([0] * 5), 0, 0, 512, 256, 1, 1, stream)
     params = record.record_for(torch.device("cuda")).params()
     with pytest.raises(RuntimeError, match=r"fused experts' backward \(0 rows, hidden 512"):
         # 18 operand words, the shape, the 13 transfer words (grad_out .. off_row_grads), then
-        # the prefetch, staged-d_a and transposed dW_gate_up switches
-        ext.launch_bwd_fused(params, *([0] * 18), 0, 512, 256, 1, *([0] * 16), 1, stream)
+        # the staged-d_a and transposed dW_gate_up switches
+        ext.launch_bwd_fused(params, *([0] * 18), 0, 512, 256, 1, *([0] * 15), 1, stream)
     w, x, idx, tw = layer_problem(SHAPE, 64, SEED)
     _check_rule(_layer(w, x, idx, tw, _cfg("pull", "push"), False), w, x, idx, tw)

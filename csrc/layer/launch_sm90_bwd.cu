@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "api.h"
 #include "common/launch.cuh"
@@ -66,7 +67,6 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
   k.gather_dy = static_cast<const uint16_t*>(l.gather_dy);
   k.gather_src = l.gather_src;
   k.gather_topk = static_cast<int>(l.gather_topk);
-  k.prefetch_gu = l.prefetch_gu != 0;
   k.rows = static_cast<int>(l.rows);
   k.hidden = static_cast<int>(H);
   k.inter = static_cast<int>(I);
@@ -93,31 +93,24 @@ int launch_swiglu_bwd(const SwigluBwdLaunch& l, int grid, void* stream_ptr) {
 
 namespace {
 
-template <int kOut, bool kT>
-int launch_wgrad_out(const WgradKernelArgs& k, int grid, cudaStream_t stream) {
-  return launch_with_smem(wgrad_kernel<kOut, kT>, k, grid, kLayerThreads, kWgradSmem, stream);
+template <int kValue>
+using IntC = std::integral_constant<int, kValue>;
+template <bool kValue>
+using BoolC = std::integral_constant<bool, kValue>;
+
+// Calls f with the weight gradient's output kind (kWgradBf16, kWgradF32, kWgradF32Add) as a
+// compile-time constant: the one place the kinds meet the kernels' template arguments.
+template <typename F>
+int with_out_kind(int64_t out, F&& f) {
+  if (out == kWgradF32) return f(IntC<kWgradF32>{});
+  if (out == kWgradF32Add) return f(IntC<kWgradF32Add>{});
+  return f(IntC<kWgradBf16>{});
 }
 
-template <bool kT>
-int launch_wgrad_plain(const WgradKernelArgs& k, int64_t out, int grid, cudaStream_t stream) {
-  if (out == kWgradF32) return launch_wgrad_out<kWgradF32, kT>(k, grid, stream);
-  if (out == kWgradF32Add) return launch_wgrad_out<kWgradF32Add, kT>(k, grid, stream);
-  return launch_wgrad_out<kWgradBf16, kT>(k, grid, stream);
-}
-
-template <int kOut, int kOperand, bool kT>
-int launch_wgrad_gather(const WgradGatherKernelArgs& a, int grid, cudaStream_t stream) {
-  return launch_with_smem(wgrad_gather_kernel<kOut, kOperand, kT>, a, grid, kLayerThreads,
-                          kWgradSmem, stream);
-}
-
-template <int kOperand, bool kT>
-int launch_wgrad_gather_out(const WgradGatherKernelArgs& a, int64_t out, int grid,
-                            cudaStream_t stream) {
-  if (out == kWgradF32) return launch_wgrad_gather<kWgradF32, kOperand, kT>(a, grid, stream);
-  if (out == kWgradF32Add)
-    return launch_wgrad_gather<kWgradF32Add, kOperand, kT>(a, grid, stream);
-  return launch_wgrad_gather<kWgradBf16, kOperand, kT>(a, grid, stream);
+// Calls f with `on` as a compile-time constant.
+template <typename F>
+int with_flag(bool on, F&& f) {
+  return on ? f(BoolC<true>{}) : f(BoolC<false>{});
 }
 
 }  // namespace
@@ -158,31 +151,24 @@ int launch_wgrad(const WgradLaunch& l, int grid, void* stream_ptr) {
     a.g.src = l.gather_src;
     a.g.topk = static_cast<int>(l.gather_topk);
     a.g.cols = static_cast<int>(g_op == 0 ? M : N);
-    if (tr) return launch_wgrad_gather_out<0, true>(a, l.out, grid, stream);
-    return g_op == 0 ? launch_wgrad_gather_out<0, false>(a, l.out, grid, stream)
-                     : launch_wgrad_gather_out<1, false>(a, l.out, grid, stream);
+    // the gathered operand (0: A, 1: B) and the layout; the transposed form gathers only A
+    const auto go = [&](auto op, auto t) {
+      return with_out_kind(l.out, [&](auto o) {
+        return launch_with_smem(
+            wgrad_gather_kernel<decltype(o)::value, decltype(op)::value, decltype(t)::value>, a,
+            grid, kLayerThreads, kWgradSmem, stream);
+      });
+    };
+    if (tr) return go(IntC<0>{}, BoolC<true>{});
+    return g_op == 0 ? go(IntC<0>{}, BoolC<false>{}) : go(IntC<1>{}, BoolC<false>{});
   }
-  return tr ? launch_wgrad_plain<true>(k, l.out, grid, stream)
-            : launch_wgrad_plain<false>(k, l.out, grid, stream);
+  return with_flag(tr, [&](auto t) {
+    return with_out_kind(l.out, [&](auto o) {
+      return launch_with_smem(wgrad_kernel<decltype(o)::value, decltype(t)::value>, k, grid,
+                              kLayerThreads, kWgradSmem, stream);
+    });
+  });
 }
-
-namespace {
-
-template <int kOut, bool kWguT>
-int launch_fused_out(const FusedBwdKernelArgs& k, int grid, cudaStream_t stream) {
-  return launch_with_smem(bwd_fused_kernel<kOut, kWguT>, k, grid, kLayerThreads, kFusedSmem,
-                          stream);
-}
-
-template <bool kWguT>
-int launch_fused_wgrad_out(const FusedBwdKernelArgs& k, int64_t out, int grid,
-                           cudaStream_t stream) {
-  if (out == kWgradF32) return launch_fused_out<kWgradF32, kWguT>(k, grid, stream);
-  if (out == kWgradF32Add) return launch_fused_out<kWgradF32Add, kWguT>(k, grid, stream);
-  return launch_fused_out<kWgradBf16, kWguT>(k, grid, stream);
-}
-
-}  // namespace
 
 namespace {
 
@@ -269,7 +255,6 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   b.dgu = static_cast<uint16_t*>(d.dgu);
   b.part = d.part;
   b.gu32 = d.gu32;
-  b.prefetch_gu = d.prefetch_gu != 0;
   b.rows = static_cast<int>(R);
   b.hidden = static_cast<int>(H);
   b.inter = static_cast<int>(I);
@@ -310,8 +295,12 @@ int launch_bwd_fused(const Params& p, const FusedBwdLaunch& l, int grid, void* s
   const cudaError_t z =
       cudaMemsetAsync(l.counters, 0, sizeof(uint32_t) * n_counters, stream);
   if (z != cudaSuccess) return finish_launch(z);
-  return wgu_t ? launch_fused_wgrad_out<true>(k, l.wgrad_out, grid, stream)
-               : launch_fused_wgrad_out<false>(k, l.wgrad_out, grid, stream);
+  return with_flag(wgu_t, [&](auto t) {
+    return with_out_kind(l.wgrad_out, [&](auto o) {
+      return launch_with_smem(bwd_fused_kernel<decltype(o)::value, decltype(t)::value>, k, grid,
+                              kLayerThreads, kFusedSmem, stream);
+    });
+  });
 }
 
 }  // namespace mok

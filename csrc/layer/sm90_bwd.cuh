@@ -132,25 +132,8 @@ struct SwigluBwdKernelArgs {
   const uint16_t* gather_dy;
   const int32_t* gather_src;
   int gather_topk;
-  // The dh-only modes (and the fused backward's dh tiles): each tile's saved g / u rows are
-  // prefetched into L2 while its k-loop runs, so its epilogue reads them from L2 instead of
-  // HBM (0: not; the same bits either way).
-  int prefetch_gu;
   int rows, hidden, inter, num_experts;
 };
-
-// Prefetches into L2 the saved g / u (fp32 [rows, 2I]) of rows [r0, r1) at the tile's
-// intermediate columns col0.. (`cols` of them, in the gate and the up half): one bulk prefetch
-// per row and half, rows before the tile's expert's end only.
-__device__ __forceinline__ void prefetch_gu_rows(const SwigluBwdKernelArgs& k, int r0, int r1,
-                                                 int col0, int cols) {
-  const int64_t I = k.inter;
-  for (int r = r0; r < r1; ++r) {
-    const float* g = k.gu32 + static_cast<int64_t>(r) * 2 * I + col0;
-    bulk_prefetch_l2(g, static_cast<uint32_t>(cols * sizeof(float)));
-    bulk_prefetch_l2(g + I, static_cast<uint32_t>(cols * sizeof(float)));
-  }
-}
 
 struct BwdShared {
   uint64_t full[kBwdMaxStages], empty[kBwdMaxStages];
@@ -227,9 +210,6 @@ __device__ __forceinline__ void find_tile(const SwigluBwdKernelArgs& k, int i, i
   row0 = group_start(k, e) + (local % m_tiles) * kTileM;
 }
 
-// The k-blocks over which bwd_producer spreads a dh-only tile's g / u prefetch.
-constexpr int kPrefetchParts = 8;
-
 template <int kMode>
 __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n_tiles,
                                              int n_blocks) {
@@ -268,16 +248,6 @@ __device__ __forceinline__ void bwd_producer(const SwigluBwdKernelArgs& k, int n
         for (int q = 0; q < kBoxes; ++q)
           tma_load_2d(sa + kStageA + q * kBoxNB, &k.map_wd, &bsh.full[stage],
                       nb * tile_cols(kMode) + 64 * q, wd_row + kc);
-        if (dh_only(kMode) && k.prefetch_gu) {
-          // this tile's g / u for its epilogue, a share of its rows after each of its first
-          // k-blocks' loads (all of them by the last k-block)
-          const int parts = k_blocks < kPrefetchParts ? k_blocks : kPrefetchParts;
-          if (kb < parts) {
-            const int rows = min(kTileM, k.ends[e] - row0), per = (rows + parts - 1) / parts;
-            prefetch_gu_rows(k, row0 + kb * per, row0 + min(rows, (kb + 1) * per),
-                             nb * tile_cols(kMode), tile_cols(kMode));
-          }
-        }
       } else {
         const int kc = (kb - k_blocks) * OperandBf16::kTileK;
         mbar_arrive_expect_tx(&bsh.full[stage], kStageBytes);
@@ -377,12 +347,6 @@ __device__ __forceinline__ void bwd_producer_gather(const SwigluBwdKernelArgs& k
           tma_load_2d(sa + kStageA, &k.map_w, &bsh.full[stage], kc, w_row);
           tma_load_2d(sa + 2 * kStageA, &k.map_w, &bsh.full[stage], kc, w_row + k.inter);
         }
-      }
-      if (dh_only(kMode) && k.prefetch_gu && kb == (k_blocks > 1 ? 1 : 0)) {
-        // this tile's g / u for its epilogue: thread t's row, after the first k-block's loads
-        const int row = row0 + t;
-        if (t < kTileM && row < end)
-          prefetch_gu_rows(k, row, row + 1, nb * tile_cols(kMode), tile_cols(kMode));
       }
       if (kb < k_blocks && !gather_dy) {
         mbar_arrive(&bsh.full[stage]);

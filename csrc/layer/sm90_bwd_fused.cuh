@@ -305,18 +305,6 @@ __device__ __forceinline__ void fused_load_nb(const CUtensorMap* a, const CUtens
   }
 }
 
-// A dh tile's epilogue boxes of g and u (those fused_load_dh_epi loads, in its order) prefetched
-// into L2 (SwigluBwdKernelArgs::prefetch_gu), before the tile's k-blocks: they stream in while
-// the k-loop runs, and the epilogue's loads find them in L2.
-__device__ __forceinline__ void fused_prefetch_dh_epi(const FusedBwdKernelArgs& f, int row0,
-                                                      int col0) {
-#pragma unroll 1
-  for (int q = 0; q < kDhEpiStages; ++q) {
-    tma_prefetch_2d(&f.map_gu, col0 + kEpiCols * q, row0);
-    tma_prefetch_2d(&f.map_gu, f.dh.inter + col0 + kEpiCols * q, row0);
-  }
-}
-
 // A dh tile's epilogue stages: g and u of its rows from row0, columns col0 + 32 q.. per stage q.
 __device__ __forceinline__ void fused_load_dh_epi(const FusedBwdKernelArgs& f, int row0, int col0,
                                                   int& stage, uint32_t& phase) {
@@ -445,7 +433,6 @@ __device__ __forceinline__ void fused_producer(const FusedBwdKernelArgs& f, cons
           if (!ok) continue;
           fence_proxy_async_global();
         }
-        if (k.prefetch_gu) fused_prefetch_dh_epi(f, row0, nb * 256);
         fused_load_nb(&k.map_dy, &k.map_wd, row0, e * k.hidden, nb * 256,
                       k.hidden / OperandBf16::kTileK, fields, stage, phase);
         fused_load_dh_epi(f, row0, nb * 256, stage, phase);

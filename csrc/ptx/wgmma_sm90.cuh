@@ -39,14 +39,7 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
                "r"(smem_addr(smem_src)), "r"(col), "r"(row)
                : "memory");
 }
-// An L2 prefetch of one box of the map at these coordinates (nothing lands in shared memory and
-// nothing waits: the later load of the same box finds it in L2 if it is still there).
-__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int col, int row) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(col), "r"(row)
-               : "memory");
-}
+// Fetches a tensor map (the descriptor, not its data) ahead of the loads that name it.
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

@@ -77,8 +77,8 @@ int64_t layer_counters(pybind11::bytes params_bytes) {
 void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down, int64_t ends,
                        int64_t row_w, int64_t hw, int64_t dgu, int64_t part, int64_t gu32,
                        int64_t next_tile, int64_t gather_x, int64_t gather_dy, int64_t gather_src,
-                       int64_t gather_tokens, int64_t gather_topk, int64_t prefetch_gu,
-                       int64_t mode, int64_t rows, int64_t hidden, int64_t inter,
+                       int64_t gather_tokens, int64_t gather_topk, int64_t mode,
+                       int64_t rows, int64_t hidden, int64_t inter,
                        int64_t num_experts, int64_t grid, int64_t stream) {
   mok::SwigluBwdLaunch l{};
   l.a = reinterpret_cast<const void*>(a);
@@ -96,7 +96,6 @@ void launch_swiglu_bwd(int64_t a, int64_t dy, int64_t w_gate_up, int64_t w_down,
   l.gather_dy = reinterpret_cast<const void*>(gather_dy);
   l.gather_src = reinterpret_cast<const int32_t*>(gather_src);
   l.gather_tokens = gather_tokens, l.gather_topk = gather_topk;
-  l.prefetch_gu = prefetch_gu;
   l.mode = mode;
   l.rows = rows, l.hidden = hidden, l.inter = inter, l.num_experts = num_experts;
   const int err =
@@ -139,8 +138,8 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
                       int64_t num_experts, int64_t grad_out, int64_t x, int64_t row_src,
                       int64_t slots, int64_t dx_shared, int64_t dx, int64_t num_tokens,
                       int64_t num_topk, int64_t dedup, int64_t copy_ahead, int64_t peers,
-                      int64_t off_dy, int64_t off_row_grads, int64_t prefetch_gu,
-                      int64_t da_staged, int64_t wgu_transposed, int64_t grid, int64_t stream) {
+                      int64_t off_dy, int64_t off_row_grads, int64_t da_staged,
+                      int64_t wgu_transposed, int64_t grid, int64_t stream) {
   const auto params = unpack<mok::Params>(params_bytes, "Params");
   mok::FusedBwdLaunch l{};
   l.grad_out = reinterpret_cast<const void*>(grad_out);
@@ -162,7 +161,6 @@ void launch_bwd_fused(pybind11::bytes params_bytes, int64_t a, int64_t dy, int64
   l.dh.dgu = reinterpret_cast<void*>(dgu);
   l.dh.part = reinterpret_cast<float*>(part);
   l.dh.gu32 = reinterpret_cast<float*>(gu32);
-  l.dh.prefetch_gu = prefetch_gu;
   l.dh.rows = rows, l.dh.hidden = hidden, l.dh.inter = inter, l.dh.num_experts = num_experts;
   l.d_a = reinterpret_cast<void*>(d_a);
   l.d_w_gate_up = reinterpret_cast<void*>(d_w_gate_up);
