@@ -501,10 +501,11 @@ def restore_schedule(
     # writes it, and the next kernel on the stream sees them.
     epoch = ws.epochs["route"] + 1
     nk = idx.numel()
-    route_w = ws.sym_view("route_w", torch.int32, (2, 1, ws.max_tokens * ws.shapes.num_topk))
+    # the new epoch's routing weights as int32 words: one dtype for the multi-tensor copy
+    route_w = ws.route_weights(epoch)[0, :nk].view(torch.int32)
     dst = [ws.sched_view(name, words) for name, words in saved.tables]
     src = list(saved.data.split([words for _, words in saved.tables]))
-    torch._foreach_copy_(dst + [route_w[epoch & 1, 0, :nk]], src + [w.view(torch.int32).view(-1)])
+    torch._foreach_copy_(dst + [route_w], src + [w.view(torch.int32).view(-1)])
     signals = ws.sym_view("signals", torch.int64, (_ext.NUM_SIGNALS, _ext.MAX_RANKS))
     abort = ws.sched_view("meta", _ext.META_WORDS)[_ext.META["abort"]]
     signals[_ROUTE_SIGNAL, ws.rank].add_(abort == 0)
